@@ -1,0 +1,16 @@
+//! Compiles the kubelet APIs in `proto/` into `OUT_DIR` with a vendored
+//! `protoc`, so a fresh machine needs no system protobuf compiler.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Always use the vendored compiler: a system protoc may be missing or too old.
+    std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure().compile_protos(
+        &[
+            "proto/deviceplugin/v1beta1/api.proto",
+            "proto/podresources/v1/api.proto",
+        ],
+        &["proto"],
+    )?;
+    println!("cargo:rerun-if-changed=proto");
+    Ok(())
+}

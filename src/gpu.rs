@@ -1,0 +1,257 @@
+//! Where GPUs come from: the `GpuSource` seam, with NVML for real nodes and a
+//! TOML-described fake node for the demo, tests and GPU-less development.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// One physical GPU as the plugin sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Gpu {
+    /// NVML index: what `nvidia-smi` and gpushare's `ALIYUN_COM_GPU_MEM_IDX` show.
+    pub index: u32,
+    /// `GPU-…` UUID: the stable identity, and what `NVIDIA_VISIBLE_DEVICES` takes.
+    pub uuid: String,
+    pub name: String,
+    /// Total memory as NVML reports it.
+    pub memory_mib: u64,
+    pub healthy: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("cannot read fake GPU file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("fake GPU file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("fake GPU file {path}: gpu[{position}].{field}: {message}")]
+    Field {
+        path: PathBuf,
+        position: usize,
+        field: &'static str,
+        message: String,
+    },
+    #[error(
+        "NVML is not usable ({0}); on a node without NVIDIA drivers, pass --fake-gpus FILE \
+         to describe GPUs in a TOML file"
+    )]
+    Nvml(String),
+    #[error(
+        "NVML found no GPU on this node; pass --fake-gpus FILE to describe GPUs in a TOML file"
+    )]
+    NoGpus,
+}
+
+/// The seam where hardware enters: everything above it runs without a GPU.
+pub trait GpuSource: Send + Sync {
+    /// The node's GPUs, ordered by index.
+    fn discover(&self) -> Result<Vec<Gpu>, GpuError>;
+}
+
+/// A node described in TOML (`[[gpu]]` tables with `uuid`, `name`,
+/// `memory_mib`, optional `index` and `healthy`).
+#[derive(Debug, Clone)]
+pub struct FakeGpus {
+    gpus: Vec<Gpu>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FakeFile {
+    #[serde(default)]
+    gpu: Vec<FakeEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FakeEntry {
+    uuid: String,
+    name: String,
+    memory_mib: u64,
+    index: Option<u32>,
+    #[serde(default = "default_healthy")]
+    healthy: bool,
+}
+
+fn default_healthy() -> bool {
+    true
+}
+
+impl FakeGpus {
+    /// Reads and validates a fake GPU file; errors name the file and field.
+    pub fn from_file(path: &Path) -> Result<Self, GpuError> {
+        let text = std::fs::read_to_string(path).map_err(|source| GpuError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses fake GPU TOML; `origin` names the source in errors.
+    pub fn parse(text: &str, origin: &Path) -> Result<Self, GpuError> {
+        let file: FakeFile = toml::from_str(text).map_err(|e| GpuError::Parse {
+            path: origin.to_owned(),
+            message: e.to_string().trim_end().to_owned(),
+        })?;
+        if file.gpu.is_empty() {
+            return Err(GpuError::Parse {
+                path: origin.to_owned(),
+                message: "no [[gpu]] entries".into(),
+            });
+        }
+        let field = |position, field, message: String| GpuError::Field {
+            path: origin.to_owned(),
+            position,
+            field,
+            message,
+        };
+        let mut uuids = HashSet::new();
+        let mut indices = HashSet::new();
+        let mut gpus = Vec::with_capacity(file.gpu.len());
+        for (position, entry) in file.gpu.into_iter().enumerate() {
+            let index = match entry.index {
+                Some(index) => index,
+                None => u32::try_from(position)
+                    .map_err(|_| field(position, "index", "too many GPUs".into()))?,
+            };
+            if !entry.uuid.starts_with("GPU-") || entry.uuid.len() > 64 {
+                return Err(field(
+                    position,
+                    "uuid",
+                    format!("{:?} is not a GPU UUID like \"GPU-6b1c2d3e-…\"", entry.uuid),
+                ));
+            }
+            if !uuids.insert(entry.uuid.clone()) {
+                return Err(field(
+                    position,
+                    "uuid",
+                    format!("{} appears twice", entry.uuid),
+                ));
+            }
+            if !indices.insert(index) {
+                return Err(field(position, "index", format!("{index} appears twice")));
+            }
+            if entry.memory_mib == 0 {
+                return Err(field(
+                    position,
+                    "memory_mib",
+                    "must be greater than 0".into(),
+                ));
+            }
+            if entry.name.trim().is_empty() {
+                return Err(field(position, "name", "must not be empty".into()));
+            }
+            gpus.push(Gpu {
+                index,
+                uuid: entry.uuid,
+                name: entry.name,
+                memory_mib: entry.memory_mib,
+                healthy: entry.healthy,
+            });
+        }
+        gpus.sort_by_key(|g| g.index);
+        Ok(FakeGpus { gpus })
+    }
+}
+
+impl GpuSource for FakeGpus {
+    fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
+        Ok(self.gpus.clone())
+    }
+}
+
+/// The real node, through NVML (libnvidia-ml is loaded at run time, so the
+/// binary starts on machines without it and can say what to do instead).
+#[derive(Debug, Default)]
+pub struct NvmlGpus;
+
+impl GpuSource for NvmlGpus {
+    fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
+        use nvml_wrapper::Nvml;
+        let nvml = Nvml::init().map_err(|e| GpuError::Nvml(e.to_string()))?;
+        let count = nvml
+            .device_count()
+            .map_err(|e| GpuError::Nvml(e.to_string()))?;
+        if count == 0 {
+            return Err(GpuError::NoGpus);
+        }
+        let mut gpus = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let nvml_err =
+                |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(format!("GPU {index}: {e}"));
+            let device = nvml.device_by_index(index).map_err(nvml_err)?;
+            gpus.push(Gpu {
+                index,
+                uuid: device.uuid().map_err(nvml_err)?,
+                name: device.name().map_err(nvml_err)?,
+                memory_mib: device.memory_info().map_err(nvml_err)?.total / (1024 * 1024),
+                healthy: true,
+            });
+        }
+        Ok(gpus)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Vec<Gpu>, GpuError> {
+        FakeGpus::parse(text, Path::new("node.toml")).and_then(|f| f.discover())
+    }
+
+    #[test]
+    fn index_defaults_to_position() {
+        let gpus = parse(
+            r#"
+            [[gpu]]
+            uuid = "GPU-a"
+            name = "Tesla V100"
+            memory_mib = 16160
+            [[gpu]]
+            uuid = "GPU-b"
+            name = "Tesla V100"
+            memory_mib = 16160
+            healthy = false
+            "#,
+        )
+        .unwrap();
+        assert_eq!(gpus.len(), 2);
+        assert_eq!((gpus[0].index, gpus[1].index), (0, 1));
+        assert!(gpus[0].healthy && !gpus[1].healthy);
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        let err = parse("[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 0\n").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "fake GPU file node.toml: gpu[0].memory_mib: must be greater than 0"
+        );
+        let err = parse("[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\n").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.starts_with("fake GPU file node.toml:") && text.contains("memory_mib"),
+            "{text}"
+        );
+        let err = parse("[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 1\nmemroy = 2\n")
+            .unwrap_err();
+        assert!(err.to_string().contains("memroy"), "{err}");
+        let err = parse("[[gpu]]\nuuid = \"0000\"\nname = \"T4\"\nmemory_mib = 1\n").unwrap_err();
+        assert!(err.to_string().contains("gpu[0].uuid"), "{err}");
+        let two = "[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 1\n";
+        let err = parse(&format!("{two}{two}")).unwrap_err();
+        assert!(
+            err.to_string().contains("gpu[1].uuid: GPU-a appears twice"),
+            "{err}"
+        );
+        assert!(parse("")
+            .unwrap_err()
+            .to_string()
+            .contains("no [[gpu]] entries"));
+    }
+}

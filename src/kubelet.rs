@@ -1,0 +1,96 @@
+//! Talking to kubelet: gRPC channels over unix sockets, the Register call,
+//! and the file identities that reveal a kubelet restart.
+
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::api::deviceplugin::registration_client::RegistrationClient;
+use crate::api::deviceplugin::RegisterRequest;
+
+/// kubelet's registration socket, inside `--kubelet-dir`.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+/// How long one Register call may take: kubelet dials us back inside it
+/// with a 10 s timeout, then calls GetDevicePluginOptions.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("{path} does not exist yet (kubelet not running?)")]
+    Missing { path: PathBuf },
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        path: PathBuf,
+        source: tonic::transport::Error,
+    },
+    #[error("Register at {path} failed: {status}")]
+    Register {
+        path: PathBuf,
+        status: tonic::Status,
+    },
+    #[error("Register at {path} timed out after {timeout:?}")]
+    Timeout { path: PathBuf, timeout: Duration },
+}
+
+/// A gRPC channel to the unix socket at `path`, connected now so a missing
+/// socket is reported at once. The URI is a placeholder: nothing on a unix
+/// socket reads `:authority`.
+pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path = path.to_owned();
+    Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+        }))
+        .await
+}
+
+/// One Register call to the kubelet socket at `path`.
+pub async fn register(path: &Path, request: RegisterRequest) -> Result<(), KubeletError> {
+    let call = async {
+        let channel = connect(path)
+            .await
+            .map_err(|source| KubeletError::Connect {
+                path: path.to_owned(),
+                source,
+            })?;
+        RegistrationClient::new(channel)
+            .register(request)
+            .await
+            .map_err(|status| KubeletError::Register {
+                path: path.to_owned(),
+                status,
+            })
+    };
+    match tokio::time::timeout(REGISTER_TIMEOUT, call).await {
+        Ok(result) => result.map(drop),
+        Err(_) => Err(KubeletError::Timeout {
+            path: path.to_owned(),
+            timeout: REGISTER_TIMEOUT,
+        }),
+    }
+}
+
+/// Identity of a socket file: kubelet's restart unlinks every socket and
+/// makes a new `kubelet.sock`, so a changed or vanished inode is the signal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketId {
+    dev: u64,
+    ino: u64,
+}
+
+impl SocketId {
+    /// The identity of the socket at `path`, if a socket is there now.
+    pub fn of(path: &Path) -> Option<SocketId> {
+        let meta = std::fs::symlink_metadata(path).ok()?;
+        meta.file_type().is_socket().then(|| SocketId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+}

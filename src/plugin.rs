@@ -1,0 +1,251 @@
+//! The plugin's life with kubelet: serve our socket, then Register; notice a
+//! kubelet restart and do both again; on shutdown, stop and remove the socket.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::api::deviceplugin::device_plugin_server::DevicePluginServer;
+use crate::api::deviceplugin::{RegisterRequest, VERSION};
+use crate::inventory::Inventory;
+use crate::kubelet::{self, SocketId, KUBELET_SOCKET};
+use crate::placement::Policy;
+use crate::resource::ResourceName;
+use crate::service::{plugin_options, DevicePluginService};
+
+/// Our socket's file name in the kubelet directory.
+pub const SOCKET_NAME: &str = "gpumem.sock";
+
+/// How often socket files are checked: a kubelet restart is noticed well
+/// within a second.
+const POLL: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How long a stopping server may take to drain before it is dropped.
+const DRAIN: Duration = Duration::from_secs(5);
+/// Requests larger than tonic's 4 MiB default are legal from kubelet (an
+/// `available_deviceIDs` list in MiB mode); accept them.
+const MAX_REQUEST: usize = 64 * 1024 * 1024;
+
+#[derive(Debug, Clone)]
+pub struct PluginConfig {
+    /// Where kubelet.sock lives and our socket is created.
+    pub kubelet_dir: PathBuf,
+    pub resource_name: ResourceName,
+    pub policy: Policy,
+}
+
+/// What the plugin is doing now, for probes and for callers that wait.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PluginStatus {
+    /// Registered with the kubelet that is running now.
+    pub registered: bool,
+    /// Successful Register calls since start.
+    pub registrations: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("--kubelet-dir {path} is not a usable directory: {source}")]
+    KubeletDir { path: PathBuf, source: io::Error },
+    #[error("another process is serving {path}; stop it before starting a second gpumem here")]
+    SocketInUse { path: PathBuf },
+    #[error("cannot create plugin socket {path}: {source}")]
+    Bind { path: PathBuf, source: io::Error },
+}
+
+pub struct Plugin {
+    config: PluginConfig,
+    status: watch::Sender<PluginStatus>,
+}
+
+enum Registration {
+    Done(Option<SocketId>),
+    SocketGone,
+    Shutdown,
+}
+
+impl Plugin {
+    pub fn new(config: PluginConfig) -> Self {
+        Plugin {
+            config,
+            status: watch::Sender::new(PluginStatus::default()),
+        }
+    }
+
+    pub fn status(&self) -> watch::Receiver<PluginStatus> {
+        self.status.subscribe()
+    }
+
+    /// Path of our socket.
+    pub fn socket_path(&self) -> PathBuf {
+        self.config.kubelet_dir.join(SOCKET_NAME)
+    }
+
+    /// Serves and registers until `shutdown`, re-registering after every
+    /// kubelet restart. Returns only on shutdown or a start-up error.
+    pub async fn run(
+        self,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        shutdown: CancellationToken,
+    ) -> Result<(), PluginError> {
+        let dir = &self.config.kubelet_dir;
+        std::fs::read_dir(dir).map_err(|source| PluginError::KubeletDir {
+            path: dir.clone(),
+            source,
+        })?;
+        let socket = self.socket_path();
+        if UnixStream::connect(&socket).await.is_ok() {
+            return Err(PluginError::SocketInUse { path: socket });
+        }
+        loop {
+            let generation = shutdown.child_token();
+            let (ours, server) = self.serve(&socket, &inventory, &generation)?;
+            if let Registration::Done(kubelet_id) = self.register(&socket, ours, &shutdown).await {
+                self.status.send_modify(|s| {
+                    s.registered = true;
+                    s.registrations += 1;
+                });
+                info!(resource = %self.config.resource_name, socket = %socket.display(), "registered with kubelet");
+                watch_for_restart(&socket, ours, dir, kubelet_id, &shutdown).await;
+                self.status.send_modify(|s| s.registered = false);
+            }
+            generation.cancel();
+            if tokio::time::timeout(DRAIN, server).await.is_err() {
+                warn!("plugin server did not drain within {DRAIN:?}; dropping it");
+            }
+            if shutdown.is_cancelled() {
+                if SocketId::of(&socket) == Some(ours) {
+                    remove_socket(&socket);
+                }
+                info!("stopped");
+                return Ok(());
+            }
+            info!("kubelet restarted or removed our socket; serving a new socket and registering again");
+        }
+    }
+
+    /// Binds a fresh socket and serves the DevicePlugin service on it until
+    /// `generation` is cancelled.
+    fn serve(
+        &self,
+        socket: &Path,
+        inventory: &watch::Receiver<Arc<Inventory>>,
+        generation: &CancellationToken,
+    ) -> Result<(SocketId, tokio::task::JoinHandle<()>), PluginError> {
+        remove_socket(socket);
+        let bind_err = |source| PluginError::Bind {
+            path: socket.to_owned(),
+            source,
+        };
+        let listener = UnixListener::bind(socket).map_err(bind_err)?;
+        let ours = SocketId::of(socket)
+            .ok_or_else(|| bind_err(io::Error::other("socket vanished right after bind")))?;
+        let service =
+            DevicePluginService::new(inventory.clone(), self.config.policy, generation.clone());
+        let server = tonic::transport::Server::builder()
+            .add_service(DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST))
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener),
+                generation.clone().cancelled_owned(),
+            );
+        let generation = generation.clone();
+        let task = tokio::spawn(async move {
+            if let Err(err) = server.await {
+                error!(%err, "plugin server failed");
+                // Drop this generation; the run loop serves a fresh socket.
+                generation.cancel();
+            }
+        });
+        Ok((ours, task))
+    }
+
+    /// Calls Register until kubelet accepts, retrying with backoff while
+    /// kubelet.sock is missing or refuses. Never gives up on its own.
+    async fn register(
+        &self,
+        socket: &Path,
+        ours: SocketId,
+        shutdown: &CancellationToken,
+    ) -> Registration {
+        let kubelet_sock = self.config.kubelet_dir.join(KUBELET_SOCKET);
+        let request = RegisterRequest {
+            version: VERSION.to_owned(),
+            endpoint: SOCKET_NAME.to_owned(),
+            resource_name: self.config.resource_name.to_string(),
+            options: Some(plugin_options()),
+        };
+        let mut backoff = POLL;
+        let mut attempt = 0u32;
+        loop {
+            if shutdown.is_cancelled() {
+                return Registration::Shutdown;
+            }
+            if SocketId::of(socket) != Some(ours) {
+                return Registration::SocketGone;
+            }
+            let kubelet_id = SocketId::of(&kubelet_sock);
+            attempt += 1;
+            let outcome = match kubelet_id {
+                Some(_) => kubelet::register(&kubelet_sock, request.clone()).await,
+                None => Err(kubelet::KubeletError::Missing {
+                    path: kubelet_sock.clone(),
+                }),
+            };
+            match outcome {
+                Ok(()) => return Registration::Done(kubelet_id),
+                Err(err) => {
+                    warn!(attempt, retry_in = ?backoff, %err, "registration with kubelet failed; retrying")
+                }
+            }
+            // Wait out the backoff, but retry at once when kubelet.sock changes.
+            let deadline = tokio::time::Instant::now() + backoff;
+            while tokio::time::Instant::now() < deadline {
+                tokio::select! {
+                    () = shutdown.cancelled() => return Registration::Shutdown,
+                    () = tokio::time::sleep(POLL) => {}
+                }
+                if SocketId::of(&kubelet_sock) != kubelet_id {
+                    backoff = POLL;
+                    break;
+                }
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+}
+
+/// Returns when our socket is gone or replaced, kubelet.sock is replaced
+/// (kubelet restarted), or on shutdown.
+async fn watch_for_restart(
+    socket: &Path,
+    ours: SocketId,
+    dir: &Path,
+    kubelet_id: Option<SocketId>,
+    shutdown: &CancellationToken,
+) {
+    let kubelet_sock = dir.join(KUBELET_SOCKET);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(POLL) => {}
+        }
+        if SocketId::of(socket) != Some(ours) || SocketId::of(&kubelet_sock) != kubelet_id {
+            return;
+        }
+    }
+}
+
+fn remove_socket(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => warn!(path = %path.display(), %err, "cannot remove socket"),
+    }
+}

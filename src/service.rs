@@ -1,0 +1,170 @@
+//! The DevicePlugin gRPC service kubelet calls: translates between protobuf
+//! and the pure inventory, placement and inject functions.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use crate::api::deviceplugin::device_plugin_server::DevicePlugin;
+use crate::api::deviceplugin::{
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
+    Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
+    PreferredAllocationRequest, PreferredAllocationResponse,
+};
+use crate::inject;
+use crate::inventory::Inventory;
+use crate::placement::{self, PlacementError, Policy};
+
+/// The options we register with and report from GetDevicePluginOptions.
+pub fn plugin_options() -> DevicePluginOptions {
+    DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
+}
+
+impl From<PlacementError> for Status {
+    fn from(err: PlacementError) -> Self {
+        if err.is_bad_request() {
+            Status::invalid_argument(err.to_string())
+        } else {
+            Status::resource_exhausted(err.to_string())
+        }
+    }
+}
+
+/// One socket generation's service. `stop` ends its ListAndWatch streams, so
+/// a graceful server shutdown does not wait for them for ever.
+#[derive(Clone)]
+pub struct DevicePluginService {
+    inventory: watch::Receiver<Arc<Inventory>>,
+    policy: Policy,
+    stop: CancellationToken,
+}
+
+impl DevicePluginService {
+    pub fn new(
+        inventory: watch::Receiver<Arc<Inventory>>,
+        policy: Policy,
+        stop: CancellationToken,
+    ) -> Self {
+        DevicePluginService {
+            inventory,
+            policy,
+            stop,
+        }
+    }
+
+    fn snapshot(&self) -> Arc<Inventory> {
+        self.inventory.borrow().clone()
+    }
+}
+
+type ListStream = Pin<Box<dyn Stream<Item = Result<ListAndWatchResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl DevicePlugin for DevicePluginService {
+    async fn get_device_plugin_options(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<DevicePluginOptions>, Status> {
+        Ok(Response::new(plugin_options()))
+    }
+
+    type ListAndWatchStream = ListStream;
+
+    async fn list_and_watch(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let mut rx = self.inventory.clone();
+        rx.mark_changed();
+        let stop = self.stop.clone();
+        // The full list at once, then again on every change; the stream ends
+        // only when this socket generation stops or kubelet hangs up.
+        let stream = futures_util::stream::unfold((rx, stop), |(mut rx, stop)| async move {
+            tokio::select! {
+                () = stop.cancelled() => return None,
+                changed = rx.changed() => if changed.is_err() {
+                    // Nobody will update the inventory again; the list stays
+                    // valid, so keep the stream open rather than look dead.
+                    stop.cancelled().await;
+                    return None;
+                },
+            }
+            let list = rx.borrow_and_update().list_and_watch();
+            Some((Ok(list), (rx, stop)))
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<PreferredAllocationRequest>,
+    ) -> Result<Response<PreferredAllocationResponse>, Status> {
+        let inv = self.snapshot();
+        let mut container_responses = Vec::new();
+        for req in request.into_inner().container_requests {
+            let picked = placement::prefer(
+                &inv,
+                self.policy,
+                &req.available_device_i_ds,
+                &req.must_include_device_i_ds,
+                i64::from(req.allocation_size),
+            )
+            .inspect_err(
+                |err| warn!(size = req.allocation_size, %err, "no preferred allocation"),
+            )?;
+            container_responses.push(ContainerPreferredAllocationResponse {
+                device_i_ds: picked,
+            });
+        }
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, Status> {
+        let inv = self.snapshot();
+        let requests = request.into_inner().container_requests;
+        if requests.is_empty() {
+            return Err(Status::invalid_argument(
+                "Allocate request holds no container requests",
+            ));
+        }
+        // Validate every container first: the response is all or nothing.
+        let mut container_responses = Vec::with_capacity(requests.len());
+        for req in &requests {
+            let assignment = placement::assign(&inv, &req.devices_ids).inspect_err(|err| {
+                warn!(ids = ?req.devices_ids, %err, "Allocate rejected");
+            })?;
+            let gpu = &inv.gpus()[assignment.gpu];
+            info!(
+                gpu = gpu.gpu.index,
+                uuid = %gpu.gpu.uuid,
+                units = assignment.units,
+                cap_mib = gpu.cap_mib(assignment.units),
+                "Allocate"
+            );
+            container_responses.push(inject::container_response(&inv, assignment));
+        }
+        Ok(Response::new(AllocateResponse {
+            container_responses,
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}

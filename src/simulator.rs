@@ -1,0 +1,474 @@
+//! An in-process kubelet for `gpumem demo` and the tests: a real Registration
+//! server on a real unix socket, driving plugins the way kubelet does.
+//!
+//! It follows the real kubelet where a plugin can tell the difference
+//! (../shared/KUBELET_CONTRACT.md): Register is synchronous (dial back, then
+//! GetDevicePluginOptions), one ListAndWatch per connection, devices picked
+//! from `healthy − allocated` with GetPreferredAllocation, one Allocate per
+//! container, 4 MiB receive limit, and a restart that deletes every socket.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use crate::api::deviceplugin::registration_server::{Registration, RegistrationServer};
+use crate::api::deviceplugin::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, Device, DevicePluginOptions, Empty,
+    PreferredAllocationRequest, RegisterRequest, HEALTHY, VERSION,
+};
+use crate::kubelet::{self, KUBELET_SOCKET};
+use crate::resource::ResourceName;
+
+/// kubelet dials a registering plugin with this timeout.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a container was not admitted.
+#[derive(Debug, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("no device plugin is registered and connected for {0}")]
+    NotRegistered(String),
+    #[error("Insufficient {resource}: requested {requested}, {available} available on this node")]
+    Insufficient {
+        resource: String,
+        requested: usize,
+        available: usize,
+    },
+    #[error("GetPreferredAllocation failed: {}", .0.message())]
+    Preferred(Status),
+    #[error("Allocate failed: {}", .0.message())]
+    Allocate(Status),
+    #[error("plugin answered Allocate with no container response")]
+    EmptyResponse,
+}
+
+/// What the simulated kubelet granted one container.
+#[derive(Debug, Clone)]
+pub struct Allocation {
+    pub pod: String,
+    pub container: String,
+    pub resource: String,
+    pub device_ids: Vec<String>,
+    pub response: ContainerAllocateResponse,
+}
+
+struct Endpoint {
+    client: DevicePluginClient<Channel>,
+    options: DevicePluginOptions,
+    /// The last ListAndWatch list; emptied when the stream ends.
+    devices: Vec<Device>,
+    connected: bool,
+    /// Tells this endpoint's stream reader from a later registration's.
+    serial: u64,
+}
+
+#[derive(Default)]
+struct State {
+    registrations: Vec<RegisterRequest>,
+    endpoints: HashMap<String, Endpoint>,
+    allocations: Vec<Allocation>,
+    next_serial: u64,
+}
+
+struct Shared {
+    dir: PathBuf,
+    state: Mutex<State>,
+    /// Bumped on every state change so waiters can re-check.
+    version: watch::Sender<u64>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave State half-updated in a
+        // way later readers would misread, so recover from poisoning.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn changed(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+}
+
+/// A running simulated kubelet. Dropping it stops it.
+pub struct KubeletSim {
+    shared: Arc<Shared>,
+    /// Serializes admissions, as kubelet's device manager does.
+    admission: tokio::sync::Mutex<()>,
+    life: CancellationToken,
+    server: Option<JoinHandle<()>>,
+}
+
+#[derive(Clone)]
+struct RegistrationService {
+    shared: Arc<Shared>,
+    life: CancellationToken,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn register(&self, request: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let request = request.into_inner();
+        if request.version != VERSION {
+            return Err(Status::unknown(format!(
+                "requested API version {:?} is not supported by kubelet",
+                request.version
+            )));
+        }
+        if let Err(err) = request.resource_name.parse::<ResourceName>() {
+            return Err(Status::unknown(err.to_string()));
+        }
+        // Go's filepath.Join: an absolute endpoint is appended, not used as is.
+        let socket = self
+            .shared
+            .dir
+            .join(request.endpoint.trim_start_matches('/'));
+        let channel = tokio::time::timeout(DIAL_TIMEOUT, kubelet::connect(&socket))
+            .await
+            .map_err(|_| Status::unknown(format!("dial {}: timed out", socket.display())))?
+            .map_err(|e| Status::unknown(format!("dial {}: {e}", socket.display())))?;
+        let mut client = DevicePluginClient::new(channel);
+        let options = client
+            .get_device_plugin_options(Empty {})
+            .await
+            .map_err(|s| Status::unknown(format!("GetDevicePluginOptions: {}", s.message())))?
+            .into_inner();
+        let resource = request.resource_name.clone();
+        let serial = {
+            let mut state = self.shared.lock();
+            state.next_serial += 1;
+            let serial = state.next_serial;
+            state.registrations.push(request);
+            state.endpoints.insert(
+                resource.clone(),
+                Endpoint {
+                    client: client.clone(),
+                    options,
+                    devices: Vec::new(),
+                    connected: true,
+                    serial,
+                },
+            );
+            serial
+        };
+        self.shared.changed();
+        tokio::spawn(read_devices(
+            self.shared.clone(),
+            self.life.clone(),
+            client,
+            resource,
+            serial,
+        ));
+        Ok(Response::new(Empty {}))
+    }
+}
+
+/// kubelet's one ListAndWatch per connection: every message replaces the
+/// device list; the end of the stream disconnects the endpoint for good.
+async fn read_devices(
+    shared: Arc<Shared>,
+    life: CancellationToken,
+    mut client: DevicePluginClient<Channel>,
+    resource: String,
+    serial: u64,
+) {
+    let mut stream = match client.list_and_watch(Empty {}).await {
+        Ok(response) => Some(response.into_inner()),
+        Err(_) => None,
+    };
+    while let Some(s) = stream.as_mut() {
+        let message = tokio::select! {
+            () = life.cancelled() => break,
+            message = s.message() => message,
+        };
+        let Ok(Some(list)) = message else { break };
+        if let Some(ep) = shared.lock().endpoints.get_mut(&resource) {
+            if ep.serial == serial {
+                ep.devices = list.devices;
+            }
+        }
+        shared.changed();
+    }
+    if let Some(ep) = shared.lock().endpoints.get_mut(&resource) {
+        if ep.serial == serial {
+            ep.connected = false;
+            ep.devices.clear();
+        }
+    }
+    shared.changed();
+}
+
+impl KubeletSim {
+    /// Starts serving `<dir>/kubelet.sock`.
+    pub fn start(dir: &Path) -> io::Result<KubeletSim> {
+        let shared = Arc::new(Shared {
+            dir: dir.to_owned(),
+            state: Mutex::new(State::default()),
+            version: watch::Sender::new(0),
+        });
+        let mut sim = KubeletSim {
+            shared,
+            admission: tokio::sync::Mutex::new(()),
+            life: CancellationToken::new(),
+            server: None,
+        };
+        sim.serve()?;
+        Ok(sim)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    fn serve(&mut self) -> io::Result<()> {
+        let path = self.shared.dir.join(KUBELET_SOCKET);
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path)?;
+        let service = RegistrationService {
+            shared: self.shared.clone(),
+            life: self.life.clone(),
+        };
+        let server = tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(service))
+            .serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener),
+                self.life.clone().cancelled_owned(),
+            );
+        self.server = Some(tokio::spawn(async move {
+            let _ = server.await;
+        }));
+        Ok(())
+    }
+
+    async fn stop_serving(&mut self) {
+        self.life.cancel();
+        if let Some(server) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+        }
+        // Connections die with the process; the checkpoint keeps allocations.
+        self.shared.lock().endpoints.clear();
+        self.shared.changed();
+    }
+
+    /// A kubelet restart: stop, delete every socket in the directory (as
+    /// kubelet's CleanupPluginDirectory does), serve a new kubelet.sock.
+    pub async fn restart(&mut self) -> io::Result<()> {
+        self.stop_serving().await;
+        for entry in std::fs::read_dir(&self.shared.dir)? {
+            let entry = entry?;
+            if entry.file_type()?.is_socket() {
+                std::fs::remove_file(entry.path())?;
+            }
+        }
+        self.life = CancellationToken::new();
+        self.serve()
+    }
+
+    /// Stops serving and removes kubelet.sock, as a stopped kubelet leaves it.
+    pub async fn stop(mut self) {
+        self.stop_serving().await;
+        let _ = std::fs::remove_file(self.shared.dir.join(KUBELET_SOCKET));
+    }
+
+    /// Every Register call accepted so far.
+    pub fn registrations(&self) -> Vec<RegisterRequest> {
+        self.shared.lock().registrations.clone()
+    }
+
+    /// The current device list of `resource`, if its plugin is connected.
+    pub fn devices(&self, resource: &str) -> Option<Vec<Device>> {
+        let state = self.shared.lock();
+        let ep = state.endpoints.get(resource)?;
+        ep.connected.then(|| ep.devices.clone())
+    }
+
+    pub fn allocations(&self) -> Vec<Allocation> {
+        self.shared.lock().allocations.clone()
+    }
+
+    /// Waits until `resource` has had `registrations` accepted Register calls
+    /// in all and its plugin has sent a device list; returns that list.
+    pub async fn wait_for_devices(
+        &self,
+        resource: &str,
+        registrations: usize,
+        timeout: Duration,
+    ) -> Option<Vec<Device>> {
+        self.wait(timeout, |state| {
+            let count = state
+                .registrations
+                .iter()
+                .filter(|r| r.resource_name == resource)
+                .count();
+            let ep = state.endpoints.get(resource)?;
+            (count >= registrations && ep.connected && !ep.devices.is_empty())
+                .then(|| ep.devices.clone())
+        })
+        .await
+    }
+
+    /// Waits until the connected plugin of `resource` sends a list `accept`s.
+    pub async fn wait_for_list(
+        &self,
+        resource: &str,
+        timeout: Duration,
+        accept: impl Fn(&[Device]) -> bool,
+    ) -> Option<Vec<Device>> {
+        self.wait(timeout, |state| {
+            let ep = state.endpoints.get(resource).filter(|ep| ep.connected)?;
+            accept(&ep.devices).then(|| ep.devices.clone())
+        })
+        .await
+    }
+
+    /// Waits until no plugin of `resource` is connected (its stream ended).
+    pub async fn wait_for_disconnect(&self, resource: &str, timeout: Duration) -> bool {
+        self.wait(timeout, |state| {
+            let connected = state.endpoints.get(resource).is_some_and(|ep| ep.connected);
+            (!connected).then_some(())
+        })
+        .await
+        .is_some()
+    }
+
+    /// Waits until `check` returns `Some`, re-checking on every change.
+    async fn wait<T>(&self, timeout: Duration, check: impl Fn(&State) -> Option<T>) -> Option<T> {
+        let mut version = self.shared.version.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(found) = check(&self.shared.lock()) {
+                return Some(found);
+            }
+            match tokio::time::timeout_at(deadline, version.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return None,
+            }
+        }
+    }
+
+    /// Admits one container asking for `count` devices of `resource`, the
+    /// way kubelet's device manager does at pod admission.
+    pub async fn admit(
+        &self,
+        pod: &str,
+        container: &str,
+        resource: &str,
+        count: usize,
+    ) -> Result<Allocation, AdmissionError> {
+        let _serial = self.admission.lock().await;
+        let (mut client, options, available) = {
+            let state = self.shared.lock();
+            let ep = state
+                .endpoints
+                .get(resource)
+                .filter(|ep| ep.connected)
+                .ok_or_else(|| AdmissionError::NotRegistered(resource.to_owned()))?;
+            let allocated: BTreeSet<&String> = state
+                .allocations
+                .iter()
+                .filter(|a| a.resource == resource)
+                .flat_map(|a| &a.device_ids)
+                .collect();
+            let available: Vec<String> = ep
+                .devices
+                .iter()
+                .filter(|d| d.health == HEALTHY && !allocated.contains(&d.id))
+                .map(|d| d.id.clone())
+                .collect();
+            (ep.client.clone(), ep.options, available)
+        };
+        if available.len() < count {
+            return Err(AdmissionError::Insufficient {
+                resource: resource.to_owned(),
+                requested: count,
+                available: available.len(),
+            });
+        }
+
+        let mut chosen: Vec<String> = Vec::with_capacity(count);
+        if options.get_preferred_allocation_available {
+            let request = PreferredAllocationRequest {
+                container_requests: vec![ContainerPreferredAllocationRequest {
+                    available_device_i_ds: available.clone(),
+                    must_include_device_i_ds: Vec::new(),
+                    allocation_size: i32::try_from(count).unwrap_or(i32::MAX),
+                }],
+            };
+            let response = client
+                .get_preferred_allocation(request)
+                .await
+                .map_err(AdmissionError::Preferred)?
+                .into_inner();
+            // kubelet keeps only preferred ∩ available, and reads only the
+            // first container response.
+            for id in response
+                .container_responses
+                .into_iter()
+                .next()
+                .map(|r| r.device_i_ds)
+                .unwrap_or_default()
+            {
+                if chosen.len() < count && available.contains(&id) && !chosen.contains(&id) {
+                    chosen.push(id);
+                }
+            }
+        }
+        // kubelet fills any shortfall from what is left.
+        for id in &available {
+            if chosen.len() == count {
+                break;
+            }
+            if !chosen.contains(id) {
+                chosen.push(id.clone());
+            }
+        }
+
+        let response = client
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest {
+                    devices_ids: chosen.clone(),
+                }],
+            })
+            .await
+            .map_err(AdmissionError::Allocate)?
+            .into_inner();
+        let response = response
+            .container_responses
+            .into_iter()
+            .next()
+            .ok_or(AdmissionError::EmptyResponse)?;
+        let allocation = Allocation {
+            pod: pod.to_owned(),
+            container: container.to_owned(),
+            resource: resource.to_owned(),
+            device_ids: chosen,
+            response,
+        };
+        self.shared.lock().allocations.push(allocation.clone());
+        self.shared.changed();
+        Ok(allocation)
+    }
+
+    /// Frees a pod's devices, as kubelet does once the pod is no longer active.
+    pub fn remove_pod(&self, pod: &str) {
+        self.shared.lock().allocations.retain(|a| a.pod != pod);
+        self.shared.changed();
+    }
+}
+
+impl Drop for KubeletSim {
+    fn drop(&mut self) {
+        self.life.cancel();
+    }
+}

@@ -1,0 +1,133 @@
+//! Memory units: how a GPU's memory becomes countable kubelet units, and how
+//! many MiB a container holding some of them may use.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Size of one advertised unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemoryUnit {
+    /// 1 unit = 1 GiB, the gpushare convention (`aliyun.com/gpu-mem: 4` = 4 GiB).
+    #[default]
+    GiB,
+    /// 1 unit = 1 MiB: finer requests, far more devices in ListAndWatch.
+    MiB,
+}
+
+impl MemoryUnit {
+    /// MiB in one unit.
+    pub fn mib(self) -> u64 {
+        match self {
+            MemoryUnit::GiB => 1024,
+            MemoryUnit::MiB => 1,
+        }
+    }
+
+    /// Units advertised for a GPU of `memory_mib`: whole units only, so a
+    /// 15079 MiB T4 gives 14 GiB units.
+    pub fn units_for(self, memory_mib: u64) -> u32 {
+        u32::try_from(memory_mib / self.mib()).unwrap_or(u32::MAX)
+    }
+
+    /// The name used in env and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryUnit::GiB => "GiB",
+            MemoryUnit::MiB => "MiB",
+        }
+    }
+}
+
+impl fmt::Display for MemoryUnit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A `--memory-unit` value that is neither `GiB` nor `MiB`.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown memory unit {0:?}: expected GiB or MiB")]
+pub struct UnknownUnit(pub String);
+
+impl FromStr for MemoryUnit {
+    type Err = UnknownUnit;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "gib" => Ok(MemoryUnit::GiB),
+            "mib" => Ok(MemoryUnit::MiB),
+            _ => Err(UnknownUnit(s.to_owned())),
+        }
+    }
+}
+
+/// The memory cap of a container holding `held` of a GPU's `units` units:
+/// `floor(held * memory_mib / units)`. Caps are a share of the *whole* card,
+/// so the memory left over by whole-unit rounding is spread over the units
+/// (4 of 14 units on a 15079 MiB T4 = 4308 MiB, as Alibaba's cGPU reports)
+/// and a container holding every unit gets all of it.
+pub fn cap_mib(held: u32, units: u32, memory_mib: u64) -> u64 {
+    if units == 0 {
+        return 0;
+    }
+    let cap = u128::from(held) * u128::from(memory_mib) / u128::from(units);
+    u64::try_from(cap).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn t4_gives_14_gib_units_and_4308_mib_for_4() {
+        let units = MemoryUnit::GiB.units_for(15079);
+        assert_eq!(units, 14);
+        assert_eq!(cap_mib(4, units, 15079), 4308);
+        assert_eq!(cap_mib(14, units, 15079), 15079);
+        assert_eq!(cap_mib(1, units, 15079), 1077);
+    }
+
+    #[test]
+    fn cgpu_reference_point_matches() {
+        // Alibaba cGPU caps 8 of 22 units on a 23028 MiB card at 8373 MiB.
+        let units = MemoryUnit::GiB.units_for(23028);
+        assert_eq!(units, 22);
+        assert_eq!(cap_mib(8, units, 23028), 8373);
+    }
+
+    #[test]
+    fn mib_units_are_one_to_one() {
+        assert_eq!(MemoryUnit::MiB.units_for(81559), 81559);
+        assert_eq!(cap_mib(4308, 81559, 81559), 4308);
+    }
+
+    #[test]
+    fn small_and_empty_gpus() {
+        assert_eq!(MemoryUnit::GiB.units_for(1023), 0);
+        assert_eq!(cap_mib(0, 0, 1023), 0);
+        assert_eq!(MemoryUnit::GiB.units_for(1024), 1);
+    }
+
+    #[test]
+    fn caps_are_monotonic_and_never_exceed_the_card() {
+        for memory_mib in [1024u64, 15079, 16160, 23028, 81559, 144_384] {
+            let units = MemoryUnit::GiB.units_for(memory_mib);
+            let mut last = 0;
+            for held in 0..=units {
+                let cap = cap_mib(held, units, memory_mib);
+                assert!(cap >= last && cap <= memory_mib);
+                assert!(cap >= u64::from(held) * 1024, "a unit is at least 1 GiB");
+                last = cap;
+            }
+            assert_eq!(last, memory_mib);
+        }
+    }
+
+    #[test]
+    fn parses_units_case_insensitively() {
+        assert_eq!("GiB".parse::<MemoryUnit>().unwrap(), MemoryUnit::GiB);
+        assert_eq!("mib".parse::<MemoryUnit>().unwrap(), MemoryUnit::MiB);
+        let err = "GB".parse::<MemoryUnit>().unwrap_err();
+        assert!(err.to_string().contains("\"GB\""));
+    }
+}

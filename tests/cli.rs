@@ -1,0 +1,220 @@
+//! The `gpumem` binary: flags, env, errors a user sees, SIGTERM, and the demo.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{fixture, RESOURCE, WAIT};
+use gpumem::simulator::KubeletSim;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn gpumem() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    // Only what a test sets explicitly.
+    for (key, _) in std::env::vars() {
+        if key.starts_with("GPUMEM_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+fn run(cmd: &mut Command) -> (Output, String) {
+    let out = cmd.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out, text)
+}
+
+#[test]
+fn demo_replays_the_notebook_scenario() {
+    let (out, text) = run(gpumem().arg("demo"));
+    assert!(out.status.success(), "{text}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for pod in ["tf-notebook-1", "tf-notebook-2", "tf-notebook-3"] {
+        assert!(
+            stdout.contains(&format!("{pod}  admitted: GPU0, 4 units, cap 4308 MiB")),
+            "{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("tf-notebook-4  NOT admitted: Insufficient aliyun.com/gpu-mem: requested 4, 2 available"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("Allocated/Total GPU Memory In Cluster: 12/14 (85%)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("GPUMEM_LIMIT_MIB=4308"), "{stdout}");
+    assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=GPU-6b1c2d3e-0000-4000-8000-000000000400"));
+}
+
+#[test]
+fn demo_takes_other_nodes() {
+    let (out, text) = run(gpumem()
+        .args(["demo", "--placement", "spread"])
+        .arg("--fake-gpus")
+        .arg(fixture("v100x2")));
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("tf-notebook-2  admitted: GPU1, 4 units, cap 4309 MiB"),
+        "{text}"
+    );
+    assert!(text.contains("tf-notebook-4  admitted: GPU1"), "{text}");
+}
+
+#[test]
+fn bad_fake_gpu_file_names_file_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("node.toml");
+    std::fs::write(
+        &file,
+        "[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = -5\n",
+    )
+    .unwrap();
+    let (out, text) = run(gpumem()
+        .args(["plugin", "--kubelet-dir"])
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(&file));
+    assert!(!out.status.success());
+    assert!(
+        text.contains(&file.display().to_string()) && text.contains("memory_mib"),
+        "{text}"
+    );
+
+    let missing = dir.path().join("absent.toml");
+    let (out, text) = run(gpumem().args(["demo", "--fake-gpus"]).arg(&missing));
+    assert!(!out.status.success());
+    assert!(text.contains("absent.toml"), "{text}");
+}
+
+#[test]
+fn without_nvml_the_error_points_to_fake_gpus() {
+    let dir = tempfile::tempdir().unwrap();
+    // An empty library path keeps a host NVML (if any) out of reach.
+    let (out, text) = run(gpumem()
+        .args(["plugin", "--kubelet-dir"])
+        .arg(dir.path())
+        .env("LD_LIBRARY_PATH", dir.path()));
+    if out.status.success() {
+        panic!("plugin started without GPUs: {text}");
+    }
+    assert!(text.contains("--fake-gpus"), "{text}");
+}
+
+#[test]
+fn invalid_flags_are_named() {
+    let (out, text) = run(gpumem().args(["plugin", "--resource-name", "gpu-mem"]));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("--resource-name") && text.contains("<domain>/<name>"),
+        "{text}"
+    );
+
+    let (out, text) = run(gpumem().args(["plugin", "--placement", "random"]));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("--placement") && text.contains("binpack or spread"),
+        "{text}"
+    );
+
+    let (out, text) = run(gpumem().arg("plugin").env("GPUMEM_MEMORY_UNIT", "KB"));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("--memory-unit") && text.contains("GiB or MiB"),
+        "{text}"
+    );
+}
+
+#[test]
+fn mib_units_that_cannot_fit_kubelets_limit_are_refused_with_advice() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("eight.toml");
+    let mut toml = String::new();
+    for i in 0..8 {
+        toml.push_str(&format!(
+            "[[gpu]]\nuuid = \"GPU-0000000{i}-0000-4000-8000-000000000000\"\nname = \"H200\"\nmemory_mib = 144384\n"
+        ));
+    }
+    std::fs::write(&file, toml).unwrap();
+    let (out, text) = run(gpumem()
+        .args(["plugin", "--memory-unit", "MiB", "--kubelet-dir"])
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(&file));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("4194304-byte limit") && text.contains("--memory-unit GiB"),
+        "{text}"
+    );
+}
+
+#[test]
+fn help_documents_every_flag_and_its_env() {
+    let (out, text) = run(gpumem().args(["plugin", "--help"]));
+    assert!(out.status.success());
+    for flag in [
+        "kubelet-dir",
+        "resource-name",
+        "memory-unit",
+        "fake-gpus",
+        "placement",
+        "state-dir",
+    ] {
+        assert!(text.contains(&format!("--{flag}")), "{flag}: {text}");
+        let env = format!("GPUMEM_{}", flag.to_uppercase().replace('-', "_"));
+        assert!(text.contains(&env), "{env}: {text}");
+    }
+}
+
+#[tokio::test]
+async fn sigterm_stops_the_plugin_and_removes_its_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let mut child = gpumem()
+        .arg("plugin")
+        .env("GPUMEM_KUBELET_DIR", dir.path())
+        .env("GPUMEM_FAKE_GPUS", fixture("t4"))
+        .env("GPUMEM_RESOURCE_NAME", "example.com/vram")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let devices = kubelet.wait_for_devices("example.com/vram", 1, WAIT).await;
+    assert_eq!(
+        devices.map(|d| d.len()),
+        Some(14),
+        "registered through env-configured flags"
+    );
+    assert!(kubelet.devices(RESOURCE).is_none());
+    let socket = dir.path().join("gpumem.sock");
+    assert!(socket.exists());
+
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    let status = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "plugin did not stop on SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(!socket.exists(), "socket removed");
+    // kubelet saw the stream end: the endpoint is disconnected.
+    assert!(kubelet.wait_for_disconnect("example.com/vram", WAIT).await);
+    kubelet.stop().await;
+}
