@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::gpu::{FakeGpus, GpuError, GpuSource};
+use crate::inject::Isolation;
 use crate::inventory::{Inventory, InventoryError};
 use crate::placement::Policy;
 use crate::plugin::{Plugin, PluginConfig, PluginError};
@@ -78,6 +79,9 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         kubelet_dir: dir.path().to_owned(),
         resource_name: config.resource_name.clone(),
         policy: config.policy,
+        // No shim is installed in the demo's temp dir: show the placement
+        // and env; `gpumem exec` shows enforcement.
+        isolation: Isolation::None,
     });
     let plugin_task = tokio::spawn(plugin.run(inventory_rx, shutdown.clone()));
 

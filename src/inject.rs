@@ -1,9 +1,12 @@
 //! What a container is given at Allocate: the env that pins it to its GPU
-//! and tells it (and gpushare-aware tools) its memory cap.
+//! and tells it its cap, and with shim isolation the preload, the library
+//! and its own accounting directory.
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
-use crate::api::deviceplugin::ContainerAllocateResponse;
+use crate::accounting::{self, AccountingError, Cap};
+use crate::api::deviceplugin::{ContainerAllocateResponse, Mount};
 use crate::inventory::Inventory;
 use crate::placement::Assignment;
 
@@ -11,8 +14,10 @@ use crate::placement::Assignment;
 pub mod env {
     /// GPU UUID for the NVIDIA container runtime: the only GPU the container sees.
     pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
-    /// The container's memory cap in MiB, enforced by the shim.
+    /// The container's memory cap in MiB.
     pub const LIMIT_MIB: &str = "GPUMEM_LIMIT_MIB";
+    /// Where the shim finds the container's accounting file.
+    pub const STATE_DIR: &str = "GPUMEM_STATE_DIR";
     /// gpushare-compatible: the GPU's NVML index.
     pub const ALIYUN_IDX: &str = "ALIYUN_COM_GPU_MEM_IDX";
     /// gpushare-compatible: units the container holds.
@@ -23,15 +28,89 @@ pub mod env {
     pub const ALIYUN_UNIT: &str = "ALIYUN_COM_GPU_MEM_UNIT";
 }
 
-/// The response for one container holding `assignment`.
-pub fn container_response(inv: &Inventory, assignment: Assignment) -> ContainerAllocateResponse {
+/// The shim library's file name, on the host and in containers.
+pub const SHIM_LIBRARY: &str = "libgpumem_shim.so";
+/// The one-line preload list installed beside the library.
+pub const PRELOAD_LIST: &str = "ld.so.preload";
+/// Where the library appears in containers; the preload list names it.
+pub const CONTAINER_SHIM_DIR: &str = "/usr/local/gpumem";
+
+/// Who enforces the cap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Isolation {
+    /// Our LD_PRELOAD shim.
+    Shim(ShimConfig),
+    /// Something else (Alibaba's cGPU module reads the ALIYUN_COM_GPU_MEM_* env).
+    None,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimConfig {
+    /// Host directory holding the library and the preload list.
+    pub host_dir: PathBuf,
+    /// Host directory under which each container gets its accounting directory.
+    pub state_dir: PathBuf,
+    /// Charged once per process and GPU for its CUDA context.
+    pub context_charge_mib: u64,
+}
+
+impl ShimConfig {
+    pub fn library(&self) -> PathBuf {
+        self.host_dir.join(SHIM_LIBRARY)
+    }
+
+    pub fn preload_list(&self) -> PathBuf {
+        self.host_dir.join(PRELOAD_LIST)
+    }
+
+    /// Parent of the per-container directories.
+    pub fn containers_dir(&self) -> PathBuf {
+        self.state_dir.join("containers")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InjectError {
+    #[error(
+        "the gpumem shim {0} is missing on this node, so the container would run without a memory \
+         cap; refusing. Check that the gpumem DaemonSet installed it (or run the plugin with \
+         --isolation none if something else enforces caps)"
+    )]
+    ShimMissing(PathBuf),
+    #[error(transparent)]
+    Accounting(#[from] AccountingError),
+}
+
+/// Names a container's accounting directory after the devices it holds:
+/// kubelet never gives the same units to two live containers, and the name
+/// is the same if kubelet calls Allocate again for the same container.
+fn container_dir_name(inv: &Inventory, assignment: Assignment, ids: &[String]) -> String {
+    let mut sorted: Vec<&str> = ids.iter().map(String::as_str).collect();
+    sorted.sort_unstable();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in sorted.join(",").bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!(
+        "{}-{}u-{hash:016x}",
+        inv.gpus()[assignment.gpu].key,
+        assignment.units
+    )
+}
+
+/// The response for one container holding `assignment` (the devices `ids`).
+pub fn container_response(
+    inv: &Inventory,
+    assignment: Assignment,
+    ids: &[String],
+    isolation: &Isolation,
+) -> Result<ContainerAllocateResponse, InjectError> {
     let gpu = &inv.gpus()[assignment.gpu];
-    let envs = HashMap::from([
+    let cap_mib = gpu.cap_mib(assignment.units);
+    let mut envs = HashMap::from([
         (env::VISIBLE_DEVICES.to_owned(), gpu.gpu.uuid.clone()),
-        (
-            env::LIMIT_MIB.to_owned(),
-            gpu.cap_mib(assignment.units).to_string(),
-        ),
+        (env::LIMIT_MIB.to_owned(), cap_mib.to_string()),
         (env::ALIYUN_IDX.to_owned(), gpu.gpu.index.to_string()),
         (
             env::ALIYUN_CONTAINER.to_owned(),
@@ -40,8 +119,48 @@ pub fn container_response(inv: &Inventory, assignment: Assignment) -> ContainerA
         (env::ALIYUN_DEV.to_owned(), gpu.units.to_string()),
         (env::ALIYUN_UNIT.to_owned(), inv.unit().to_string()),
     ]);
-    ContainerAllocateResponse {
-        envs,
-        ..Default::default()
+    let mut mounts = Vec::new();
+    if let Isolation::Shim(shim) = isolation {
+        let library = shim.library();
+        let preload = shim.preload_list();
+        for needed in [&library, &preload] {
+            if !needed.is_file() {
+                return Err(InjectError::ShimMissing(needed.clone()));
+            }
+        }
+        let dir = shim
+            .containers_dir()
+            .join(container_dir_name(inv, assignment, ids));
+        accounting::prepare(
+            &dir,
+            &[Cap {
+                uuid: gpu.gpu.uuid.clone(),
+                cap_mib,
+                context_charge_mib: shim.context_charge_mib,
+            }],
+        )?;
+        let mount = |container: &Path, host: &Path, read_only| Mount {
+            container_path: container.display().to_string(),
+            host_path: host.display().to_string(),
+            read_only,
+        };
+        mounts = vec![
+            mount(
+                &Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY),
+                &library,
+                true,
+            ),
+            mount(Path::new("/etc/ld.so.preload"), &preload, true),
+            mount(Path::new(gpumem_layout::CONTAINER_DIR), &dir, false),
+        ];
+        envs.insert(
+            env::STATE_DIR.to_owned(),
+            gpumem_layout::CONTAINER_DIR.to_owned(),
+        );
     }
+    Ok(ContainerAllocateResponse {
+        envs,
+        mounts,
+        ..Default::default()
+    })
 }

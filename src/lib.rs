@@ -5,8 +5,10 @@
 
 #![forbid(unsafe_code)]
 
+pub mod accounting;
 pub mod api;
 pub mod demo;
+pub mod exec;
 pub mod gpu;
 pub mod inject;
 pub mod inventory;

@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 
 use crate::api::deviceplugin::device_plugin_server::DevicePluginServer;
 use crate::api::deviceplugin::{RegisterRequest, VERSION};
+use crate::inject::Isolation;
 use crate::inventory::Inventory;
 use crate::kubelet::{self, SocketId, KUBELET_SOCKET};
 use crate::placement::Policy;
@@ -39,6 +40,7 @@ pub struct PluginConfig {
     pub kubelet_dir: PathBuf,
     pub resource_name: ResourceName,
     pub policy: Policy,
+    pub isolation: Isolation,
 }
 
 /// What the plugin is doing now, for probes and for callers that wait.
@@ -56,12 +58,15 @@ pub enum PluginError {
     KubeletDir { path: PathBuf, source: io::Error },
     #[error("another process is serving {path}; stop it before starting a second gpumem here")]
     SocketInUse { path: PathBuf },
+    #[error("--state-dir {path} is not usable: {source}")]
+    StateDir { path: PathBuf, source: io::Error },
     #[error("cannot create plugin socket {path}: {source}")]
     Bind { path: PathBuf, source: io::Error },
 }
 
 pub struct Plugin {
     config: PluginConfig,
+    isolation: Arc<Isolation>,
     status: watch::Sender<PluginStatus>,
 }
 
@@ -74,6 +79,7 @@ enum Registration {
 impl Plugin {
     pub fn new(config: PluginConfig) -> Self {
         Plugin {
+            isolation: Arc::new(config.isolation.clone()),
             config,
             status: watch::Sender::new(PluginStatus::default()),
         }
@@ -100,6 +106,15 @@ impl Plugin {
             path: dir.clone(),
             source,
         })?;
+        if let Isolation::Shim(shim) = &*self.isolation {
+            prepare_state_dir(&shim.containers_dir())?;
+            if !shim.library().is_file() || !shim.preload_list().is_file() {
+                warn!(
+                    dir = %shim.host_dir.display(),
+                    "shim library or preload list missing; Allocate will refuse containers until they are installed"
+                );
+            }
+        }
         let socket = self.socket_path();
         if UnixStream::connect(&socket).await.is_ok() {
             return Err(PluginError::SocketInUse { path: socket });
@@ -147,8 +162,12 @@ impl Plugin {
         let listener = UnixListener::bind(socket).map_err(bind_err)?;
         let ours = SocketId::of(socket)
             .ok_or_else(|| bind_err(io::Error::other("socket vanished right after bind")))?;
-        let service =
-            DevicePluginService::new(inventory.clone(), self.config.policy, generation.clone());
+        let service = DevicePluginService::new(
+            inventory.clone(),
+            self.config.policy,
+            self.isolation.clone(),
+            generation.clone(),
+        );
         let server = tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST))
             .serve_with_incoming_shutdown(
@@ -240,6 +259,18 @@ async fn watch_for_restart(
             return;
         }
     }
+}
+
+/// The parent of per-container accounting directories: private to root on
+/// the host (containers see only their own directory, through a bind mount).
+fn prepare_state_dir(path: &Path) -> Result<(), PluginError> {
+    use std::os::unix::fs::PermissionsExt;
+    let err = |source| PluginError::StateDir {
+        path: path.to_owned(),
+        source,
+    };
+    std::fs::create_dir_all(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(err)
 }
 
 fn remove_socket(path: &Path) {

@@ -16,7 +16,7 @@ use crate::api::deviceplugin::{
     Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse,
 };
-use crate::inject;
+use crate::inject::{self, InjectError, Isolation};
 use crate::inventory::Inventory;
 use crate::placement::{self, PlacementError, Policy};
 
@@ -25,6 +25,15 @@ pub fn plugin_options() -> DevicePluginOptions {
     DevicePluginOptions {
         pre_start_required: false,
         get_preferred_allocation_available: true,
+    }
+}
+
+impl From<InjectError> for Status {
+    fn from(err: InjectError) -> Self {
+        match err {
+            InjectError::ShimMissing(_) => Status::failed_precondition(err.to_string()),
+            InjectError::Accounting(_) => Status::internal(err.to_string()),
+        }
     }
 }
 
@@ -44,6 +53,7 @@ impl From<PlacementError> for Status {
 pub struct DevicePluginService {
     inventory: watch::Receiver<Arc<Inventory>>,
     policy: Policy,
+    isolation: Arc<Isolation>,
     stop: CancellationToken,
 }
 
@@ -51,11 +61,13 @@ impl DevicePluginService {
     pub fn new(
         inventory: watch::Receiver<Arc<Inventory>>,
         policy: Policy,
+        isolation: Arc<Isolation>,
         stop: CancellationToken,
     ) -> Self {
         DevicePluginService {
             inventory,
             policy,
+            isolation,
             stop,
         }
     }
@@ -154,7 +166,10 @@ impl DevicePlugin for DevicePluginService {
                 cap_mib = gpu.cap_mib(assignment.units),
                 "Allocate"
             );
-            container_responses.push(inject::container_response(&inv, assignment));
+            let response =
+                inject::container_response(&inv, assignment, &req.devices_ids, &self.isolation)
+                    .inspect_err(|err| warn!(%err, "Allocate failed"))?;
+            container_responses.push(response);
         }
         Ok(Response::new(AllocateResponse {
             container_responses,

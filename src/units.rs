@@ -61,6 +61,37 @@ impl FromStr for MemoryUnit {
     }
 }
 
+/// A memory size given on the command line, in whole MiB: `4308MiB`,
+/// `4GiB` or a bare number of MiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemorySize {
+    pub mib: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("invalid memory size {0:?}: expected a number of MiB with an optional MiB or GiB suffix, e.g. 4308MiB or 4GiB")]
+pub struct BadMemorySize(pub String);
+
+impl FromStr for MemorySize {
+    type Err = BadMemorySize;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || BadMemorySize(s.to_owned());
+        let lower = s.trim().to_ascii_lowercase();
+        let (digits, unit) = if let Some(d) = lower.strip_suffix("gib") {
+            (d, MemoryUnit::GiB)
+        } else {
+            (lower.strip_suffix("mib").unwrap_or(&lower), MemoryUnit::MiB)
+        };
+        let n: u64 = digits.trim().parse().map_err(|_| bad())?;
+        let mib = n
+            .checked_mul(unit.mib())
+            .filter(|&m| m > 0)
+            .ok_or_else(bad)?;
+        Ok(MemorySize { mib })
+    }
+}
+
 /// The memory cap of a container holding `held` of a GPU's `units` units:
 /// `floor(held * memory_mib / units)`. Caps are a share of the *whole* card,
 /// so the memory left over by whole-unit rounding is spread over the units
@@ -120,6 +151,26 @@ mod tests {
                 last = cap;
             }
             assert_eq!(last, memory_mib);
+        }
+    }
+
+    #[test]
+    fn parses_memory_sizes() {
+        let mib = |s: &str| s.parse::<MemorySize>().map(|m| m.mib).ok();
+        assert_eq!(mib("4308MiB"), Some(4308));
+        assert_eq!(mib("4GiB"), Some(4096));
+        assert_eq!(mib("4308"), Some(4308));
+        assert_eq!(mib(" 2 gib "), Some(2048));
+        for bad in [
+            "",
+            "0",
+            "4GB",
+            "-1MiB",
+            "1.5GiB",
+            "MiB",
+            "99999999999999999999GiB",
+        ] {
+            assert_eq!(mib(bad), None, "{bad}");
         }
     }
 

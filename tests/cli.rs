@@ -218,3 +218,123 @@ async fn sigterm_stops_the_plugin_and_removes_its_socket() {
     assert!(kubelet.wait_for_disconnect("example.com/vram", WAIT).await);
     kubelet.stop().await;
 }
+
+/// `gpumem exec` with the fake driver standing in for NVML and CUDA.
+fn exec() -> Command {
+    let kit = common::shim_kit();
+    let mut cmd = gpumem();
+    cmd.arg("exec")
+        .arg("--shim")
+        .arg(&kit.shim)
+        .env("LD_LIBRARY_PATH", &kit.driver_dir);
+    cmd
+}
+
+#[test]
+fn exec_caps_any_command() {
+    let kit = common::shim_kit();
+    let (out, text) = run(exec()
+        .args(["--mem", "4308MiB", "--"])
+        .arg(&kit.probe)
+        .args(["info", "nvml", "alloc:4000", "alloc:400"]));
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(common::field(lines[1], "total"), 4308 * common::MIB);
+    assert_eq!(common::field(lines[2], "total"), 4308 * common::MIB);
+    assert!(
+        lines.contains(&"alloc:4000 0 #0") && lines.contains(&"alloc:400 2 #1"),
+        "{text}"
+    );
+}
+
+#[test]
+fn exec_commands_sharing_a_state_dir_share_the_cap() {
+    let kit = common::shim_kit();
+    let state = tempfile::tempdir().unwrap();
+    let mut holder = exec()
+        .args(["--mem", "4GiB", "--state-dir"])
+        .arg(state.path())
+        .arg("--")
+        .arg(&kit.probe)
+        .args(["alloc:3000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("holding") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
+    }
+    let (ok, text) = run(exec()
+        .args(["--mem", "4GiB", "--state-dir"])
+        .arg(state.path())
+        .arg("--")
+        .arg(&kit.probe)
+        .args(["alloc:2000", "alloc:1000"]));
+    assert!(ok.status.success(), "{text}");
+    assert!(
+        text.contains("alloc:2000 2 #0") && text.contains("alloc:1000 0 #1"),
+        "{text}"
+    );
+    // SIGTERM to gpumem reaches the command; gpumem reports how it ended.
+    kill(Pid::from_raw(holder.id() as i32), Signal::SIGTERM).unwrap();
+    let status = holder.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + 15));
+}
+
+#[test]
+fn exec_reports_the_exit_code_and_bad_input() {
+    let (out, _) = run(exec().args(["--mem", "1GiB", "--", "sh", "-c", "exit 7"]));
+    assert_eq!(out.status.code(), Some(7));
+
+    let (out, text) = run(gpumem()
+        .args([
+            "exec",
+            "--shim",
+            "/nonexistent/libgpumem_shim.so",
+            "--mem",
+            "1GiB",
+            "--",
+            "true",
+        ])
+        .env("LD_LIBRARY_PATH", &common::shim_kit().driver_dir));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("/nonexistent/libgpumem_shim.so") && text.contains("--shim"),
+        "{text}"
+    );
+
+    let (out, text) = run(exec().args(["--mem", "4GB", "--", "true"]));
+    assert!(!out.status.success());
+    assert!(text.contains("--mem") && text.contains("4GiB"), "{text}");
+
+    let (out, text) = run(exec().args(["--mem", "1GiB", "--gpu", "7", "--", "true"]));
+    assert!(!out.status.success());
+    assert!(text.contains("--gpu \"7\""), "{text}");
+}
+
+#[tokio::test]
+async fn the_nvml_backend_advertises_what_nvml_reports() {
+    // The fake driver doubles as libnvidia-ml.so.1: one 15079 MiB T4.
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let mut child = gpumem()
+        .args(["plugin", "--isolation", "none", "--kubelet-dir"])
+        .arg(dir.path())
+        .env("LD_LIBRARY_PATH", &common::shim_kit().driver_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let devices = kubelet.wait_for_devices(RESOURCE, 1, WAIT).await;
+    let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await;
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(devices.map(|d| d.len()), Some(14));
+    let env = allocation.unwrap().response.envs;
+    assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], common::T4_UUID);
+    assert_eq!(env["GPUMEM_LIMIT_MIB"], "4308");
+    assert!(status.success());
+    kubelet.stop().await;
+}

@@ -343,6 +343,7 @@ async fn refuses_to_start_beside_a_live_instance() {
         kubelet_dir: node.dir.path().to_owned(),
         resource_name: Default::default(),
         policy: Policy::Binpack,
+        isolation: gpumem::inject::Isolation::None,
     });
     let (_tx, rx) = tokio::sync::watch::channel(std::sync::Arc::new(common::inventory(
         "t4",

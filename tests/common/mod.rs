@@ -10,6 +10,7 @@ use std::time::Duration;
 use gpumem::api::deviceplugin::device_plugin_client::DevicePluginClient;
 use gpumem::api::deviceplugin::Device;
 use gpumem::gpu::{FakeGpus, GpuSource};
+use gpumem::inject::Isolation;
 use gpumem::inventory::Inventory;
 use gpumem::kubelet;
 use gpumem::placement::Policy;
@@ -59,11 +60,36 @@ impl Node {
         node
     }
 
+    /// A node whose plugin enforces caps with `isolation`.
+    pub async fn with_isolation(fixture_name: &str, isolation: Isolation) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        let mut node = Node::spawn(
+            dir,
+            fixture_name,
+            MemoryUnit::GiB,
+            Policy::Binpack,
+            isolation,
+        );
+        node.kubelet = Some(kubelet);
+        node
+    }
+
     pub fn without_kubelet(
         dir: TempDir,
         fixture_name: &str,
         unit: MemoryUnit,
         policy: Policy,
+    ) -> Node {
+        Node::spawn(dir, fixture_name, unit, policy, Isolation::None)
+    }
+
+    fn spawn(
+        dir: TempDir,
+        fixture_name: &str,
+        unit: MemoryUnit,
+        policy: Policy,
+        isolation: Isolation,
     ) -> Node {
         let shutdown = CancellationToken::new();
         let (tx, rx) = watch::channel(Arc::new(inventory(fixture_name, unit)));
@@ -71,6 +97,7 @@ impl Node {
             kubelet_dir: dir.path().to_owned(),
             resource_name: ResourceName::default(),
             policy,
+            isolation,
         });
         let plugin = tokio::spawn(plugin.run(rx, shutdown.clone()));
         Node {
@@ -114,4 +141,121 @@ impl Node {
             "socket removed on shutdown"
         );
     }
+}
+
+/// The shim, the fake driver (as libcuda.so.1 and libnvidia-ml.so.1 in one
+/// directory) and the probe, built once per test binary.
+pub struct ShimKit {
+    pub shim: PathBuf,
+    pub driver_dir: PathBuf,
+    pub probe: PathBuf,
+}
+
+pub const T4_UUID: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
+pub const MIB: u64 = 1 << 20;
+
+pub fn shim_kit() -> &'static ShimKit {
+    static KIT: std::sync::OnceLock<ShimKit> = std::sync::OnceLock::new();
+    KIT.get_or_init(|| {
+        // target/<profile>/deps/<test binary> → target/<profile>
+        let exe = std::env::current_exe().unwrap();
+        let out = exe.parent().and_then(Path::parent).unwrap().to_owned();
+        let profile = out.file_name().unwrap().to_str().unwrap().to_owned();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut build = std::process::Command::new(cargo);
+        build.args([
+            "build",
+            "-p",
+            "gpumem-shim",
+            "-p",
+            "gpumem-fakegpu",
+            "-p",
+            "gpumem-probe",
+        ]);
+        if profile == "release" {
+            build.arg("--release");
+        }
+        let status = build
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(
+            status.success(),
+            "building the shim, fake driver and probe failed"
+        );
+        // CI points this at the glibc-2.17 release build to test what ships.
+        let shim = std::env::var_os("GPUMEM_TEST_SHIM")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| out.join("libgpumem_shim.so"));
+        assert!(shim.is_file(), "{} missing", shim.display());
+        let driver_dir = out.join("fake-driver");
+        std::fs::create_dir_all(&driver_dir).unwrap();
+        for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+            // Copy then rename: a test binary running in parallel may have it mapped.
+            let staging = driver_dir.join(format!(".{name}.{}", std::process::id()));
+            std::fs::copy(out.join("libgpumem_fakegpu.so"), &staging).unwrap();
+            std::fs::rename(&staging, driver_dir.join(name)).unwrap();
+        }
+        ShimKit {
+            shim,
+            driver_dir,
+            probe: out.join("gpumem-probe"),
+        }
+    })
+}
+
+impl ShimKit {
+    /// The probe with the fake driver on the library path and, when
+    /// `state_dir` is given, the shim preloaded against it.
+    pub fn probe(&self, state_dir: Option<&Path>) -> std::process::Command {
+        let mut cmd = std::process::Command::new(&self.probe);
+        cmd.env("LD_LIBRARY_PATH", &self.driver_dir);
+        for (key, _) in std::env::vars() {
+            if key.starts_with("GPUMEM_") || key.starts_with("FAKEGPU_") {
+                cmd.env_remove(key);
+            }
+        }
+        if let Some(dir) = state_dir {
+            cmd.env("LD_PRELOAD", &self.shim)
+                .env("GPUMEM_STATE_DIR", dir);
+        }
+        cmd
+    }
+}
+
+/// A state directory capping the fake T4 at `cap_mib`.
+pub fn capped_dir(cap_mib: u64) -> TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    gpumem::accounting::prepare(
+        dir.path(),
+        &[gpumem::accounting::Cap {
+            uuid: T4_UUID.into(),
+            cap_mib,
+            context_charge_mib: 0,
+        }],
+    )
+    .unwrap();
+    dir
+}
+
+/// Runs a command, returning (success, stdout lines, stderr).
+pub fn run_lines(cmd: &mut std::process::Command) -> (bool, Vec<String>, String) {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    (
+        out.status.success(),
+        stdout,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The value of `key=` in a probe line.
+pub fn field(line: &str, key: &str) -> u64 {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }

@@ -1,0 +1,180 @@
+//! The `dlsym` interposer: nvidia-smi, pynvml and the CUDA runtime reach
+//! NVML and the driver through dlopen + dlsym, so this is where they meet us.
+//!
+//! Names we do not hook are tail-called into the real `dlsym` with the
+//! caller's stack untouched, so it still sees the caller's return address:
+//! `dlsym(RTLD_NEXT, …)` from any library keeps its meaning.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::hook::as_fn;
+use crate::table::Hooked;
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// The real `dlsym`; read by the assembly entry point.
+static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+fn real_dlsym() -> usize {
+    let known = REAL_DLSYM.load(Ordering::Acquire);
+    if known != 0 {
+        return known;
+    }
+    // dlvsym is not interposed, so this cannot recurse. glibc 2.34 moved
+    // dlsym into libc with a new version; older ones only have 2.2.5.
+    for version in [c"GLIBC_2.34", c"GLIBC_2.2.5", c"GLIBC_2.17"] {
+        // SAFETY: valid NUL-terminated strings; RTLD_NEXT is a valid handle.
+        let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+        if !found.is_null() {
+            REAL_DLSYM.store(found as usize, Ordering::Release);
+            return found as usize;
+        }
+    }
+    0
+}
+
+/// Calls the real `dlsym` from this library.
+fn call_real(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    let real = real_dlsym();
+    if real == 0 {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: `real` is glibc's dlsym, resolved by name and version.
+    unsafe { as_fn::<DlsymFn>(real)(handle, name) }
+}
+
+/// `name` as resolved after this library: the real function behind one of
+/// our exports.
+pub fn next(name: &CStr) -> *mut c_void {
+    call_real(libc::RTLD_NEXT, name.as_ptr())
+}
+
+/// A library we look up without loading it: if the process has not loaded
+/// it, there is nothing to ask it.
+pub struct Library {
+    soname: &'static CStr,
+    handle: AtomicUsize,
+}
+
+pub static LIBCUDA: Library = Library::new(c"libcuda.so.1");
+pub static LIBNVML: Library = Library::new(c"libnvidia-ml.so.1");
+
+impl Library {
+    const fn new(soname: &'static CStr) -> Self {
+        Library {
+            soname,
+            handle: AtomicUsize::new(0),
+        }
+    }
+
+    fn handle(&self) -> *mut c_void {
+        let known = self.handle.load(Ordering::Acquire);
+        if known != 0 {
+            return known as *mut c_void;
+        }
+        // SAFETY: RTLD_NOLOAD only returns a handle to an already-loaded object.
+        let handle =
+            unsafe { libc::dlopen(self.soname.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+        if !handle.is_null() {
+            self.handle.store(handle as usize, Ordering::Release);
+        }
+        handle
+    }
+
+    /// The address of `name` in this library, if it is loaded and has it.
+    pub fn symbol(&self, name: &CStr) -> *mut c_void {
+        let handle = self.handle();
+        if handle.is_null() {
+            return std::ptr::null_mut();
+        }
+        call_real(handle, name.as_ptr())
+    }
+}
+
+/// Called by the entry point for every `dlsym`: makes sure the real dlsym
+/// is known and says whether `name` is one we hook. Must not allocate.
+extern "C" fn classify(name: *const c_char) -> usize {
+    catch_unwind(|| {
+        real_dlsym();
+        if name.is_null() {
+            return 0;
+        }
+        // SAFETY: dlsym's contract: `name` is a NUL-terminated string.
+        let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
+        usize::from(Hooked::from_name(bytes).is_some())
+    })
+    .unwrap_or(0)
+}
+
+/// Resolves a hooked name and hands back our entry point instead, after
+/// recording the real function it stands for.
+extern "C" fn intercept(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    catch_unwind(AssertUnwindSafe(|| substitute(handle, name)))
+        .unwrap_or_else(|_| call_real(handle, name))
+}
+
+fn substitute(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    let mut found = call_real(handle, name);
+    // SAFETY: classify already checked `name` is a non-null C string.
+    let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
+    let Some(hooked) = Hooked::from_name(bytes) else {
+        return found;
+    };
+    if found as usize == hooked.hook() {
+        // RTLD_DEFAULT found our own export first: the real one comes after us.
+        found = call_real(libc::RTLD_NEXT, name);
+    }
+    if found.is_null() {
+        return found;
+    }
+    hooked.real().store(found);
+    hooked.hook() as *mut c_void
+}
+
+/// The exported `dlsym`. Unhooked names jump straight into the real one.
+#[cfg(target_arch = "x86_64")]
+#[unsafe(naked)]
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    std::arch::naked_asm!(
+        // Keep both arguments across the call; 3 × 8 bytes re-aligns the
+        // stack to 16 for the callee.
+        "push rdi",
+        "push rsi",
+        "sub rsp, 8",
+        "mov rdi, rsi",
+        "call {classify}",
+        "add rsp, 8",
+        "pop rsi",
+        "pop rdi",
+        "test rax, rax",
+        "jnz 2f",
+        // Not ours: tail-call the real dlsym with the caller's frame.
+        "mov rax, qword ptr [rip + {real}]",
+        "test rax, rax",
+        "jz 3f",
+        "jmp rax",
+        "2:",
+        "jmp {intercept}",
+        "3:",
+        "xor eax, eax",
+        "ret",
+        classify = sym classify,
+        real = sym REAL_DLSYM,
+        intercept = sym intercept,
+    )
+}
+
+/// Portable fallback: correct for every handle except `RTLD_NEXT` from a
+/// caller other than the main program, which resolves relative to us.
+#[cfg(not(target_arch = "x86_64"))]
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
+    if classify(name) != 0 {
+        intercept(handle, name)
+    } else {
+        call_real(handle, name)
+    }
+}

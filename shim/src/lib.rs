@@ -1,0 +1,24 @@
+//! libgpumem_shim.so: preloaded into every process of a capped container,
+//! it holds all of them together to the container's GPU memory cap.
+//!
+//! Entry points: `dlsym` (how nvidia-smi, pynvml and the CUDA runtime find
+//! NVML and the driver), `cuGetProcAddress[_v2]` (how the runtime finds each
+//! driver function), and the hooked functions themselves for programs linked
+//! directly. Hooks charge a shared per-container accounting file
+//! (`gpumem-layout`) and refuse with `CUDA_ERROR_OUT_OF_MEMORY` past the cap.
+//! Nothing runs at load time: a process that never touches CUDA or NVML
+//! pays nothing. All of the project's `unsafe` lives in this crate.
+
+mod cuda;
+// Unit tests do not export the entry points, so nothing calls them there.
+#[cfg_attr(test, allow(dead_code))]
+mod dlsym;
+mod fork;
+mod hook;
+mod log;
+mod nvml;
+mod ops;
+mod procaddr;
+mod region;
+mod table;
+mod track;

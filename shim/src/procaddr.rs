@@ -1,0 +1,101 @@
+//! `cuGetProcAddress` wrapping: the CUDA runtime asks the driver for its
+//! entry points by name, so each answer for a hooked function is swapped
+//! for our hook, after recording the exact pointer the driver returned.
+
+#![allow(non_snake_case)]
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use crate::cuda::{CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
+use crate::dlsym::LIBCUDA;
+use crate::hook::{self, guarded};
+use crate::table::Hooked;
+
+type GetProcAddressFn =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
+type GetProcAddressV2Fn =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+
+/// Which variant the driver returned for `symbol`: the exported entry point
+/// it is identical to, or failing that the documented one.
+fn identify(symbol: &[u8], returned: usize, cuda_version: c_int, flags: u64) -> Option<Hooked> {
+    let candidates = Hooked::candidates(symbol);
+    if candidates.is_empty() {
+        return None;
+    }
+    candidates
+        .iter()
+        .copied()
+        .find(|c| LIBCUDA.symbol(c.name()) as usize == returned)
+        .or_else(|| Hooked::documented(symbol, cuda_version, flags))
+}
+
+/// Replaces the driver's answer in `*pfn` with our hook when it is one of ours.
+fn wrap_answer(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64) {
+    if symbol.is_null() || pfn.is_null() {
+        return;
+    }
+    // SAFETY: the driver succeeded, so `pfn` holds its answer and `symbol`
+    // is the caller's C string.
+    let (returned, name) = unsafe { (*pfn as usize, CStr::from_ptr(symbol).to_bytes()) };
+    if returned == 0 {
+        return;
+    }
+    let Some(hooked) = identify(name, returned, cuda_version, flags) else {
+        return;
+    };
+    if returned == hooked.hook() {
+        return;
+    }
+    hooked.real().store(returned as *mut c_void);
+    // SAFETY: `pfn` is the caller's valid out-pointer.
+    unsafe { *pfn = hooked.hook() as *mut c_void };
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: c_int,
+    flags: u64,
+) -> CUresult {
+    let address = Hooked::GetProcAddress
+        .real()
+        .get_or_next(Hooked::GetProcAddress.name());
+    if address == 0 {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    // SAFETY: the slot holds the driver's 4-argument cuGetProcAddress.
+    let real = unsafe { hook::as_fn::<GetProcAddressFn>(address) };
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(symbol, pfn, cuda_version, flags) };
+    if result == CUDA_SUCCESS {
+        guarded(|| (), || wrap_answer(symbol, pfn, cuda_version, flags));
+    }
+    result
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    cuda_version: c_int,
+    flags: u64,
+    symbol_status: *mut c_int,
+) -> CUresult {
+    let address = Hooked::GetProcAddressV2
+        .real()
+        .get_or_next(Hooked::GetProcAddressV2.name());
+    if address == 0 {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    // SAFETY: the slot holds the driver's 5-argument cuGetProcAddress_v2.
+    let real = unsafe { hook::as_fn::<GetProcAddressV2Fn>(address) };
+    // SAFETY: forwards the caller's arguments unchanged; `symbol_status`
+    // is the driver's to fill.
+    let result = unsafe { real(symbol, pfn, cuda_version, flags, symbol_status) };
+    if result == CUDA_SUCCESS {
+        guarded(|| (), || wrap_answer(symbol, pfn, cuda_version, flags));
+    }
+    result
+}

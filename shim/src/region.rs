@@ -1,0 +1,293 @@
+//! The container's accounting file, mapped shared: per-process slots claimed
+//! with record locks the kernel drops when a process dies, and lock-free sums.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+
+use gpumem_layout::{self as layout, device, header, slot, state, DeviceSpec, Geometry};
+
+#[derive(Debug)]
+pub enum RegionError {
+    Open(std::io::Error),
+    Map(std::io::Error),
+    Layout(layout::LayoutError),
+}
+
+impl std::fmt::Display for RegionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RegionError::Open(e) => write!(f, "cannot open: {e}"),
+            RegionError::Map(e) => write!(f, "cannot map: {e}"),
+            RegionError::Layout(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// A mapping that lives until the process exits: the file descriptor is
+/// never closed, because closing any descriptor of the file would drop this
+/// process's record locks and make its slot look dead.
+pub struct Region {
+    base: *mut u8,
+    fd: libc::c_int,
+    geometry: Geometry,
+    devices: Vec<DeviceSpec>,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics (the
+// mutable fields) or read-only after validation (the device records).
+unsafe impl Send for Region {}
+// SAFETY: as above.
+unsafe impl Sync for Region {}
+
+/// Whether another process holds the lock of a slot.
+enum Holder {
+    Alive,
+    Gone,
+    Unknown,
+}
+
+impl Region {
+    pub fn open(path: &Path) -> Result<Region, RegionError> {
+        let c_path = CString::new(path.as_os_str().as_bytes())
+            .map_err(|e| RegionError::Open(std::io::Error::other(e)))?;
+        // SAFETY: c_path is a valid NUL-terminated string.
+        let fd = unsafe { libc::open(c_path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(RegionError::Open(std::io::Error::last_os_error()));
+        }
+        match Self::map(fd) {
+            Ok(region) => Ok(region),
+            Err(err) => {
+                // SAFETY: fd is ours and not yet shared with any mapping.
+                unsafe { libc::close(fd) };
+                Err(err)
+            }
+        }
+    }
+
+    fn map(fd: libc::c_int) -> Result<Region, RegionError> {
+        // SAFETY: a zeroed stat is a valid out-buffer for fstat.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open; st is a valid out-pointer.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(RegionError::Open(std::io::Error::last_os_error()));
+        }
+        let len = usize::try_from(st.st_size).unwrap_or(0);
+        if len < layout::HEADER_LEN {
+            return Err(RegionError::Layout(layout::LayoutError::TooShort {
+                len,
+                need: layout::HEADER_LEN,
+            }));
+        }
+        // SAFETY: maps `len` bytes of an open file shared; checked below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(RegionError::Map(std::io::Error::last_os_error()));
+        }
+        // SAFETY: the mapping is `len` bytes long and readable. The header
+        // and device records are written once by the plugin before any
+        // process maps the file, so reading them as bytes is sound.
+        let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+        let checked = layout::validate(bytes).map(|g| (g, layout::devices(bytes, g)));
+        match checked {
+            Ok((geometry, devices)) => Ok(Region {
+                base: base.cast(),
+                fd,
+                geometry,
+                devices,
+            }),
+            Err(err) => {
+                // SAFETY: unmaps exactly what was mapped above.
+                unsafe { libc::munmap(base, len) };
+                Err(RegionError::Layout(err))
+            }
+        }
+    }
+
+    pub fn devices(&self) -> &[DeviceSpec] {
+        &self.devices
+    }
+
+    pub fn slot_count(&self) -> usize {
+        self.geometry.slots
+    }
+
+    fn u64_at(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.geometry.file_len());
+        // SAFETY: offsets come from the layout crate for a validated
+        // geometry, so they are 8-aligned (records are 64-aligned, fields
+        // 8-aligned) and inside the mapping, which is never unmapped.
+        unsafe { &*self.base.add(offset).cast::<AtomicU64>() }
+    }
+
+    fn u32_at(&self, offset: usize) -> &AtomicU32 {
+        debug_assert!(offset.is_multiple_of(4) && offset + 4 <= self.geometry.file_len());
+        // SAFETY: as for u64_at, with 4-byte alignment.
+        unsafe { &*self.base.add(offset).cast::<AtomicU32>() }
+    }
+
+    fn slot_at(&self, index: usize) -> usize {
+        layout::slot_offset(self.geometry.devices, index)
+    }
+
+    /// The counter slot `index` keeps for device `dev`.
+    pub fn used_counter(&self, index: usize, dev: usize) -> &AtomicU64 {
+        self.u64_at(self.slot_at(index) + slot::USED + 8 * dev)
+    }
+
+    fn state(&self, index: usize) -> &AtomicU64 {
+        self.u64_at(self.slot_at(index) + slot::STATE)
+    }
+
+    fn hwm(&self) -> usize {
+        (self.u32_at(header::SLOT_HWM).load(SeqCst) as usize).min(self.geometry.slots)
+    }
+
+    /// Bytes charged on `dev` by every process, plus what the node daemon
+    /// observed beyond that.
+    pub fn used(&self, dev: usize) -> u64 {
+        let slots = (0..self.hwm())
+            .map(|i| self.used_counter(i, dev).load(SeqCst))
+            .fold(0u64, u64::saturating_add);
+        slots.saturating_add(
+            self.u64_at(layout::device_offset(dev) + device::OBSERVED_EXTRA)
+                .load(SeqCst),
+        )
+    }
+
+    pub fn note_peak(&self, dev: usize, total: u64) {
+        self.u64_at(layout::device_offset(dev) + device::PEAK)
+            .fetch_max(total, SeqCst);
+    }
+
+    pub fn note_oom(&self, dev: usize) {
+        self.u64_at(layout::device_offset(dev) + device::OOM_COUNT)
+            .fetch_add(1, SeqCst);
+    }
+
+    /// Claims a free slot for this process: CAS it to CLAIMING, take its
+    /// record lock, publish pid and start time, then ALIVE. A live slot
+    /// therefore always shows a lock.
+    pub fn claim(&self, pid: u32, start_time: u64) -> Option<usize> {
+        for index in 0..self.geometry.slots {
+            let word = self.state(index);
+            let current = word.load(SeqCst);
+            if current & 0xff != state::FREE {
+                continue;
+            }
+            let generation = (current >> 8).wrapping_add(1);
+            let claiming = generation << 8 | state::CLAIMING;
+            if word
+                .compare_exchange(current, claiming, SeqCst, SeqCst)
+                .is_err()
+            {
+                continue;
+            }
+            if !self.lock(index) {
+                // Someone holds this slot's lock after all: leave it alone.
+                word.store(current, SeqCst);
+                continue;
+            }
+            let at = self.slot_at(index);
+            for dev in 0..self.geometry.devices {
+                self.used_counter(index, dev).store(0, SeqCst);
+            }
+            self.u64_at(at + slot::PID).store(u64::from(pid), SeqCst);
+            self.u64_at(at + slot::START_TIME).store(start_time, SeqCst);
+            self.u32_at(header::SLOT_HWM)
+                .fetch_max(index as u32 + 1, SeqCst);
+            word.store(generation << 8 | state::ALIVE, SeqCst);
+            return Some(index);
+        }
+        None
+    }
+
+    /// Frees the slots of processes that died without cleaning up (SIGKILL,
+    /// OOM kill). Returns how many were reaped.
+    pub fn reap(&self, own: Option<usize>) -> usize {
+        let mut reaped = 0;
+        for index in 0..self.hwm() {
+            if Some(index) == own {
+                continue;
+            }
+            let word = self.state(index);
+            let current = word.load(SeqCst);
+            if current & 0xff != state::ALIVE {
+                continue;
+            }
+            if !matches!(self.holder(index), Holder::Gone) {
+                continue;
+            }
+            let at = self.slot_at(index);
+            let pid = self.u64_at(at + slot::PID).load(SeqCst);
+            let start = self.u64_at(at + slot::START_TIME).load(SeqCst);
+            // No lock but the same process still running: it closed our
+            // descriptor by accident. Its usage is real; keep the slot.
+            if u32::try_from(pid).ok().and_then(start_time_of) == Some(start) && start != 0 {
+                continue;
+            }
+            let reaping = (current & !0xff) | state::REAPING;
+            if word
+                .compare_exchange(current, reaping, SeqCst, SeqCst)
+                .is_err()
+            {
+                continue;
+            }
+            for dev in 0..self.geometry.devices {
+                self.used_counter(index, dev).store(0, SeqCst);
+            }
+            word.store((current & !0xff) | state::FREE, SeqCst);
+            reaped += 1;
+        }
+        reaped
+    }
+
+    fn lock_request(&self, index: usize, kind: libc::c_short) -> libc::flock {
+        // SAFETY: flock is plain data; zero is a valid starting value.
+        let mut request: libc::flock = unsafe { std::mem::zeroed() };
+        request.l_type = kind;
+        request.l_whence = libc::SEEK_SET as libc::c_short;
+        request.l_start = self.slot_at(index) as libc::off_t;
+        request.l_len = 1;
+        request
+    }
+
+    fn lock(&self, index: usize) -> bool {
+        let request = self.lock_request(index, libc::F_WRLCK as libc::c_short);
+        // SAFETY: fd is open for writing; request is a valid flock.
+        unsafe { libc::fcntl(self.fd, libc::F_SETLK, &request) == 0 }
+    }
+
+    fn holder(&self, index: usize) -> Holder {
+        let mut request = self.lock_request(index, libc::F_WRLCK as libc::c_short);
+        // SAFETY: fd is open; request is a valid in/out flock.
+        if unsafe { libc::fcntl(self.fd, libc::F_GETLK, &mut request) } != 0 {
+            return Holder::Unknown;
+        }
+        if request.l_type == libc::F_UNLCK as libc::c_short {
+            Holder::Gone
+        } else {
+            Holder::Alive
+        }
+    }
+}
+
+/// Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22).
+pub fn start_time_of(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses; fields
+    // after the last ')' are plain. Field 22 is the 20th after it.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}

@@ -1,0 +1,158 @@
+//! `gpumem exec`: run any command under a memory cap without Kubernetes,
+//! with the same shim and accounting a capped container gets.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::accounting::{self, AccountingError, Cap};
+use crate::gpu::Gpu;
+use crate::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
+
+#[derive(Debug, Clone)]
+pub struct ExecConfig {
+    /// Cap per GPU, MiB.
+    pub mem_mib: u64,
+    /// The GPUs to cap (every one the process can use should be here).
+    pub gpus: Vec<Gpu>,
+    /// Shared accounting directory; a private temporary one when `None`.
+    pub state_dir: Option<PathBuf>,
+    pub shim: PathBuf,
+    pub context_charge_mib: u64,
+    /// Restrict CUDA to the capped GPUs (set when the user picked GPUs).
+    pub only_selected: bool,
+    pub command: Vec<OsString>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    #[error("--gpu {0:?} matches no GPU on this node (give an index or a UUID)")]
+    NoSuchGpu(String),
+    #[error(
+        "shim library not found (looked for {}); build it with `cargo build --release -p gpumem-shim` \
+         and pass --shim PATH",
+        .0.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+    )]
+    NoShim(Vec<PathBuf>),
+    #[error("no command given: gpumem exec --mem 4308MiB -- COMMAND [ARGS...]")]
+    NoCommand,
+    #[error(transparent)]
+    Accounting(#[from] AccountingError),
+    #[error("cannot create a temporary state directory: {0}")]
+    TempDir(std::io::Error),
+    #[error("cannot run {command:?}: {source}")]
+    Spawn {
+        command: OsString,
+        source: std::io::Error,
+    },
+}
+
+/// Keeps the GPUs named by `selectors` (indices or UUIDs); all when empty.
+pub fn select(gpus: Vec<Gpu>, selectors: &[String]) -> Result<Vec<Gpu>, ExecError> {
+    if selectors.is_empty() {
+        return Ok(gpus);
+    }
+    selectors
+        .iter()
+        .map(|s| {
+            gpus.iter()
+                .find(|g| g.uuid.eq_ignore_ascii_case(s) || s.parse() == Ok(g.index))
+                .cloned()
+                .ok_or_else(|| ExecError::NoSuchGpu(s.clone()))
+        })
+        .collect()
+}
+
+/// The shim to preload: `explicit`, else next to this executable, else
+/// where the DaemonSet installs it.
+pub fn find_shim(explicit: Option<PathBuf>) -> Result<PathBuf, ExecError> {
+    let mut candidates = Vec::new();
+    match explicit {
+        Some(path) => candidates.push(path),
+        None => {
+            if let Some(dir) = std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(Path::to_owned))
+            {
+                candidates.push(dir.join(SHIM_LIBRARY));
+            }
+            candidates.push(Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY));
+        }
+    }
+    match candidates.iter().find(|p| p.is_file()) {
+        Some(found) => Ok(std::path::absolute(found).unwrap_or_else(|_| found.clone())),
+        None => Err(ExecError::NoShim(candidates)),
+    }
+}
+
+/// Runs the command with the shim preloaded and returns its exit status.
+/// SIGTERM is passed on to the child; SIGINT already reaches it from the
+/// terminal, so gpumem only waits for it to exit.
+pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
+    let (program, args) = config.command.split_first().ok_or(ExecError::NoCommand)?;
+    let temp;
+    let state_dir = match &config.state_dir {
+        Some(dir) => dir.clone(),
+        None => {
+            temp = tempfile::Builder::new()
+                .prefix("gpumem-exec-")
+                .tempdir()
+                .map_err(ExecError::TempDir)?;
+            temp.path().to_owned()
+        }
+    };
+    let caps: Vec<Cap> = config
+        .gpus
+        .iter()
+        .map(|g| Cap {
+            uuid: g.uuid.clone(),
+            cap_mib: config.mem_mib,
+            context_charge_mib: config.context_charge_mib,
+        })
+        .collect();
+    accounting::prepare(&state_dir, &caps)?;
+
+    let mut preload = config.shim.clone().into_os_string();
+    if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
+        preload.push(":");
+        preload.push(existing);
+    }
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args(args)
+        .env("LD_PRELOAD", preload)
+        .env(env::STATE_DIR, &state_dir)
+        .env(env::LIMIT_MIB, config.mem_mib.to_string());
+    if config.only_selected {
+        let uuids: Vec<&str> = config.gpus.iter().map(|g| g.uuid.as_str()).collect();
+        command.env("CUDA_VISIBLE_DEVICES", uuids.join(","));
+    }
+    let mut child = command.spawn().map_err(|source| ExecError::Spawn {
+        command: program.clone(),
+        source,
+    })?;
+    let pid = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .map(Pid::from_raw);
+    // Handling these keeps gpumem alive to clean up after the child.
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    loop {
+        tokio::select! {
+            status = child.wait() => {
+                return status.map_err(|source| ExecError::Spawn { command: program.clone(), source });
+            }
+            Some(()) = async { term.as_mut()?.recv().await } => {
+                if let Some(pid) = pid {
+                    let _ = kill(pid, Signal::SIGTERM);
+                }
+            }
+            Some(()) = async { int.as_mut()?.recv().await } => {}
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The plugin's half of isolation: what Allocate mounts and writes, and the
+//! shim enforcing the result in a real process.
+
+mod common;
+
+use common::{field, run_lines, shim_kit, Node, MIB, RESOURCE};
+use gpumem::inject::{Isolation, ShimConfig};
+use gpumem::simulator::AdmissionError;
+use tonic::Code;
+
+fn shim_isolation(host: &std::path::Path, state: &std::path::Path) -> Isolation {
+    Isolation::Shim(ShimConfig {
+        host_dir: host.to_owned(),
+        state_dir: state.to_owned(),
+        context_charge_mib: 0,
+    })
+}
+
+/// A host directory laid out as the DaemonSet's installer leaves it.
+fn installed_shim() -> tempfile::TempDir {
+    let host = tempfile::tempdir().unwrap();
+    std::fs::copy(&shim_kit().shim, host.path().join("libgpumem_shim.so")).unwrap();
+    std::fs::write(
+        host.path().join("ld.so.preload"),
+        "/usr/local/gpumem/libgpumem_shim.so\n",
+    )
+    .unwrap();
+    host
+}
+
+#[tokio::test]
+async fn allocate_mounts_the_shim_and_a_private_accounting_directory() {
+    let host = installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let node = Node::with_isolation("t4", shim_isolation(host.path(), state.path())).await;
+    node.devices().await;
+
+    let first = node
+        .kubelet()
+        .admit("nb-1", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    let second = node
+        .kubelet()
+        .admit("nb-2", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    let response = &first.response;
+    assert_eq!(response.envs["GPUMEM_STATE_DIR"], "/var/run/gpumem");
+    assert_eq!(response.envs["GPUMEM_LIMIT_MIB"], "4308");
+
+    let mounts: Vec<_> = response
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m.host_path.clone(), m.read_only))
+        .collect();
+    assert_eq!(mounts.len(), 3, "{mounts:?}");
+    assert_eq!(
+        mounts[0],
+        (
+            "/usr/local/gpumem/libgpumem_shim.so",
+            host.path().join("libgpumem_shim.so").display().to_string(),
+            true
+        )
+    );
+    assert_eq!(
+        mounts[1],
+        (
+            "/etc/ld.so.preload",
+            host.path().join("ld.so.preload").display().to_string(),
+            true
+        )
+    );
+    let (path, state_host, read_only) = &mounts[2];
+    assert_eq!((*path, *read_only), ("/var/run/gpumem", false));
+    assert!(state_host.starts_with(&state.path().join("containers").display().to_string()));
+    let other = &second.response.mounts[2].host_path;
+    assert_ne!(state_host, other, "each container has its own accounting");
+
+    // What the container's processes will see: the shim against that directory.
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(std::path::Path::new(state_host)))
+            .args(["info", "alloc:4000", "alloc:400"]),
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(field(&lines[1], "total"), 4308 * MIB);
+    assert_eq!(lines[2..], ["alloc:4000 0 #0", "alloc:400 2 #1"]);
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn allocate_refuses_rather_than_run_a_container_uncapped() {
+    let host = tempfile::tempdir().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let node = Node::with_isolation("t4", shim_isolation(host.path(), state.path())).await;
+    node.devices().await;
+
+    let err = node
+        .kubelet()
+        .admit("nb-1", "main", RESOURCE, 4)
+        .await
+        .unwrap_err();
+    let AdmissionError::Allocate(status) = err else {
+        panic!("{err}")
+    };
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(
+        status.message().contains("libgpumem_shim.so is missing"),
+        "{}",
+        status.message()
+    );
+    assert!(status
+        .message()
+        .contains(&host.path().display().to_string()));
+
+    // Once installed, the same plugin serves the next pod.
+    std::fs::copy(&shim_kit().shim, host.path().join("libgpumem_shim.so")).unwrap();
+    std::fs::write(
+        host.path().join("ld.so.preload"),
+        "/usr/local/gpumem/libgpumem_shim.so\n",
+    )
+    .unwrap();
+    node.kubelet()
+        .admit("nb-2", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn isolation_none_leaves_enforcement_to_others() {
+    let node = Node::with_isolation("t4", Isolation::None).await;
+    node.devices().await;
+    let allocation = node
+        .kubelet()
+        .admit("nb", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    assert!(allocation.response.mounts.is_empty());
+    assert!(!allocation.response.envs.contains_key("GPUMEM_STATE_DIR"));
+    assert_eq!(
+        allocation.response.envs["ALIYUN_COM_GPU_MEM_CONTAINER"],
+        "4"
+    );
+    node.stop().await;
+}
