@@ -7,7 +7,7 @@ use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use crate::dlsym::LIBCUDA;
-use crate::hook::{self, as_fn, guarded};
+use crate::hook::{self, as_fn, guarded, Real};
 use crate::ops::{self, charge_size, Refusal, Shim};
 use crate::table::Hooked;
 use crate::track::{Charge, Tracker};
@@ -62,17 +62,13 @@ fn device_at(shim: &Shim, ordinal: CUdevice) -> Option<usize> {
         return (cached >= 2).then(|| usize::from(cached - 2));
     }
     let mut uuid = [0u8; 16];
-    let mut found = false;
-    for name in [c"cuDeviceGetUuid_v2", c"cuDeviceGetUuid"] {
-        let address = LIBCUDA.symbol(name) as usize;
-        if address != 0 {
-            // SAFETY: both variants take (CUuuid*, CUdevice) and fill 16 bytes.
-            found =
-                unsafe { as_fn::<DeviceGetUuidFn>(address)(&mut uuid, ordinal) } == CUDA_SUCCESS;
-            break;
-        }
-    }
-    if !found {
+    // Once per ordinal: no need to cache the function.
+    let address = [c"cuDeviceGetUuid_v2", c"cuDeviceGetUuid"]
+        .into_iter()
+        .map(|name| LIBCUDA.symbol(name) as usize)
+        .find(|&a| a != 0)?;
+    // SAFETY: both variants take (CUuuid*, CUdevice) and fill 16 bytes.
+    if unsafe { as_fn::<DeviceGetUuidFn>(address)(&mut uuid, ordinal) } != CUDA_SUCCESS {
         return None;
     }
     let dev = shim.device_of(&uuid);
@@ -84,7 +80,8 @@ fn device_at(shim: &Shim, ordinal: CUdevice) -> Option<usize> {
 
 /// The capped device of the calling thread's current context.
 fn current_device(shim: &Shim) -> Option<usize> {
-    let address = LIBCUDA.symbol(c"cuCtxGetDevice") as usize;
+    static CTX_GET_DEVICE: Real = Real::new();
+    let address = LIBCUDA.cached(&CTX_GET_DEVICE, c"cuCtxGetDevice");
     if address == 0 {
         return None;
     }

@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::hook::as_fn;
+use crate::hook::{as_fn, Real};
 use crate::table::Hooked;
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
@@ -81,6 +81,20 @@ impl Library {
             self.handle.store(handle as usize, Ordering::Release);
         }
         handle
+    }
+
+    /// `symbol`, remembered in `slot` once found: for driver functions the
+    /// shim itself calls on hot paths.
+    pub fn cached(&self, slot: &Real, name: &CStr) -> usize {
+        let known = slot.load();
+        if known != 0 {
+            return known;
+        }
+        let found = self.symbol(name);
+        if !found.is_null() {
+            slot.store(found);
+        }
+        found as usize
     }
 
     /// The address of `name` in this library, if it is loaded and has it.

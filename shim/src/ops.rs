@@ -203,7 +203,8 @@ impl Shim {
 
     /// Charges the per-process context cost once per device.
     pub fn charge_context(&self, dev: usize) -> Result<(), Refusal> {
-        if CONTEXT_CHARGED[dev].swap(true, SeqCst) {
+        // A plain load first: this runs on every allocation.
+        if CONTEXT_CHARGED[dev].load(SeqCst) || CONTEXT_CHARGED[dev].swap(true, SeqCst) {
             return Ok(());
         }
         let bytes = self.region.devices()[dev].context_charge_bytes;
