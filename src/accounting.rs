@@ -114,6 +114,37 @@ pub fn usage(path: &Path) -> io::Result<Vec<Usage>> {
         .collect())
 }
 
+/// Whether a live process still has a slot in the accounting file: its
+/// record lock is held (the kernel drops it when the process dies).
+pub fn has_live_process(path: &Path) -> io::Result<bool> {
+    use nix::fcntl::{fcntl, FcntlArg};
+    use nix::libc;
+    use std::os::fd::AsFd;
+    let file = fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let bytes = fs::read(path)?;
+    let geometry =
+        layout::validate(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let hwm = (layout::get_u32(&bytes, layout::header::SLOT_HWM) as usize).min(geometry.slots);
+    for index in 0..hwm {
+        let at = layout::slot_offset(geometry.devices, index);
+        if layout::get_u64(&bytes, at + layout::slot::STATE) & 0xff != layout::state::ALIVE {
+            continue;
+        }
+        let mut probe = libc::flock {
+            l_type: libc::F_WRLCK as libc::c_short,
+            l_whence: libc::SEEK_SET as libc::c_short,
+            l_start: at as libc::off_t,
+            l_len: 1,
+            l_pid: 0,
+        };
+        fcntl(file.as_fd(), FcntlArg::F_GETLK(&mut probe)).map_err(io::Error::from)?;
+        if probe.l_type != libc::F_UNLCK as libc::c_short {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

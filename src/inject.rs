@@ -84,7 +84,7 @@ pub enum InjectError {
 /// Names a container's accounting directory after the devices it holds:
 /// kubelet never gives the same units to two live containers, and the name
 /// is the same if kubelet calls Allocate again for the same container.
-fn container_dir_name(inv: &Inventory, assignment: Assignment, ids: &[String]) -> String {
+pub fn container_dir_name(inv: &Inventory, assignment: Assignment, ids: &[String]) -> String {
     let mut sorted: Vec<&str> = ids.iter().map(String::as_str).collect();
     sorted.sort_unstable();
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;

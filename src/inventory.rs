@@ -157,6 +157,18 @@ impl Inventory {
         Ok(inventory)
     }
 
+    /// This inventory with one GPU's health changed; `None` when the UUID is
+    /// unknown or already has that health.
+    pub fn with_health(&self, uuid: &str, healthy: bool) -> Option<Inventory> {
+        let position = self
+            .gpus
+            .iter()
+            .position(|g| g.gpu.uuid == uuid && g.gpu.healthy != healthy)?;
+        let mut updated = self.clone();
+        updated.gpus[position].gpu.healthy = healthy;
+        Some(updated)
+    }
+
     pub fn unit(&self) -> MemoryUnit {
         self.unit
     }

@@ -7,15 +7,22 @@
 
 pub mod accounting;
 pub mod api;
+pub mod cleanup;
+pub mod daemon;
 pub mod demo;
 pub mod exec;
 pub mod gpu;
+pub mod health;
 pub mod inject;
+pub mod inspect;
 pub mod inventory;
 pub mod kubelet;
+pub mod metrics;
 pub mod placement;
 pub mod plugin;
+pub mod podresources;
 pub mod resource;
 pub mod service;
 pub mod simulator;
+pub mod status;
 pub mod units;

@@ -2,28 +2,39 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args, Parser, Subcommand};
-use tokio::sync::watch;
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
+use gpumem::daemon::{self, DaemonConfig};
 use gpumem::demo::{self, DemoConfig};
 use gpumem::exec::{self, ExecConfig};
 use gpumem::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
+use gpumem::health::{self, APPLICATION_XIDS};
 use gpumem::inject::{Isolation, ShimConfig};
+use gpumem::inspect;
 use gpumem::inventory::Inventory;
+use gpumem::metrics;
 use gpumem::placement::Policy;
-use gpumem::plugin::{Plugin, PluginConfig};
+use gpumem::plugin::PluginConfig;
+use gpumem::podresources::{self, PodResources};
 use gpumem::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
+use gpumem::status::NodeStatus;
 use gpumem::units::{MemorySize, MemoryUnit};
 
 /// Share NVIDIA GPUs between Kubernetes pods by memory.
+///
+/// Every flag can also be set through the environment variable shown with it.
 #[derive(Parser)]
 #[command(name = "gpumem", version, propagate_version = true)]
 struct Cli {
+    /// Log format: text for people, json for log pipelines.
+    #[arg(long, global = true, env = "GPUMEM_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -38,25 +49,67 @@ enum Command {
     /// Run a command with its GPU memory capped, as in a gpumem container
     /// (e.g. `gpumem exec --mem 4308MiB -- nvidia-smi`).
     Exec(ExecArgs),
+    /// Show the node's GPUs and which containers hold how much of them.
+    Inspect(InspectArgs),
 }
 
-/// Every flag can also be set through the environment variable shown.
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum IsolationMode {
+    Shim,
+    None,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OutputFormat {
+    Table,
+    Json,
+}
+
+/// What is advertised: the resource and its unit.
 #[derive(Args)]
-struct PluginArgs {
-    /// Directory holding kubelet.sock; our socket (gpumem.sock) is created here.
+struct ResourceArgs {
+    /// Extended resource name to advertise (validated as kubelet does).
+    #[arg(long, env = "GPUMEM_RESOURCE_NAME", default_value = DEFAULT_RESOURCE_NAME)]
+    resource_name: ResourceName,
+
+    /// Size of one unit: GiB (gpushare-compatible) or MiB.
     #[arg(
         long,
-        env = "GPUMEM_KUBELET_DIR",
-        default_value = "/var/lib/kubelet/device-plugins"
+        env = "GPUMEM_MEMORY_UNIT",
+        default_value = "GiB",
+        value_name = "GiB|MiB"
     )]
-    kubelet_dir: PathBuf,
+    memory_unit: MemoryUnit,
+}
 
-    #[command(flatten)]
-    advertise: AdvertiseArgs,
+#[derive(Args)]
+struct PlacementArgs {
+    /// GPU choice: binpack (fullest GPU that fits) or spread (emptiest GPU).
+    #[arg(
+        long,
+        env = "GPUMEM_PLACEMENT",
+        default_value = "binpack",
+        value_name = "binpack|spread"
+    )]
+    placement: Policy,
+}
 
+/// The node: its GPUs, kubelet's pod-resources API, and isolation state.
+#[derive(Args)]
+struct NodeArgs {
     /// Describe the node's GPUs in a TOML file instead of asking NVML.
     #[arg(long, env = "GPUMEM_FAKE_GPUS", value_name = "FILE")]
     fake_gpus: Option<PathBuf>,
+
+    /// kubelet's pod-resources socket: who holds which devices.
+    #[arg(long, env = "GPUMEM_POD_RESOURCES_SOCKET", default_value = podresources::DEFAULT_SOCKET)]
+    pod_resources_socket: PathBuf,
 
     /// Who enforces caps: shim (gpumem's LD_PRELOAD library) or none
     /// (something else, e.g. Alibaba cGPU reading ALIYUN_COM_GPU_MEM_*).
@@ -94,10 +147,53 @@ struct ContextArgs {
     context_charge_mib: u64,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum IsolationMode {
-    Shim,
-    None,
+#[derive(Args)]
+struct PluginArgs {
+    /// Directory holding kubelet.sock; our socket (gpumem.sock) is created here.
+    #[arg(
+        long,
+        env = "GPUMEM_KUBELET_DIR",
+        default_value = "/var/lib/kubelet/device-plugins"
+    )]
+    kubelet_dir: PathBuf,
+
+    #[command(flatten)]
+    resource: ResourceArgs,
+
+    #[command(flatten)]
+    placement: PlacementArgs,
+
+    #[command(flatten)]
+    node: NodeArgs,
+
+    /// Address for /metrics, /healthz and /status (HOST:PORT or :PORT; empty: off).
+    #[arg(long, env = "GPUMEM_METRICS_ADDR", default_value = ":9400")]
+    metrics_addr: String,
+
+    /// XIDs that do not make a GPU unhealthy (application errors), comma-separated.
+    #[arg(long, env = "GPUMEM_IGNORE_XIDS", value_delimiter = ',', default_values_t = APPLICATION_XIDS)]
+    ignore_xids: Vec<u64>,
+
+    /// Seconds an unhealthy GPU must answer NVML without new errors before it is Healthy again.
+    #[arg(long, env = "GPUMEM_HEALTH_RECOVERY_SECS", default_value_t = 60)]
+    health_recovery_secs: u64,
+
+    /// Seconds a finished container's accounting directory is kept before removal.
+    #[arg(long, env = "GPUMEM_STATE_GRACE_SECS", default_value_t = 300)]
+    state_grace_secs: u64,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Fake GPU file describing the demo node (default: one Tesla T4, 15079 MiB).
+    #[arg(long, env = "GPUMEM_FAKE_GPUS", value_name = "FILE")]
+    fake_gpus: Option<PathBuf>,
+
+    #[command(flatten)]
+    resource: ResourceArgs,
+
+    #[command(flatten)]
+    placement: PlacementArgs,
 }
 
 #[derive(Args)]
@@ -113,7 +209,7 @@ struct ExecArgs {
 
     /// Accounting directory to share between commands (each `gpumem exec`
     /// with the same one shares one cap); default: a private temporary one.
-    #[arg(long, env = "GPUMEM_STATE_DIR")]
+    #[arg(long, env = "GPUMEM_EXEC_STATE_DIR")]
     state_dir: Option<PathBuf>,
 
     /// The shim library (default: libgpumem_shim.so next to gpumem, then
@@ -134,53 +230,42 @@ struct ExecArgs {
 }
 
 #[derive(Args)]
-struct AdvertiseArgs {
-    /// Extended resource name to advertise (validated as kubelet does).
-    #[arg(long, env = "GPUMEM_RESOURCE_NAME", default_value = DEFAULT_RESOURCE_NAME)]
-    resource_name: ResourceName,
+struct InspectArgs {
+    /// Show each pod and container with its units, cap and usage.
+    #[arg(short = 'd', long)]
+    details: bool,
 
-    /// Size of one unit: GiB (gpushare-compatible) or MiB.
-    #[arg(
-        long,
-        env = "GPUMEM_MEMORY_UNIT",
-        default_value = "GiB",
-        value_name = "GiB|MiB"
-    )]
-    memory_unit: MemoryUnit,
+    /// Output format.
+    #[arg(short = 'o', long, default_value = "table")]
+    output: OutputFormat,
 
-    /// GPU choice: binpack (fullest GPU that fits) or spread (emptiest GPU).
-    #[arg(
-        long,
-        env = "GPUMEM_PLACEMENT",
-        default_value = "binpack",
-        value_name = "binpack|spread"
-    )]
-    placement: Policy,
-}
-
-#[derive(Args)]
-struct DemoArgs {
-    /// Fake GPU file describing the demo node (default: one Tesla T4, 15079 MiB).
-    #[arg(long, env = "GPUMEM_FAKE_GPUS", value_name = "FILE")]
-    fake_gpus: Option<PathBuf>,
+    /// The running plugin's --metrics-addr; without an answer there, the
+    /// node is read directly (GPUs, pod-resources, accounting files).
+    #[arg(long, env = "GPUMEM_METRICS_ADDR", default_value = ":9400")]
+    metrics_addr: String,
 
     #[command(flatten)]
-    advertise: AdvertiseArgs,
+    resource: ResourceArgs,
+
+    #[command(flatten)]
+    node: NodeArgs,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Plugin(_) => "info",
-        Command::Demo(_) | Command::Exec(_) => "warn",
+        Command::Demo(_) | Command::Exec(_) | Command::Inspect(_) => "warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
 
     let result = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -193,15 +278,16 @@ fn main() -> ExitCode {
                     Command::Demo(args) => {
                         let report = demo::run(DemoConfig {
                             fake_gpus: args.fake_gpus,
-                            unit: args.advertise.memory_unit,
-                            policy: args.advertise.placement,
-                            resource_name: args.advertise.resource_name,
+                            unit: args.resource.memory_unit,
+                            policy: args.placement.placement,
+                            resource_name: args.resource.resource_name,
                         })
                         .await?;
                         print!("{report}");
                         Ok(ExitCode::SUCCESS)
                     }
                     Command::Exec(args) => exec(args).await,
+                    Command::Inspect(args) => inspect(args).await.map(|()| ExitCode::SUCCESS),
                 }
             })
         });
@@ -221,6 +307,65 @@ fn discover(fake_gpus: Option<&Path>) -> anyhow::Result<Vec<Gpu>> {
         None => Box::new(NvmlGpus),
     };
     Ok(source.discover()?)
+}
+
+impl NodeArgs {
+    fn isolation(&self) -> Isolation {
+        match self.isolation {
+            IsolationMode::Shim => Isolation::Shim(ShimConfig {
+                host_dir: self.shim_host_dir.clone(),
+                state_dir: self.state_dir.clone(),
+                context_charge_mib: self.context.context_charge_mib,
+            }),
+            IsolationMode::None => Isolation::None,
+        }
+    }
+}
+
+async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
+    let unit = args.resource.memory_unit;
+    let inventory = Inventory::new(discover(args.node.fake_gpus.as_deref())?, unit)?;
+    for g in inventory.gpus() {
+        info!(
+            index = g.gpu.index,
+            name = %g.gpu.name,
+            uuid = %g.gpu.uuid,
+            memory_mib = g.gpu.memory_mib,
+            units = g.units,
+            id_prefix = %g.key,
+            "GPU"
+        );
+    }
+    let metrics = match metrics::parse_address(&args.metrics_addr)? {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?,
+        ),
+        None => None,
+    };
+    let health = health::watch_for(
+        args.node.fake_gpus.as_deref(),
+        &args.ignore_xids,
+        Duration::from_secs(args.health_recovery_secs),
+    );
+    info!(%unit, placement = %args.placement.placement, metrics = %args.metrics_addr, "starting");
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let config = DaemonConfig {
+        plugin: PluginConfig {
+            kubelet_dir: args.kubelet_dir,
+            resource_name: args.resource.resource_name,
+            policy: args.placement.placement,
+            isolation: args.node.isolation(),
+        },
+        pod_resources_socket: args.node.pod_resources_socket,
+        metrics,
+        state_grace: Duration::from_secs(args.state_grace_secs),
+    };
+    daemon::run(config, inventory, health, shutdown).await?;
+    Ok(())
 }
 
 async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
@@ -244,41 +389,38 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(1)))
 }
 
-async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
-    let unit = args.advertise.memory_unit;
-    let inventory = Inventory::new(discover(args.fake_gpus.as_deref())?, unit)?;
-    for g in inventory.gpus() {
-        info!(
-            index = g.gpu.index,
-            name = %g.gpu.name,
-            uuid = %g.gpu.uuid,
-            memory_mib = g.gpu.memory_mib,
-            units = g.units,
-            id_prefix = %g.key,
-            "GPU"
-        );
-    }
-    info!(%unit, placement = %args.advertise.placement, "starting");
-
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
-    let (_keep_inventory, inventory) = watch::channel(Arc::new(inventory));
-    let isolation = match args.isolation {
-        IsolationMode::Shim => Isolation::Shim(ShimConfig {
-            host_dir: args.shim_host_dir,
-            state_dir: args.state_dir,
-            context_charge_mib: args.context.context_charge_mib,
-        }),
-        IsolationMode::None => Isolation::None,
+async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
+    let from_plugin = match metrics::parse_address(&args.metrics_addr)? {
+        Some(addr) => Some(inspect::fetch(inspect::local(addr)).await),
+        None => None,
     };
-    Plugin::new(PluginConfig {
-        kubelet_dir: args.kubelet_dir,
-        resource_name: args.advertise.resource_name,
-        policy: args.advertise.placement,
-        isolation,
-    })
-    .run(inventory, shutdown)
-    .await?;
+    let status = match from_plugin {
+        Some(Ok(status)) => status,
+        fallback => {
+            if let Some(Err(err)) = fallback {
+                tracing::info!(%err, "reading the node directly");
+            }
+            let inventory = Inventory::new(
+                discover(args.node.fake_gpus.as_deref())?,
+                args.resource.memory_unit,
+            )?;
+            let resource = args.resource.resource_name.to_string();
+            let holdings = PodResources::new(&args.node.pod_resources_socket, &resource)
+                .holdings()
+                .await;
+            NodeStatus::build(
+                &inventory,
+                &resource,
+                false,
+                holdings,
+                &args.node.isolation(),
+            )
+        }
+    };
+    match args.output {
+        OutputFormat::Json => println!("{}", serde_json::to_string_pretty(&status)?),
+        OutputFormat::Table => print!("{}", status.table(args.details)),
+    }
     Ok(())
 }
 

@@ -19,7 +19,7 @@ use crate::inventory::Inventory;
 use crate::kubelet::{self, SocketId, KUBELET_SOCKET};
 use crate::placement::Policy;
 use crate::resource::ResourceName;
-use crate::service::{plugin_options, DevicePluginService};
+use crate::service::{plugin_options, Counters, DevicePluginService};
 
 /// Our socket's file name in the kubelet directory.
 pub const SOCKET_NAME: &str = "gpumem.sock";
@@ -28,8 +28,10 @@ pub const SOCKET_NAME: &str = "gpumem.sock";
 /// within a second.
 const POLL: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
-/// How long a stopping server may take to drain before it is dropped.
-const DRAIN: Duration = Duration::from_secs(5);
+/// How long a stopping server may take to drain before it is dropped. Its
+/// only client is kubelet, which must re-dial anyway; after unary calls
+/// kubelet's HTTP/2 connection can keep a graceful shutdown waiting.
+const DRAIN: Duration = Duration::from_secs(1);
 /// Requests larger than tonic's 4 MiB default are legal from kubelet (an
 /// `available_deviceIDs` list in MiB mode); accept them.
 const MAX_REQUEST: usize = 64 * 1024 * 1024;
@@ -67,6 +69,7 @@ pub enum PluginError {
 pub struct Plugin {
     config: PluginConfig,
     isolation: Arc<Isolation>,
+    counters: Arc<Counters>,
     status: watch::Sender<PluginStatus>,
 }
 
@@ -80,6 +83,7 @@ impl Plugin {
     pub fn new(config: PluginConfig) -> Self {
         Plugin {
             isolation: Arc::new(config.isolation.clone()),
+            counters: Arc::default(),
             config,
             status: watch::Sender::new(PluginStatus::default()),
         }
@@ -87,6 +91,10 @@ impl Plugin {
 
     pub fn status(&self) -> watch::Receiver<PluginStatus> {
         self.status.subscribe()
+    }
+
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
     }
 
     /// Path of our socket.
@@ -166,6 +174,7 @@ impl Plugin {
             inventory.clone(),
             self.config.policy,
             self.isolation.clone(),
+            self.counters.clone(),
             generation.clone(),
         );
         let server = tonic::transport::Server::builder()

@@ -47,6 +47,13 @@ impl From<PlacementError> for Status {
     }
 }
 
+/// Allocate outcomes since start, for metrics.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub allocations: std::sync::atomic::AtomicU64,
+    pub allocation_errors: std::sync::atomic::AtomicU64,
+}
+
 /// One socket generation's service. `stop` ends its ListAndWatch streams, so
 /// a graceful server shutdown does not wait for them for ever.
 #[derive(Clone)]
@@ -54,6 +61,7 @@ pub struct DevicePluginService {
     inventory: watch::Receiver<Arc<Inventory>>,
     policy: Policy,
     isolation: Arc<Isolation>,
+    counters: Arc<Counters>,
     stop: CancellationToken,
 }
 
@@ -62,12 +70,14 @@ impl DevicePluginService {
         inventory: watch::Receiver<Arc<Inventory>>,
         policy: Policy,
         isolation: Arc<Isolation>,
+        counters: Arc<Counters>,
         stop: CancellationToken,
     ) -> Self {
         DevicePluginService {
             inventory,
             policy,
             isolation,
+            counters,
             stop,
         }
     }
@@ -145,8 +155,27 @@ impl DevicePlugin for DevicePluginService {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.counters.allocations.fetch_add(1, Relaxed);
+        let result = self.allocate_all(request.into_inner()).await;
+        if result.is_err() {
+            self.counters.allocation_errors.fetch_add(1, Relaxed);
+        }
+        result.map(Response::new)
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+impl DevicePluginService {
+    async fn allocate_all(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
         let inv = self.snapshot();
-        let requests = request.into_inner().container_requests;
+        let requests = request.container_requests;
         if requests.is_empty() {
             return Err(Status::invalid_argument(
                 "Allocate request holds no container requests",
@@ -171,15 +200,8 @@ impl DevicePlugin for DevicePluginService {
                     .inspect_err(|err| warn!(%err, "Allocate failed"))?;
             container_responses.push(response);
         }
-        Ok(Response::new(AllocateResponse {
+        Ok(AllocateResponse {
             container_responses,
-        }))
-    }
-
-    async fn pre_start_container(
-        &self,
-        _: Request<PreStartContainerRequest>,
-    ) -> Result<Response<PreStartContainerResponse>, Status> {
-        Ok(Response::new(PreStartContainerResponse {}))
+        })
     }
 }

@@ -29,11 +29,27 @@ use crate::api::deviceplugin::{
     ContainerPreferredAllocationRequest, Device, DevicePluginOptions, Empty,
     PreferredAllocationRequest, RegisterRequest, HEALTHY, VERSION,
 };
+use crate::api::podresources::pod_resources_lister_server::{
+    PodResourcesLister, PodResourcesListerServer,
+};
+use crate::api::podresources::{
+    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
+    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
+    ListPodResourcesResponse, PodResources,
+};
 use crate::kubelet::{self, KUBELET_SOCKET};
 use crate::resource::ResourceName;
 
 /// kubelet dials a registering plugin with this timeout.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The pod-resources socket, relative to the simulator's directory (on a
+/// node: /var/lib/kubelet/pod-resources/kubelet.sock, beside device-plugins/).
+pub const POD_RESOURCES_SOCKET: &str = "pod-resources/kubelet.sock";
+/// kubelet's pod-resources rate limit: 100 calls per second, burst 10.
+const POD_RESOURCES_QPS: f64 = 100.0;
+const POD_RESOURCES_BURST: f64 = 10.0;
+/// Pods admitted by the simulator live in this namespace.
+pub const NAMESPACE: &str = "default";
 
 /// Why a container was not admitted.
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +96,53 @@ struct State {
     endpoints: HashMap<String, Endpoint>,
     allocations: Vec<Allocation>,
     next_serial: u64,
+    /// Pod-resources calls answered and refused by the rate limit.
+    pod_resources_calls: u64,
+    pod_resources_refused: u64,
+    /// Token bucket for the rate limit: tokens and when they were counted.
+    bucket: Option<(f64, tokio::time::Instant)>,
+}
+
+impl State {
+    /// kubelet's unary rate limiter on the pod-resources API.
+    fn admit_pod_resources_call(&mut self) -> Result<(), Status> {
+        let now = tokio::time::Instant::now();
+        let (tokens, then) = self.bucket.unwrap_or((POD_RESOURCES_BURST, now));
+        let tokens = (tokens + now.duration_since(then).as_secs_f64() * POD_RESOURCES_QPS)
+            .min(POD_RESOURCES_BURST);
+        if tokens < 1.0 {
+            self.bucket = Some((tokens, now));
+            self.pod_resources_refused += 1;
+            return Err(Status::resource_exhausted("rejected by rate limit"));
+        }
+        self.bucket = Some((tokens - 1.0, now));
+        self.pod_resources_calls += 1;
+        Ok(())
+    }
+
+    fn pod(&self, name: &str) -> Option<PodResources> {
+        let mut containers: Vec<ContainerResources> = Vec::new();
+        for a in self.allocations.iter().filter(|a| a.pod == name) {
+            let devices = ContainerDevices {
+                resource_name: a.resource.clone(),
+                device_ids: a.device_ids.clone(),
+                topology: None,
+            };
+            match containers.iter_mut().find(|c| c.name == a.container) {
+                Some(c) => c.devices.push(devices),
+                None => containers.push(ContainerResources {
+                    name: a.container.clone(),
+                    devices: vec![devices],
+                    ..Default::default()
+                }),
+            }
+        }
+        (!containers.is_empty()).then(|| PodResources {
+            name: name.to_owned(),
+            namespace: NAMESPACE.to_owned(),
+            containers,
+        })
+    }
 }
 
 struct Shared {
@@ -107,7 +170,76 @@ pub struct KubeletSim {
     /// Serializes admissions, as kubelet's device manager does.
     admission: tokio::sync::Mutex<()>,
     life: CancellationToken,
-    server: Option<JoinHandle<()>>,
+    servers: Vec<JoinHandle<()>>,
+}
+
+#[derive(Clone)]
+struct PodResourcesService {
+    shared: Arc<Shared>,
+}
+
+#[tonic::async_trait]
+impl PodResourcesLister for PodResourcesService {
+    async fn list(
+        &self,
+        _: Request<ListPodResourcesRequest>,
+    ) -> Result<Response<ListPodResourcesResponse>, Status> {
+        let mut state = self.shared.lock();
+        state.admit_pod_resources_call()?;
+        let mut names: Vec<&str> = state.allocations.iter().map(|a| a.pod.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        let pod_resources = names.iter().filter_map(|n| state.pod(n)).collect();
+        Ok(Response::new(ListPodResourcesResponse { pod_resources }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<AllocatableResourcesRequest>,
+    ) -> Result<Response<AllocatableResourcesResponse>, Status> {
+        let mut state = self.shared.lock();
+        state.admit_pod_resources_call()?;
+        let devices = state
+            .endpoints
+            .iter()
+            .filter(|(_, ep)| ep.connected)
+            .map(|(resource, ep)| ContainerDevices {
+                resource_name: resource.clone(),
+                device_ids: ep
+                    .devices
+                    .iter()
+                    .filter(|d| d.health == HEALTHY)
+                    .map(|d| d.id.clone())
+                    .collect(),
+                topology: None,
+            })
+            .collect();
+        Ok(Response::new(AllocatableResourcesResponse {
+            devices,
+            ..Default::default()
+        }))
+    }
+
+    async fn get(
+        &self,
+        request: Request<GetPodResourcesRequest>,
+    ) -> Result<Response<GetPodResourcesResponse>, Status> {
+        let request = request.into_inner();
+        let mut state = self.shared.lock();
+        state.admit_pod_resources_call()?;
+        match state
+            .pod(&request.pod_name)
+            .filter(|_| request.pod_namespace == NAMESPACE)
+        {
+            Some(pod) => Ok(Response::new(GetPodResourcesResponse {
+                pod_resources: Some(pod),
+            })),
+            None => Err(Status::not_found(format!(
+                "pod {} in namespace {} not found",
+                request.pod_name, request.pod_namespace
+            ))),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -221,7 +353,7 @@ impl KubeletSim {
             shared,
             admission: tokio::sync::Mutex::new(()),
             life: CancellationToken::new(),
-            server: None,
+            servers: Vec::new(),
         };
         sim.serve()?;
         Ok(sim)
@@ -231,21 +363,47 @@ impl KubeletSim {
         &self.shared.dir
     }
 
+    /// Path of the simulated pod-resources socket.
+    pub fn pod_resources_socket(&self) -> PathBuf {
+        self.shared.dir.join(POD_RESOURCES_SOCKET)
+    }
+
     fn serve(&mut self) -> io::Result<()> {
-        let path = self.shared.dir.join(KUBELET_SOCKET);
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)?;
-        let service = RegistrationService {
+        let registration = RegistrationServer::new(RegistrationService {
             shared: self.shared.clone(),
             life: self.life.clone(),
-        };
-        let server = tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(service))
-            .serve_with_incoming_shutdown(
-                UnixListenerStream::new(listener),
-                self.life.clone().cancelled_owned(),
-            );
-        self.server = Some(tokio::spawn(async move {
+        });
+        let path = self.shared.dir.join(KUBELET_SOCKET);
+        self.spawn_server(
+            &path,
+            tonic::transport::Server::builder().add_service(registration),
+        )?;
+
+        let pod_resources = PodResourcesListerServer::new(PodResourcesService {
+            shared: self.shared.clone(),
+        });
+        let path = self.pod_resources_socket();
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        self.spawn_server(
+            &path,
+            tonic::transport::Server::builder().add_service(pod_resources),
+        )
+    }
+
+    fn spawn_server(
+        &mut self,
+        path: &Path,
+        router: tonic::transport::server::Router,
+    ) -> io::Result<()> {
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path)?;
+        let server = router.serve_with_incoming_shutdown(
+            UnixListenerStream::new(listener),
+            self.life.clone().cancelled_owned(),
+        );
+        self.servers.push(tokio::spawn(async move {
             let _ = server.await;
         }));
         Ok(())
@@ -253,7 +411,7 @@ impl KubeletSim {
 
     async fn stop_serving(&mut self) {
         self.life.cancel();
-        if let Some(server) = self.server.take() {
+        for server in self.servers.drain(..) {
             let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
         }
         // Connections die with the process; the checkpoint keeps allocations.
@@ -279,6 +437,7 @@ impl KubeletSim {
     pub async fn stop(mut self) {
         self.stop_serving().await;
         let _ = std::fs::remove_file(self.shared.dir.join(KUBELET_SOCKET));
+        let _ = std::fs::remove_file(self.pod_resources_socket());
     }
 
     /// Every Register call accepted so far.
@@ -291,6 +450,12 @@ impl KubeletSim {
         let state = self.shared.lock();
         let ep = state.endpoints.get(resource)?;
         ep.connected.then(|| ep.devices.clone())
+    }
+
+    /// Pod-resources calls (answered, refused by the rate limit).
+    pub fn pod_resources_calls(&self) -> (u64, u64) {
+        let state = self.shared.lock();
+        (state.pod_resources_calls, state.pod_resources_refused)
     }
 
     pub fn allocations(&self) -> Vec<Allocation> {

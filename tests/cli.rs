@@ -179,6 +179,8 @@ async fn sigterm_stops_the_plugin_and_removes_its_socket() {
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let mut child = gpumem()
         .arg("plugin")
+        .env("GPUMEM_METRICS_ADDR", "")
+        .env("GPUMEM_ISOLATION", "none")
         .env("GPUMEM_KUBELET_DIR", dir.path())
         .env("GPUMEM_FAKE_GPUS", fixture("t4"))
         .env("GPUMEM_RESOURCE_NAME", "example.com/vram")
@@ -319,19 +321,43 @@ async fn the_nvml_backend_advertises_what_nvml_reports() {
     // The fake driver doubles as libnvidia-ml.so.1: one 15079 MiB T4.
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let mut child = gpumem()
-        .args(["plugin", "--isolation", "none", "--kubelet-dir"])
+    let child = gpumem()
+        .args([
+            "--log-format",
+            "json",
+            "plugin",
+            "--isolation",
+            "none",
+            "--metrics-addr",
+            "",
+            "--kubelet-dir",
+        ])
         .arg(dir.path())
         .env("LD_LIBRARY_PATH", &common::shim_kit().driver_dir)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let devices = kubelet.wait_for_devices(RESOURCE, 1, WAIT).await;
     let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await;
+    let rejected = kubelet.admit("nb-2", "main", RESOURCE, 14).await;
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    let status = child.wait().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let status = out.status;
     assert_eq!(devices.map(|d| d.len()), Some(14));
+    assert!(rejected.is_err());
+    // Logs are JSON lines; every Allocate names GPU, units and cap.
+    let logs: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let allocate = logs
+        .iter()
+        .find(|l| l["fields"]["message"] == "Allocate")
+        .expect("an Allocate log line");
+    assert_eq!(allocate["fields"]["cap_mib"], 4308);
+    assert_eq!(allocate["fields"]["units"], 4);
+    assert_eq!(allocate["fields"]["gpu"], 0);
     let env = allocation.unwrap().response.envs;
     assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], common::T4_UUID);
     assert_eq!(env["GPUMEM_LIMIT_MIB"], "4308");

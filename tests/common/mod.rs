@@ -259,3 +259,24 @@ pub fn field(line: &str, key: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }
+
+/// Reads a child's stdout until a line containing `marker` (the child keeps running).
+pub fn wait_for_line(child: &mut std::process::Child, marker: &str) {
+    use std::io::BufRead;
+    let stdout = child.stdout.take().expect("stdout piped");
+    let mut reader = std::io::BufReader::new(stdout);
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "child exited before {marker:?}: {seen}"
+        );
+        seen.push_str(&line);
+        if line.contains(marker) {
+            // Keep the pipe open so the child never writes into a closed one.
+            std::mem::forget(reader);
+            return;
+        }
+    }
+}

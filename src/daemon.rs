@@ -1,0 +1,78 @@
+//! `gpumem plugin` as a whole: the kubelet plugin, GPU health, the HTTP
+//! endpoint and state clean-up, all owned here and stopped by one token.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::error;
+
+use crate::cleanup;
+use crate::health::{self, HealthWatch};
+use crate::inject::Isolation;
+use crate::inventory::Inventory;
+use crate::metrics::{self, Observed};
+use crate::plugin::{Plugin, PluginConfig, PluginError};
+use crate::podresources::PodResources;
+
+pub struct DaemonConfig {
+    pub plugin: PluginConfig,
+    pub pod_resources_socket: PathBuf,
+    /// Already bound, so a bad `--metrics-addr` fails before anything starts.
+    pub metrics: Option<tokio::net::TcpListener>,
+    /// How long a finished container's accounting directory is kept.
+    pub state_grace: Duration,
+}
+
+/// Runs until `shutdown` (or until the plugin fails to start).
+pub async fn run(
+    config: DaemonConfig,
+    inventory: Inventory,
+    health: Option<Box<dyn HealthWatch>>,
+    shutdown: CancellationToken,
+) -> Result<(), PluginError> {
+    let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
+    let isolation = Arc::new(config.plugin.isolation.clone());
+    let resource = config.plugin.resource_name.to_string();
+    let pod_resources = PodResources::new(&config.pod_resources_socket, &resource);
+    let plugin = Plugin::new(config.plugin);
+    // Everything below stops with the plugin, whichever way it ends.
+    let stop = shutdown.child_token();
+    let mut tasks = tokio::task::JoinSet::new();
+
+    if let Some(listener) = config.metrics {
+        let observed = Observed {
+            resource,
+            inventory: inventory_rx.clone(),
+            plugin: plugin.status(),
+            counters: plugin.counters(),
+            pod_resources: pod_resources.clone(),
+            isolation: isolation.clone(),
+        };
+        let stop = stop.clone();
+        tasks.spawn(async move {
+            if let Err(err) = metrics::serve(listener, observed, stop).await {
+                error!(%err, "metrics endpoint failed");
+            }
+        });
+    }
+    if let Some(watch) = health {
+        tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
+    }
+    if let Isolation::Shim(shim) = &*isolation {
+        tasks.spawn(cleanup::run(
+            shim.clone(),
+            inventory_rx.clone(),
+            pod_resources,
+            config.state_grace,
+            stop.clone(),
+        ));
+    }
+
+    let result = plugin.run(inventory_rx, stop.clone()).await;
+    stop.cancel();
+    while tasks.join_next().await.is_some() {}
+    result
+}

@@ -1,0 +1,123 @@
+//! Who holds which of our devices, from kubelet's pod-resources API. Device
+//! IDs encode the GPU, so this is all the plugin needs to know per-GPU usage,
+//! even right after a restart. Answers are cached to stay far below
+//! kubelet's rate limit (100 calls/s, burst 10).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+use tokio::time::Instant;
+
+use crate::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
+use crate::api::podresources::ListPodResourcesRequest;
+use crate::kubelet;
+
+/// kubelet's default pod-resources socket.
+pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
+/// How long one List answer is reused: at most one call per second.
+const FRESH: Duration = Duration::from_secs(1);
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Node-wide lists can be large; kubelet's own client raises the limit too.
+const MAX_MESSAGE: usize = 16 * 1024 * 1024;
+
+/// One container's devices of our resource.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holding {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    pub device_ids: Vec<String>,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum PodResourcesError {
+    #[error("cannot reach kubelet's pod-resources API at {path}: {message}")]
+    Unreachable { path: PathBuf, message: String },
+    #[error("pod-resources List at {path} failed: {message}")]
+    List { path: PathBuf, message: String },
+}
+
+/// The last List answer and when it was read.
+type Cache = Arc<Mutex<Option<(Instant, Vec<Holding>)>>>;
+
+/// A cached reader of the pod-resources API for one resource name.
+#[derive(Clone)]
+pub struct PodResources {
+    path: PathBuf,
+    resource: String,
+    cache: Cache,
+}
+
+impl PodResources {
+    pub fn new(path: &Path, resource: &str) -> Self {
+        PodResources {
+            path: path.to_owned(),
+            resource: resource.to_owned(),
+            cache: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Containers holding our devices, at most a second old. Concurrent
+    /// callers share one call.
+    pub async fn holdings(&self) -> Result<Vec<Holding>, PodResourcesError> {
+        let mut cache = self.cache.lock().await;
+        if let Some((at, holdings)) = cache.as_ref() {
+            if at.elapsed() < FRESH {
+                return Ok(holdings.clone());
+            }
+        }
+        let holdings = tokio::time::timeout(CALL_TIMEOUT, self.list())
+            .await
+            .map_err(|_| PodResourcesError::List {
+                path: self.path.clone(),
+                message: format!("no answer within {CALL_TIMEOUT:?}"),
+            })??;
+        *cache = Some((Instant::now(), holdings.clone()));
+        Ok(holdings)
+    }
+
+    async fn list(&self) -> Result<Vec<Holding>, PodResourcesError> {
+        let channel =
+            kubelet::connect(&self.path)
+                .await
+                .map_err(|e| PodResourcesError::Unreachable {
+                    path: self.path.clone(),
+                    message: e.to_string(),
+                })?;
+        let response = PodResourcesListerClient::new(channel)
+            .max_decoding_message_size(MAX_MESSAGE)
+            .list(ListPodResourcesRequest {})
+            .await
+            .map_err(|status| PodResourcesError::List {
+                path: self.path.clone(),
+                message: status.message().to_owned(),
+            })?
+            .into_inner();
+        let mut holdings = Vec::new();
+        for pod in response.pod_resources {
+            for container in pod.containers {
+                let device_ids: Vec<String> = container
+                    .devices
+                    .into_iter()
+                    .filter(|d| d.resource_name == self.resource)
+                    .flat_map(|d| d.device_ids)
+                    .collect();
+                if !device_ids.is_empty() {
+                    holdings.push(Holding {
+                        namespace: pod.namespace.clone(),
+                        pod: pod.name.clone(),
+                        container: container.name,
+                        device_ids,
+                    });
+                }
+            }
+        }
+        Ok(holdings)
+    }
+}

@@ -1,0 +1,174 @@
+//! The node's view, as `arena top node -s -d` shows it for gpushare: per
+//! GPU health and allocated units, per container its GPU, units, cap and
+//! actual usage. Built from the inventory, kubelet's pod-resources answer
+//! and the containers' accounting files; served as JSON and as metrics.
+
+use serde::{Deserialize, Serialize};
+
+use crate::accounting;
+use crate::inject::{container_dir_name, Isolation};
+use crate::inventory::Inventory;
+use crate::placement;
+use crate::podresources::{Holding, PodResourcesError};
+
+const MIB: u64 = 1 << 20;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub resource: String,
+    pub unit: String,
+    /// Registered with the running kubelet (false when read without a plugin).
+    pub registered: bool,
+    pub gpus: Vec<GpuStatus>,
+    pub containers: Vec<ContainerStatus>,
+    /// Set when kubelet's pod-resources API could not be read: allocations
+    /// are then unknown, not zero.
+    pub pod_resources_error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuStatus {
+    pub index: u32,
+    pub name: String,
+    pub uuid: String,
+    pub healthy: bool,
+    pub memory_mib: u64,
+    pub units: u32,
+    pub allocated_units: u32,
+    /// Sum of the caps of the containers on this GPU.
+    pub allocated_mib: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerStatus {
+    pub namespace: String,
+    pub pod: String,
+    pub container: String,
+    pub gpu: u32,
+    pub units: u32,
+    pub cap_mib: u64,
+    /// What the container's processes use now, from its accounting file
+    /// (only with shim isolation, and only where the file is readable).
+    pub used_mib: Option<u64>,
+}
+
+impl NodeStatus {
+    pub fn build(
+        inv: &Inventory,
+        resource: &str,
+        registered: bool,
+        holdings: Result<Vec<Holding>, PodResourcesError>,
+        isolation: &Isolation,
+    ) -> NodeStatus {
+        let mut gpus: Vec<GpuStatus> = inv
+            .gpus()
+            .iter()
+            .map(|g| GpuStatus {
+                index: g.gpu.index,
+                name: g.gpu.name.clone(),
+                uuid: g.gpu.uuid.clone(),
+                healthy: g.gpu.healthy,
+                memory_mib: g.gpu.memory_mib,
+                units: g.units,
+                allocated_units: 0,
+                allocated_mib: 0,
+            })
+            .collect();
+        let (holdings, pod_resources_error) = match holdings {
+            Ok(h) => (h, None),
+            Err(e) => (Vec::new(), Some(e.to_string())),
+        };
+        let mut containers = Vec::new();
+        for holding in holdings {
+            // IDs from an older configuration (say, another unit size) are not ours.
+            let Ok(assignment) = placement::assign(inv, &holding.device_ids) else {
+                continue;
+            };
+            let gpu = &inv.gpus()[assignment.gpu];
+            let cap_mib = gpu.cap_mib(assignment.units);
+            let used_mib = match isolation {
+                Isolation::Shim(shim) => {
+                    let dir = shim.containers_dir().join(container_dir_name(
+                        inv,
+                        assignment,
+                        &holding.device_ids,
+                    ));
+                    accounting::usage(&dir.join(gpumem_layout::FILE_NAME))
+                        .ok()
+                        .and_then(|u| u.first().map(|d| d.used_bytes / MIB))
+                }
+                Isolation::None => None,
+            };
+            gpus[assignment.gpu].allocated_units += assignment.units;
+            gpus[assignment.gpu].allocated_mib += cap_mib;
+            containers.push(ContainerStatus {
+                namespace: holding.namespace,
+                pod: holding.pod,
+                container: holding.container,
+                gpu: gpu.gpu.index,
+                units: assignment.units,
+                cap_mib,
+                used_mib,
+            });
+        }
+        containers.sort_by(|a, b| {
+            (&a.namespace, &a.pod, &a.container).cmp(&(&b.namespace, &b.pod, &b.container))
+        });
+        NodeStatus {
+            resource: resource.to_owned(),
+            unit: inv.unit().to_string(),
+            registered,
+            gpus,
+            containers,
+            pod_resources_error,
+        }
+    }
+
+    /// A table like `arena top node -s` (and `-d` with `details`).
+    pub fn table(&self, details: bool) -> String {
+        use std::fmt::Write as _;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "{:<4} {:<24} {:<42} {:<10} {:<22} MEMORY MiB(Allocated/Total)",
+            "GPU", "NAME", "UUID", "HEALTH", "UNITS(Allocated/Total)"
+        );
+        let (mut held, mut total) = (0u64, 0u64);
+        for g in &self.gpus {
+            held += u64::from(g.allocated_units);
+            total += u64::from(g.units);
+            let units = format!("{}/{}", g.allocated_units, g.units);
+            let health = if g.healthy { "Healthy" } else { "Unhealthy" };
+            let _ = writeln!(
+                out,
+                "{:<4} {:<24} {:<42} {health:<10} {units:<22} {}/{}",
+                g.index, g.name, g.uuid, g.allocated_mib, g.memory_mib
+            );
+        }
+        let percent = (held * 100).checked_div(total).unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "Allocated/Total {} ({}): {held}/{total} ({percent}%)",
+            self.resource, self.unit
+        );
+        if let Some(err) = &self.pod_resources_error {
+            let _ = writeln!(out, "warning: allocations unknown: {err}");
+        }
+        if details {
+            let _ = writeln!(
+                out,
+                "\n{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} USED(MiB)",
+                "NAMESPACE", "POD", "CONTAINER", "GPU", "UNITS", "CAP(MiB)"
+            );
+            for c in &self.containers {
+                let used = c.used_mib.map_or_else(|| "-".to_owned(), |u| u.to_string());
+                let _ = writeln!(
+                    out,
+                    "{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {used}",
+                    c.namespace, c.pod, c.container, c.gpu, c.units, c.cap_mib
+                );
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,412 @@
+//! Node operations: health reaching kubelet, who holds what through the
+//! pod-resources API, the HTTP endpoint, `gpumem inspect`, clean-up, logs.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::{fixture, shim_kit, RESOURCE, WAIT};
+use gpumem::daemon::{self, DaemonConfig};
+use gpumem::gpu::{FakeGpus, GpuSource};
+use gpumem::health::FakeHealth;
+use gpumem::inject::{Isolation, ShimConfig};
+use gpumem::inventory::Inventory;
+use gpumem::placement::Policy;
+use gpumem::plugin::{PluginConfig, PluginError};
+use gpumem::simulator::KubeletSim;
+use gpumem::status::NodeStatus;
+use gpumem::units::MemoryUnit;
+use tempfile::TempDir;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// The whole daemon (plugin, health, endpoint, clean-up) against the
+/// simulated kubelet, on a copy of a fixture that tests may edit.
+struct Daemon {
+    dir: TempDir,
+    node_file: PathBuf,
+    kubelet: Option<KubeletSim>,
+    addr: std::net::SocketAddr,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<(), PluginError>>,
+}
+
+impl Daemon {
+    async fn start(fixture_name: &str, isolation: Isolation, grace: Duration) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let node_file = dir.path().join("node.toml");
+        std::fs::copy(fixture(fixture_name), &node_file).unwrap();
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let gpus = FakeGpus::from_file(&node_file).unwrap().discover().unwrap();
+        let config = DaemonConfig {
+            plugin: PluginConfig {
+                kubelet_dir: dir.path().to_owned(),
+                resource_name: Default::default(),
+                policy: Policy::Binpack,
+                isolation,
+            },
+            pod_resources_socket: kubelet.pod_resources_socket(),
+            metrics: Some(listener),
+            state_grace: grace,
+        };
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(daemon::run(
+            config,
+            Inventory::new(gpus, MemoryUnit::GiB).unwrap(),
+            Some(Box::new(FakeHealth::new(&node_file))),
+            shutdown.clone(),
+        ));
+        kubelet
+            .wait_for_devices(RESOURCE, 1, WAIT)
+            .await
+            .expect("registered");
+        Daemon {
+            dir,
+            node_file,
+            kubelet: Some(kubelet),
+            addr,
+            shutdown,
+            task,
+        }
+    }
+
+    fn k(&self) -> &KubeletSim {
+        self.kubelet.as_ref().expect("kubelet running")
+    }
+
+    async fn get(&self, path: &str) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: gpumem\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let code = response[9..12].parse().unwrap();
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (code, body)
+    }
+
+    async fn status(&self) -> NodeStatus {
+        let (code, body) = self.get("/status").await;
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    fn set_healthy(&self, healthy: bool) {
+        let text = std::fs::read_to_string(&self.node_file).unwrap();
+        let mut lines: Vec<String> = text
+            .lines()
+            .filter(|l| !l.starts_with("healthy"))
+            .map(str::to_owned)
+            .collect();
+        lines.push(format!("healthy = {healthy}"));
+        // Write then rename: the watcher never reads half a file.
+        let staging = self.dir.path().join("node.toml.new");
+        std::fs::write(&staging, lines.join("\n") + "\n").unwrap();
+        std::fs::rename(staging, &self.node_file).unwrap();
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let Some(kubelet) = self.kubelet {
+            kubelet.stop().await;
+        }
+    }
+}
+
+fn shim(host: &Path, state: &Path) -> Isolation {
+    Isolation::Shim(ShimConfig {
+        host_dir: host.to_owned(),
+        state_dir: state.to_owned(),
+        context_charge_mib: 0,
+    })
+}
+
+fn installed_shim() -> TempDir {
+    let host = tempfile::tempdir().unwrap();
+    std::fs::copy(&shim_kit().shim, host.path().join("libgpumem_shim.so")).unwrap();
+    std::fs::write(
+        host.path().join("ld.so.preload"),
+        "/usr/local/gpumem/libgpumem_shim.so\n",
+    )
+    .unwrap();
+    host
+}
+
+#[tokio::test]
+async fn an_unhealthy_gpu_stops_receiving_pods_and_recovers() {
+    let d = Daemon::start("t4", Isolation::None, Duration::from_secs(300)).await;
+    d.set_healthy(false);
+    let started = tokio::time::Instant::now();
+    let devices = d
+        .k()
+        .wait_for_list(RESOURCE, WAIT, |l| {
+            l.iter().all(|dev| dev.health == "Unhealthy")
+        })
+        .await
+        .expect("units marked Unhealthy");
+    // Not a timing assertion, a sanity bound: the watcher ticks every 250 ms.
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(devices.len(), 14, "still advertised, as Unhealthy");
+    assert!(d.k().admit("nb", "main", RESOURCE, 1).await.is_err());
+    let (code, body) = d.get("/metrics").await;
+    assert_eq!(code, 200);
+    assert!(
+        body.contains(
+            "gpumem_gpu_healthy{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 0"
+        ),
+        "{body}"
+    );
+
+    d.set_healthy(true);
+    d.k()
+        .wait_for_list(RESOURCE, WAIT, |l| {
+            l.iter().all(|dev| dev.health == "Healthy")
+        })
+        .await
+        .expect("healthy again");
+    d.k().admit("nb", "main", RESOURCE, 1).await.unwrap();
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn status_and_metrics_show_who_holds_what() {
+    let host = installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        "v100x2",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+    )
+    .await;
+    for pod in ["nb-1", "nb-2", "nb-3"] {
+        d.k().admit(pod, "main", RESOURCE, 4).await.unwrap();
+    }
+    // One container's process really holds memory under the shim.
+    let first = d.k().allocations()[0].response.mounts[2].host_path.clone();
+    let mut holder = shim_kit()
+        .probe(Some(Path::new(&first)))
+        .env("FAKEGPU_UUIDS", "GPU-1a2b3c4d-0000-4000-8000-000000010000")
+        .args(["alloc:1000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+
+    let status = d.status().await;
+    assert!(status.registered);
+    assert_eq!(status.gpus[0].allocated_units, 12);
+    assert_eq!(status.gpus[1].allocated_units, 0);
+    assert_eq!(status.containers.len(), 3);
+    let nb1 = &status.containers[0];
+    assert_eq!(
+        (nb1.pod.as_str(), nb1.gpu, nb1.units, nb1.cap_mib),
+        ("nb-1", 0, 4, 4309)
+    );
+    assert_eq!(nb1.used_mib, Some(1000));
+    assert_eq!(status.containers[1].used_mib, Some(0));
+
+    let (code, body) = d.get("/healthz").await;
+    assert_eq!((code, body.trim()), (200, "ok"));
+    let (_, metrics) = d.get("/metrics").await;
+    for expected in [
+        "gpumem_gpu_allocated_units{gpu=\"0\",uuid=\"GPU-1a2b3c4d-0000-4000-8000-000000010000\"} 12",
+        "gpumem_gpu_units{gpu=\"1\",uuid=\"GPU-1a2b3c4d-0000-4000-8000-000000010001\"} 15",
+        "gpumem_container_cap_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 4518313984",
+        "gpumem_container_used_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 1048576000",
+        "gpumem_allocate_calls_total 3",
+        "gpumem_allocate_errors_total 0",
+        "gpumem_registrations_total 1",
+        "gpumem_registered 1",
+    ] {
+        assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
+    }
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn healthz_fails_while_not_registered() {
+    let mut d = Daemon::start("t4", Isolation::None, Duration::from_secs(300)).await;
+    assert_eq!(d.get("/healthz").await.0, 200);
+    // kubelet goes away (and kubelet.sock with it): we are no longer registered.
+    d.kubelet.take().unwrap().stop().await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while d.get("/healthz").await.0 != 503 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "healthz kept passing"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_, body) = d.get("/metrics").await;
+    assert!(body.contains("gpumem_registered 0"), "{body}");
+    // It comes back, we register again, the probe passes again.
+    d.kubelet = Some(KubeletSim::start(d.dir.path()).unwrap());
+    d.k()
+        .wait_for_devices(RESOURCE, 1, WAIT)
+        .await
+        .expect("registered again");
+    while d.get("/healthz").await.0 != 200 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "healthz did not recover"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn pod_resources_is_read_within_kubelets_rate_limit() {
+    let d = Daemon::start("t4", Isolation::None, Duration::from_secs(300)).await;
+    d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let calls: Vec<_> = (0..50).map(|_| d.get("/status")).collect();
+    for (code, _) in futures_util::future::join_all(calls).await {
+        assert_eq!(code, 200);
+    }
+    let (answered, refused) = d.k().pod_resources_calls();
+    assert_eq!(refused, 0, "never rate-limited");
+    assert!(
+        answered <= 3,
+        "50 status requests cost {answered} pod-resources calls"
+    );
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn finished_containers_state_is_removed_after_the_grace_period_only() {
+    let host = installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let grace = Duration::from_millis(800);
+    let d = Daemon::start("t4", shim(host.path(), state.path()), grace).await;
+    let dir_of = |a: &gpumem::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
+    let done = dir_of(&d.k().admit("done", "main", RESOURCE, 4).await.unwrap());
+    let running = dir_of(&d.k().admit("running", "main", RESOURCE, 4).await.unwrap());
+    let orphan = dir_of(&d.k().admit("orphan", "main", RESOURCE, 4).await.unwrap());
+    // "orphan" is gone from kubelet but one of its processes still runs.
+    let mut holder = shim_kit()
+        .probe(Some(&orphan))
+        .args(["alloc:100", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    d.k().remove_pod("done");
+    d.k().remove_pod("orphan");
+
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while done.exists() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "finished container's state never removed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Several grace periods later, the others are still there.
+    tokio::time::sleep(grace * 3).await;
+    assert!(
+        running.join("accounting").exists(),
+        "a listed container's state was removed"
+    );
+    assert!(
+        orphan.join("accounting").exists(),
+        "state in use by a live process was removed"
+    );
+
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    while orphan.exists() {
+        assert!(
+            tokio::time::Instant::now() < deadline + WAIT,
+            "orphan's state never removed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(running.exists());
+    d.stop().await;
+}
+
+// Multi-threaded: the test blocks on `gpumem inspect` while the daemon it
+// queries runs on the same runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_reads_the_plugin_or_else_the_node() {
+    let d = Daemon::start("t4", Isolation::None, Duration::from_secs(300)).await;
+    for pod in ["tf-notebook-1", "tf-notebook-2", "tf-notebook-3"] {
+        d.k().admit(pod, "main", RESOURCE, 4).await.unwrap();
+    }
+    let gpumem = env!("CARGO_BIN_EXE_gpumem");
+    let run = |args: Vec<String>| {
+        let out = std::process::Command::new(gpumem)
+            .args(args)
+            .env_remove("GPUMEM_METRICS_ADDR")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let from_plugin = run(vec![
+        "inspect".into(),
+        "-d".into(),
+        "--metrics-addr".into(),
+        d.addr.to_string(),
+    ]);
+    assert!(from_plugin.contains("12/14"), "{from_plugin}");
+    assert!(
+        from_plugin.contains("Allocated/Total aliyun.com/gpu-mem (GiB): 12/14 (85%)"),
+        "{from_plugin}"
+    );
+    for pod in ["tf-notebook-1", "tf-notebook-2", "tf-notebook-3"] {
+        let line = from_plugin
+            .lines()
+            .find(|l| l.contains(pod))
+            .unwrap_or_else(|| panic!("{from_plugin}"));
+        assert!(line.contains("4308"), "{line}");
+    }
+    let json = run(vec![
+        "inspect".into(),
+        "-o".into(),
+        "json".into(),
+        "--metrics-addr".into(),
+        d.addr.to_string(),
+    ]);
+    let status: NodeStatus = serde_json::from_str(&json).unwrap();
+    assert!(status.registered);
+    assert_eq!(status.containers.len(), 3);
+
+    // No plugin at that address: the node is read directly.
+    let direct = run(vec![
+        "inspect".into(),
+        "-d".into(),
+        "--metrics-addr".into(),
+        "127.0.0.1:1".into(),
+        "--isolation".into(),
+        "none".into(),
+        "--fake-gpus".into(),
+        d.node_file.display().to_string(),
+        "--pod-resources-socket".into(),
+        d.k().pod_resources_socket().display().to_string(),
+    ]);
+    assert!(
+        direct.contains("12/14") && direct.contains("tf-notebook-2"),
+        "{direct}"
+    );
+    d.stop().await;
+}
