@@ -67,22 +67,24 @@ pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
             return Ok(path);
         }
     }
-    let staging = dir.join(format!(".{}.{}", layout::FILE_NAME, std::process::id()));
+    // A unique staging file: concurrent Allocate calls must not share one.
     let write = || -> io::Result<()> {
-        let mut file = fs::File::create(&staging)?;
-        file.write_all(&layout::encode(&devices, layout::DEFAULT_SLOTS))?;
-        file.sync_all()?;
+        let mut staging = tempfile::Builder::new()
+            .prefix(".accounting.")
+            .tempfile_in(dir)?;
+        staging.write_all(&layout::encode(&devices, layout::DEFAULT_SLOTS))?;
+        staging.as_file().sync_all()?;
         // Opened read-write by processes of any uid in the container: the
         // shim's record locks need write access.
-        fs::set_permissions(&staging, fs::Permissions::from_mode(0o666))?;
-        fs::rename(&staging, &path)
+        staging
+            .as_file()
+            .set_permissions(fs::Permissions::from_mode(0o666))?;
+        staging.persist(&path).map_err(|e| e.error)?;
+        Ok(())
     };
-    write().map_err(|source| {
-        let _ = fs::remove_file(&staging);
-        AccountingError::Io {
-            path: path.clone(),
-            source,
-        }
+    write().map_err(|source| AccountingError::Io {
+        path: path.clone(),
+        source,
     })?;
     Ok(path)
 }
@@ -178,6 +180,24 @@ mod tests {
             "new caps: replaced, not rewritten in place"
         );
         assert_eq!(usage(&path).unwrap()[0].cap_bytes, 2154 * MIB);
+        assert_eq!(
+            fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no staging file left"
+        );
+    }
+
+    #[test]
+    fn concurrent_prepares_all_succeed() {
+        let dir = tempfile::tempdir().unwrap();
+        std::thread::scope(|s| {
+            for i in 0..16u64 {
+                let dir = dir.path();
+                s.spawn(move || prepare(dir, &t4(1000 + i % 2)).unwrap());
+            }
+        });
+        let cap = usage(&dir.path().join("accounting")).unwrap()[0].cap_bytes;
+        assert!(cap == 1000 * MIB || cap == 1001 * MIB);
         assert_eq!(
             fs::read_dir(dir.path()).unwrap().count(),
             1,

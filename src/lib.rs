@@ -15,6 +15,7 @@ pub mod gpu;
 pub mod health;
 pub mod inject;
 pub mod inspect;
+pub mod install;
 pub mod inventory;
 pub mod kubelet;
 pub mod metrics;

@@ -51,6 +51,9 @@ enum Command {
     Exec(ExecArgs),
     /// Show the node's GPUs and which containers hold how much of them.
     Inspect(InspectArgs),
+    /// Install the shim and ld.so.preload into the host directory, atomically
+    /// (the DaemonSet's init container).
+    InstallShim(InstallArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -230,6 +233,21 @@ struct ExecArgs {
 }
 
 #[derive(Args)]
+struct InstallArgs {
+    /// The shim to install (default: libgpumem_shim.so next to gpumem).
+    #[arg(long, env = "GPUMEM_SHIM", value_name = "FILE")]
+    from: Option<PathBuf>,
+
+    /// Host directory to install into (the plugin's --shim-host-dir).
+    #[arg(
+        long,
+        env = "GPUMEM_SHIM_HOST_DIR",
+        default_value = "/usr/local/gpumem"
+    )]
+    to: PathBuf,
+}
+
+#[derive(Args)]
 struct InspectArgs {
     /// Show each pod and container with its units, cap and usage.
     #[arg(short = 'd', long)]
@@ -255,6 +273,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Plugin(_) => "info",
+        Command::InstallShim(_) => "info",
         Command::Demo(_) | Command::Exec(_) | Command::Inspect(_) => "warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -288,6 +307,15 @@ fn main() -> ExitCode {
                     }
                     Command::Exec(args) => exec(args).await,
                     Command::Inspect(args) => inspect(args).await.map(|()| ExitCode::SUCCESS),
+                    Command::InstallShim(args) => {
+                        let from = match args.from {
+                            Some(path) => path,
+                            None => exec::find_shim(None)?,
+                        };
+                        let installed = gpumem::install::install(&from, &args.to)?;
+                        info!(shim = %installed.display(), "installed");
+                        Ok(ExitCode::SUCCESS)
+                    }
                 }
             })
         });

@@ -6,7 +6,7 @@
 //! Usage: gpumem-probe [--via dlsym|gpa|gpa11] [--ptsz] STEP...
 //! Steps: alloc:MIB allocb:BYTES async:MIB pool:MIB managed:MIB pitch:W:H
 //!        create:MIB createhost:MIB free:I release:I info total nvml hold
-//!        stress:THREADS:ITERS:MIB:COUNTER_FILE
+//!        stress:THREADS:ITERS:MIB:COUNTER_FILE bench:N
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::io::Write;
@@ -395,6 +395,25 @@ fn main() {
                     let mut total = 0usize;
                     let r = (api.total_mem)(&mut total, 0);
                     println!("total {r} bytes={total}");
+                }
+                ("bench", Some(api)) => {
+                    // N pairs of cuMemAlloc(1 MiB) + cuMemFree, then N cuMemGetInfo.
+                    let n = num(parts.next());
+                    let start = std::time::Instant::now();
+                    for _ in 0..n {
+                        let mut p = 0u64;
+                        if (api.mem_alloc)(&mut p, MIB as usize) != 0 || (api.mem_free)(p) != 0 {
+                            fail("bench allocation failed");
+                        }
+                    }
+                    let pair = start.elapsed().as_nanos() as f64 / n as f64;
+                    let start = std::time::Instant::now();
+                    for _ in 0..n {
+                        let (mut free, mut total) = (0usize, 0usize);
+                        (api.get_info)(&mut free, &mut total);
+                    }
+                    let info = start.elapsed().as_nanos() as f64 / n as f64;
+                    println!("bench pair_ns={pair:.1} info_ns={info:.1}");
                 }
                 ("stress", Some(api)) => {
                     let threads = num(parts.next()) as usize;

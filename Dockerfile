@@ -1,0 +1,26 @@
+# gpumem image: the plugin binary and the shim, built for old glibc.
+#
+#   docker build -t ghcr.io/gpumem/gpumem:0.1.0 .
+#
+# The shim is loaded into every process of capped containers, whose images
+# go back to glibc 2.17 (CentOS 7): it is linked against glibc 2.17 with
+# cargo-zigbuild and checked with shim/check-abi, as CI does.
+
+FROM rust:1.88-bookworm AS build
+RUN apt-get update && apt-get install -y --no-install-recommends python3-pip binutils \
+    && pip3 install --break-system-packages 'ziglang==0.13.0' \
+    && cargo install --locked cargo-zigbuild@0.24.1
+WORKDIR /src
+COPY . .
+RUN cargo build --locked --release -p gpumem \
+    && cargo zigbuild --locked --release -p gpumem-shim --target x86_64-unknown-linux-gnu.2.17 \
+    && shim/check-abi target/x86_64-unknown-linux-gnu/release/libgpumem_shim.so \
+    && mkdir -p /out \
+    && cp target/release/gpumem target/x86_64-unknown-linux-gnu/release/libgpumem_shim.so /out/
+
+# Small runtime: glibc for the plugin (NVML is loaded from the host driver
+# by the NVIDIA container runtime), nothing else.
+FROM gcr.io/distroless/cc-debian12
+COPY --from=build /out/gpumem /out/libgpumem_shim.so /opt/gpumem/
+ENTRYPOINT ["/opt/gpumem/gpumem"]
+CMD ["plugin"]
