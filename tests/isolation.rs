@@ -16,21 +16,9 @@ fn shim_isolation(host: &std::path::Path, state: &std::path::Path) -> Isolation 
     })
 }
 
-/// A host directory laid out as the DaemonSet's installer leaves it.
-fn installed_shim() -> tempfile::TempDir {
-    let host = tempfile::tempdir().unwrap();
-    std::fs::copy(&shim_kit().shim, host.path().join("libgpumem_shim.so")).unwrap();
-    std::fs::write(
-        host.path().join("ld.so.preload"),
-        "/usr/local/gpumem/libgpumem_shim.so\n",
-    )
-    .unwrap();
-    host
-}
-
 #[tokio::test]
 async fn allocate_mounts_the_shim_and_a_private_accounting_directory() {
-    let host = installed_shim();
+    let host = common::installed_shim();
     let state = tempfile::tempdir().unwrap();
     let node = Node::with_isolation("t4", shim_isolation(host.path(), state.path())).await;
     node.devices().await;

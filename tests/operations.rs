@@ -134,17 +134,6 @@ fn shim(host: &Path, state: &Path) -> Isolation {
     })
 }
 
-fn installed_shim() -> TempDir {
-    let host = tempfile::tempdir().unwrap();
-    std::fs::copy(&shim_kit().shim, host.path().join("libgpumem_shim.so")).unwrap();
-    std::fs::write(
-        host.path().join("ld.so.preload"),
-        "/usr/local/gpumem/libgpumem_shim.so\n",
-    )
-    .unwrap();
-    host
-}
-
 #[tokio::test]
 async fn an_unhealthy_gpu_stops_receiving_pods_and_recovers() {
     let d = Daemon::start("t4", Isolation::None, Duration::from_secs(300)).await;
@@ -183,7 +172,7 @@ async fn an_unhealthy_gpu_stops_receiving_pods_and_recovers() {
 
 #[tokio::test]
 async fn status_and_metrics_show_who_holds_what() {
-    let host = installed_shim();
+    let host = common::installed_shim();
     let state = tempfile::tempdir().unwrap();
     let d = Daemon::start(
         "v100x2",
@@ -289,7 +278,7 @@ async fn pod_resources_is_read_within_kubelets_rate_limit() {
 
 #[tokio::test]
 async fn finished_containers_state_is_removed_after_the_grace_period_only() {
-    let host = installed_shim();
+    let host = common::installed_shim();
     let state = tempfile::tempdir().unwrap();
     let grace = Duration::from_millis(800);
     let d = Daemon::start("t4", shim(host.path(), state.path()), grace).await;

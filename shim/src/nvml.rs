@@ -98,6 +98,26 @@ macro_rules! real {
     }};
 }
 
+/// After NVML answered for `device`, rewrites its answer with the
+/// container's figures via `apply(answer, (total, used, free))`.
+fn adjust<M>(
+    device: nvmlDevice_t,
+    memory: *mut M,
+    total: impl Fn(&M) -> u64,
+    apply: impl Fn(&mut M, (u64, u64, u64)),
+) {
+    guarded(
+        || (),
+        || {
+            // SAFETY: NVML just filled `memory`, which the caller checked is non-null.
+            let m = unsafe { &mut *memory };
+            if let Some(figures) = capped(device, total(m)) {
+                apply(m, figures);
+            }
+        },
+    );
+}
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     device: nvmlDevice_t,
@@ -106,19 +126,16 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     let real = real!(Hooked::NvmlMemoryInfo, MemoryInfoFn);
     // SAFETY: forwards the caller's arguments unchanged.
     let result = unsafe { real(device, memory) };
-    if result != NVML_SUCCESS || memory.is_null() {
-        return result;
-    }
-    guarded(
-        || (),
-        || {
-            // SAFETY: NVML just filled `memory` (non-null).
-            let m = unsafe { &mut *memory };
-            if let Some((total, used, free)) = capped(device, m.total) {
+    if result == NVML_SUCCESS && !memory.is_null() {
+        adjust(
+            device,
+            memory,
+            |m| m.total,
+            |m, (total, used, free)| {
                 (m.total, m.used, m.free) = (total, used, free);
-            }
-        },
-    );
+            },
+        );
+    }
     result
 }
 
@@ -130,20 +147,17 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     let real = real!(Hooked::NvmlMemoryInfoV2, MemoryInfoV2Fn);
     // SAFETY: forwards the caller's arguments unchanged.
     let result = unsafe { real(device, memory) };
-    if result != NVML_SUCCESS || memory.is_null() {
-        return result;
-    }
-    guarded(
-        || (),
-        || {
-            // SAFETY: NVML just filled `memory` (non-null).
-            let m = unsafe { &mut *memory };
-            if let Some((total, used, free)) = capped(device, m.total) {
-                // Reserved memory belongs to the driver, not to the slice:
-                // report 0 so reserved + used + free = total.
+    if result == NVML_SUCCESS && !memory.is_null() {
+        // Reserved memory belongs to the driver, not to the slice: report 0
+        // so reserved + used + free = total.
+        adjust(
+            device,
+            memory,
+            |m| m.total,
+            |m, (total, used, free)| {
                 (m.total, m.reserved, m.used, m.free) = (total, 0, used, free);
-            }
-        },
-    );
+            },
+        );
+    }
     result
 }

@@ -280,3 +280,10 @@ pub fn wait_for_line(child: &mut std::process::Child, marker: &str) {
         }
     }
 }
+
+/// A host directory laid out as the DaemonSet's installer leaves it.
+pub fn installed_shim() -> TempDir {
+    let host = tempfile::tempdir().unwrap();
+    gpumem::install::install(&shim_kit().shim, host.path()).unwrap();
+    host
+}
