@@ -394,3 +394,24 @@ fn rtld_next_lookups_keep_their_meaning() {
     let pid: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
     assert!(pid > 0);
 }
+
+#[test]
+fn a_forked_child_charges_its_own_slot() {
+    let dir = capped_dir(4308);
+    let lines = probe(
+        dir.path(),
+        &["alloc:1000", "forkalloc:2000", "nvml", "alloc:3000"],
+    );
+    assert!(
+        lines.contains(&"child forkalloc:2000 0".to_owned()),
+        "{lines:?}"
+    );
+    // The child exited holding 2000 MiB; it was its own, so it is reaped and
+    // the parent is back to its own 1000 MiB.
+    assert_eq!(
+        field(line(&lines, "nvml 0"), "used"),
+        1000 * MIB,
+        "{lines:?}"
+    );
+    assert!(lines.contains(&"alloc:3000 0 #1".to_owned()), "{lines:?}");
+}

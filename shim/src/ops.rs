@@ -103,14 +103,18 @@ impl Shim {
         self.region.devices()[dev].cap_bytes
     }
 
+    /// This process's counter for `dev`, if it has a slot.
+    fn own_counter(&self, dev: usize) -> Option<&AtomicU64> {
+        match SLOT.load(SeqCst) {
+            NO_SLOT => None,
+            PRIVATE_SLOT => Some(&OVERFLOW[dev]),
+            index => Some(self.region.used_counter(index, dev)),
+        }
+    }
+
     /// This process's counter for `dev`, claiming a slot on first use.
     fn counter(&self, dev: usize) -> &AtomicU64 {
-        let slot = SLOT.load(SeqCst);
-        match slot {
-            NO_SLOT => self.register(dev),
-            PRIVATE_SLOT => &OVERFLOW[dev],
-            index => self.region.used_counter(index, dev),
-        }
+        self.own_counter(dev).unwrap_or_else(|| self.register(dev))
     }
 
     #[cold]
@@ -197,8 +201,11 @@ impl Shim {
 
     /// Gives back bytes charged earlier; never wraps below zero.
     pub fn uncharge(&self, dev: usize, bytes: u64) {
-        let counter = self.counter(dev);
-        let _ = counter.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes)));
+        // No slot (a forked child freeing its parent's memory): nothing of
+        // ours to give back, and no reason to claim a slot for it.
+        if let Some(counter) = self.own_counter(dev) {
+            let _ = counter.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes)));
+        }
     }
 
     /// Charges the per-process context cost once per device.

@@ -6,7 +6,7 @@
 //! Usage: gpumem-probe [--via dlsym|gpa|gpa11] [--ptsz] STEP...
 //! Steps: alloc:MIB allocb:BYTES async:MIB pool:MIB managed:MIB pitch:W:H
 //!        create:MIB createhost:MIB free:I release:I info total nvml hold
-//!        stress:THREADS:ITERS:MIB:COUNTER_FILE bench:N
+//!        stress:THREADS:ITERS:MIB:COUNTER_FILE bench:N forkalloc:MIB
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::io::Write;
@@ -395,6 +395,24 @@ fn main() {
                     let mut total = 0usize;
                     let r = (api.total_mem)(&mut total, 0);
                     println!("total {r} bytes={total}");
+                }
+                ("forkalloc", Some(api)) => {
+                    // A child allocates and exits without freeing; its charge
+                    // must be its own, not its parent's.
+                    let bytes = (num(parts.next()) * MIB) as usize;
+                    std::io::stdout().flush().ok();
+                    let pid = libc::fork();
+                    if pid == 0 {
+                        context(api);
+                        let mut p = 0u64;
+                        let r = (api.mem_alloc)(&mut p, bytes);
+                        println!("child {step} {r}");
+                        std::io::stdout().flush().ok();
+                        libc::_exit(0);
+                    }
+                    let mut status = 0;
+                    libc::waitpid(pid, &mut status, 0);
+                    println!("{step} forked");
                 }
                 ("bench", Some(api)) => {
                     // N pairs of cuMemAlloc(1 MiB) + cuMemFree, then N cuMemGetInfo.
