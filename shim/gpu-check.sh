@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/GPU_VERIFICATION.md in one run, for the device
+# machine (one device call). Build here first:
+#   cargo build --release -p gpumem -p gpumem-shim
+#   mkdir -p carry && cp target/release/gpumem target/release/libgpumem_shim.so carry/
+# then on the GPU machine (carry: ["carry"]):
+#   bash shim/gpu-check.sh carry "$OUT"
+# Every command and its output go to $OUT/gpu-check.log; paste the results
+# into docs/GPU_VERIFICATION.md.
+set -u
+bin=${1:?usage: shim/gpu-check.sh CARRY_DIR OUT_DIR}
+out=${2:?usage: shim/gpu-check.sh CARRY_DIR OUT_DIR}
+mkdir -p "$out"
+log="$out/gpu-check.log"
+G="$bin/gpumem"
+S="--shim=$bin/libgpumem_shim.so"
+cap=4308MiB
+
+step() {
+    echo "### $*" | tee -a "$log"
+    timeout 300 "$@" >>"$log" 2>&1
+    echo "### exit $?" | tee -a "$log"
+}
+
+py() { step "$G" exec "$S" --mem "$cap" -- python3 -c "$1"; }
+
+: >"$log"
+step nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+step "$G" exec "$S" --mem "$cap" -- nvidia-smi
+py 'import pynvml as n; n.nvmlInit(); h=n.nvmlDeviceGetHandleByIndex(0); m=n.nvmlDeviceGetMemoryInfo(h); print("nvml total", m.total>>20, "used", m.used>>20, "free", m.free>>20)'
+py 'import torch; f,t=torch.cuda.mem_get_info(); print("mem_get_info MiB", f>>20, t>>20, "total_memory MiB", torch.cuda.get_device_properties(0).total_memory>>20)'
+py 'import torch
+x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda"); print("3 GiB ok")
+try:
+    y = torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); print("UNEXPECTED: 2 more GiB fit")
+except torch.cuda.OutOfMemoryError as e: print("OutOfMemoryError as expected:", str(e)[:120])'
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True py 'import torch
+xs = []
+try:
+    while True: xs.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+except torch.cuda.OutOfMemoryError: print("expandable segments: OOM after", len(xs) * 256, "MiB")'
+PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync py 'import torch
+xs = []
+try:
+    while True: xs.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+except torch.cuda.OutOfMemoryError: print("cudaMallocAsync: OOM after", len(xs) * 256, "MiB")'
+py 'import cupy
+xs = []
+try:
+    while True: xs.append(cupy.empty(256 << 20, dtype=cupy.uint8))
+except cupy.cuda.memory.OutOfMemoryError: print("cupy: OOM after", len(xs) * 256, "MiB")'
+py 'import jax, jax.numpy as jnp; print(jax.devices()); print(jnp.ones((1024, 1024)).sum()); print(jax.devices()[0].memory_stats())'
+# Two processes under one state dir, watched from outside.
+shared=$(mktemp -d)
+"$G" exec "$S" --mem "$cap" --state-dir "$shared" -- python3 -c 'import torch, time; x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda"); print("holder has 3 GiB", flush=True); time.sleep(20)' >>"$log" 2>&1 &
+sleep 12
+step nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+step "$G" exec "$S" --mem "$cap" --state-dir "$shared" -- python3 -c 'import torch
+try:
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); print("UNEXPECTED: second process got 2 GiB")
+except torch.cuda.OutOfMemoryError: print("second process refused as expected")'
+wait
+# Driver rounding: free-memory deltas against charged sizes.
+py 'import ctypes
+cuda = ctypes.CDLL("libcuda.so.1"); cuda.cuInit(0)
+import torch; torch.cuda.init(); torch.empty(1, device="cuda")
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+for size in (1 << 20, (2 << 20) + 1, 3 << 20, (64 << 20) + 1):
+    cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)); before = free.value
+    p = ctypes.c_uint64(); r = cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(size))
+    cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+    print("alloc", size, "result", r, "free delta MiB", (before - free.value) / 2**20)
+    cuda.cuMemFree_v2(p)'
+echo "done: $log"
