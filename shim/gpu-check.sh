@@ -60,8 +60,8 @@ try:
     torch.empty(2 << 30, dtype=torch.uint8, device="cuda"); print("UNEXPECTED: second process got 2 GiB")
 except torch.cuda.OutOfMemoryError: print("second process refused as expected")'
 wait
-# Driver rounding: free-memory deltas against charged sizes.
-py 'import ctypes
+# Driver rounding: real free-memory deltas (no shim), then what the shim charges.
+rounding='import ctypes
 cuda = ctypes.CDLL("libcuda.so.1"); cuda.cuInit(0)
 import torch; torch.cuda.init(); torch.empty(1, device="cuda")
 free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -71,4 +71,6 @@ for size in (1 << 20, (2 << 20) + 1, 3 << 20, (64 << 20) + 1):
     cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
     print("alloc", size, "result", r, "free delta MiB", (before - free.value) / 2**20)
     cuda.cuMemFree_v2(p)'
+step python3 -c "$rounding"
+py "$rounding"
 echo "done: $log"
