@@ -185,7 +185,6 @@ impl HealthWatch for NvmlHealth {
             match answer {
                 Err(NvmlError::GpuLost) | Err(NvmlError::Unknown) => {
                     self.mark(&uuid, "GPU has fallen off the bus".into(), &mut changes);
-                    self.sick.insert(uuid.clone(), Instant::now());
                 }
                 Err(_) | Ok(true) => {
                     if let Some(at) = self.sick.get_mut(&uuid) {

@@ -93,17 +93,28 @@ fn current_device(shim: &Shim) -> Option<usize> {
     device_at(shim, ordinal)
 }
 
-/// Charges `requested` bytes on `dev`, runs the driver call, and records
-/// the allocation under the key it produced, or gives the charge back.
+/// The shim's state and the capped device of the current context, if any.
+fn capped_current() -> Option<(&'static Shim, usize)> {
+    let shim = ops::shim()?;
+    Some((shim, current_device(shim)?))
+}
+
+/// The shim's state and the capped device behind a CUDA ordinal, if any.
+fn capped_ordinal(ordinal: CUdevice) -> Option<(&'static Shim, usize)> {
+    let shim = ops::shim()?;
+    Some((shim, device_at(shim, ordinal)?))
+}
+
+/// Charges `bytes` on `dev`, runs the driver call, and records the
+/// allocation under the key it produced, or gives the charge back.
 fn charged(
     shim: &Shim,
     dev: usize,
-    requested: u64,
+    bytes: u64,
     call: impl FnOnce() -> CUresult,
     key: impl FnOnce() -> Option<u64>,
     tracker: &Tracker,
 ) -> CUresult {
-    let bytes = charge_size(requested);
     if let Err(refusal) = shim
         .charge_context(dev)
         .and_then(|()| shim.charge(dev, bytes))
@@ -124,8 +135,8 @@ fn alloc_current(
     call: impl FnOnce() -> CUresult,
     key: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
-    match ops::shim().and_then(|shim| Some((shim, current_device(shim)?))) {
-        Some((shim, dev)) => charged(shim, dev, requested, call, key, &POINTERS),
+    match capped_current() {
+        Some((shim, dev)) => charged(shim, dev, charge_size(requested), call, key, &POINTERS),
         None => call(),
     }
 }
@@ -229,7 +240,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     // SAFETY: forwards the caller's arguments unchanged.
     let call = || unsafe { real(dptr, pitch, width, height, element_size) };
     guarded(call, || {
-        let Some((shim, dev)) = ops::shim().and_then(|s| Some((s, current_device(s)?))) else {
+        let Some((shim, dev)) = capped_current() else {
             return call();
         };
         // The pitch is only known afterwards: charge the usual 512-byte
@@ -237,7 +248,14 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
         let estimate = (width as u64)
             .next_multiple_of(512)
             .saturating_mul(height as u64);
-        let result = charged(shim, dev, estimate, call, || written(dptr), &POINTERS);
+        let result = charged(
+            shim,
+            dev,
+            charge_size(estimate),
+            call,
+            || written(dptr),
+            &POINTERS,
+        );
         if result != CUDA_SUCCESS {
             return result;
         }
@@ -352,22 +370,10 @@ pub unsafe extern "C" fn cuMemCreate(
         let Some((CU_MEM_LOCATION_TYPE_DEVICE, ordinal)) = location else {
             return call();
         };
-        match ops::shim().and_then(|s| Some((s, device_at(s, ordinal)?))) {
+        match capped_ordinal(ordinal) {
             // Sizes are already granularity-aligned: charge exactly.
             Some((shim, dev)) => {
-                let bytes = size as u64;
-                if let Err(refusal) = shim
-                    .charge_context(dev)
-                    .and_then(|()| shim.charge(dev, bytes))
-                {
-                    return refused(refusal);
-                }
-                let result = call();
-                match (result, written(handle)) {
-                    (CUDA_SUCCESS, Some(h)) => HANDLES.insert(h, Charge { dev, bytes }),
-                    _ => shim.uncharge(dev, bytes),
-                }
-                result
+                charged(shim, dev, size as u64, call, || written(handle), &HANDLES)
             }
             None => call(),
         }
@@ -384,7 +390,7 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
 
 /// Context creation on `ordinal`: charge the per-process context cost first.
 fn with_context(ordinal: CUdevice, call: impl FnOnce() -> CUresult) -> CUresult {
-    let Some((shim, dev)) = ops::shim().and_then(|s| Some((s, device_at(s, ordinal)?))) else {
+    let Some((shim, dev)) = capped_ordinal(ordinal) else {
         return call();
     };
     match shim.charge_context(dev) {
@@ -455,7 +461,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
             let (Some(real_free), Some(real_total)) = (written(free), written(total)) else {
                 return;
             };
-            let Some((shim, dev)) = ops::shim().and_then(|s| Some((s, current_device(s)?))) else {
+            let Some((shim, dev)) = capped_current() else {
                 return;
             };
             let (f, t) = shim.cuda_info(dev, real_free as u64, real_total as u64);
@@ -483,7 +489,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
             let Some(real_total) = written(bytes) else {
                 return;
             };
-            let Some((shim, d)) = ops::shim().and_then(|s| Some((s, device_at(s, dev)?))) else {
+            let Some((shim, d)) = capped_ordinal(dev) else {
                 return;
             };
             // SAFETY: the driver just wrote through `bytes`.
