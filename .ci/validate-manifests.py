@@ -19,6 +19,7 @@ VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
 
 VARIANTS = {
     "defaults": {},
+    "reconcile-off": {"reconcileSecs": 0},
     "cgpu-enforced": {
         "isolation": "none",
         "memoryUnit": "MiB",
@@ -67,6 +68,10 @@ def main():
         for expected in values.get("nodeSelector", {}):
             if not any(expected in text for text in rendered.values()):
                 failures.append(f"chart[{variant}]: nodeSelector {expected} not rendered")
+        # The host's PID namespace only where reconciliation needs it.
+        wants = values.get("isolation", "shim") == "shim" and values.get("reconcileSecs", 2) > 0
+        if any("hostPID: true" in text for text in rendered.values()) != wants:
+            failures.append(f"chart[{variant}]: hostPID should be {str(wants).lower()}")
 
     for failure in failures:
         print(f"invalid: {failure}", file=sys.stderr)

@@ -4,12 +4,15 @@
 #   cargo build --release -p gpumem -p gpumem-shim
 #   mkdir -p carry && cp target/release/gpumem target/release/libgpumem_shim.so carry/
 # then on the GPU machine (carry: ["carry"]):
-#   bash shim/gpu-check.sh carry "$OUT"
+#   bash shim/gpu-check.sh carry "$OUT" [checks|train|all]
+# (`checks` and `train` each fit one 10-minute device call; `all` may not).
 # Every command and its output go to $OUT/gpu-check.log; paste the results
-# into docs/GPU_VERIFICATION.md.
+# into docs/GPU_VERIFICATION.md and docs/BENCHMARKS.md.
 set -u
-bin=${1:?usage: shim/gpu-check.sh CARRY_DIR OUT_DIR}
-out=${2:?usage: shim/gpu-check.sh CARRY_DIR OUT_DIR}
+usage="usage: shim/gpu-check.sh CARRY_DIR OUT_DIR [checks|train|all]"
+bin=${1:?$usage}
+out=${2:?$usage}
+part=${3:-all}
 mkdir -p "$out"
 log="$out/gpu-check.log"
 G="$bin/gpumem"
@@ -24,8 +27,25 @@ step() {
 
 py() { step "$G" exec "$S" --mem "$cap" -- python3 -c "$1"; }
 
+train() {
+    # Training-step overhead: plain and under the shim (a cap far above the
+    # model's needs), alternated so drift hits both alike; then the worst
+    # case, every tensor a cuMemAlloc.
+    local model uncached round
+    for model in transformer resnet; do
+        # Set only for the worst case: some PyTorch versions read any value as "on".
+        for uncached in "" PYTORCH_NO_CUDA_MEMORY_CACHING=1; do
+            for round in 1 2 3; do
+                step env $uncached python3 benches/train_step.py --model $model
+                step env $uncached "$G" exec "$S" --mem 60GiB -- python3 benches/train_step.py --model $model
+            done
+        done
+    done
+}
+
 : >"$log"
 step nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+if [ "$part" = train ]; then train; echo "done: $log"; exit 0; fi
 step "$G" exec "$S" --mem "$cap" -- nvidia-smi
 py 'import pynvml as n; n.nvmlInit(); h=n.nvmlDeviceGetHandleByIndex(0); m=n.nvmlDeviceGetMemoryInfo(h); print("nvml total", m.total>>20, "used", m.used>>20, "free", m.free>>20)'
 py 'import torch; f,t=torch.cuda.mem_get_info(); print("mem_get_info MiB", f>>20, t>>20, "total_memory MiB", torch.cuda.get_device_properties(0).total_memory>>20)'
@@ -73,4 +93,24 @@ for size in (1 << 20, (2 << 20) + 1, 3 << 20, (64 << 20) + 1):
     cuda.cuMemFree_v2(p)'
 step python3 -c "$rounding"
 py "$rounding"
+# Untracked memory: fill the cap in 256 MiB steps after the reconciler has
+# seen the context, hold, and read the process's footprint from outside. With
+# reconciliation the footprint stays within the cap; without, it exceeds it
+# by the context and libraries.
+fill='import torch, time
+torch.empty(1, device="cuda"); time.sleep(5)
+xs = []
+try:
+    while True: xs.append(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+except torch.cuda.OutOfMemoryError: pass
+print("filled", len(xs) * 256, "MiB; mem_get_info MiB", [v >> 20 for v in torch.cuda.mem_get_info()], flush=True)
+time.sleep(15)'
+for secs in 2 0; do
+    echo "### reconcile-secs $secs" | tee -a "$log"
+    "$G" exec "$S" --mem "$cap" --reconcile-secs $secs -- python3 -c "$fill" >>"$log" 2>&1 &
+    sleep 20
+    step nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+    wait
+done
+if [ "$part" = all ]; then train; fi
 echo "done: $log"

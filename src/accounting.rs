@@ -4,8 +4,12 @@
 
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+
+use nix::fcntl::{fcntl, FcntlArg};
+use nix::libc;
 
 use gpumem_layout::{self as layout, DeviceSpec};
 
@@ -95,56 +99,152 @@ pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
 pub struct Usage {
     pub uuid: String,
     pub cap_bytes: u64,
+    /// Charged by the container's processes plus `untracked_bytes`.
     pub used_bytes: u64,
+    /// What the node daemon saw the processes use beyond their charges.
+    pub untracked_bytes: u64,
 }
 
-/// Reads current usage (sum of live and not-yet-reaped slots plus the
-/// daemon-observed extra).
-pub fn usage(path: &Path) -> io::Result<Vec<Usage>> {
-    let bytes = fs::read(path)?;
+/// Opens an accounting file read-write (F_GETLK on a write lock needs it)
+/// and reads it through the same descriptor, so a file replaced meanwhile
+/// is never half this one and half the next.
+fn open_validated(path: &Path) -> io::Result<(fs::File, Vec<u8>, layout::Geometry)> {
+    use std::io::Read;
+    let mut file = fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)?;
     let geometry =
         layout::validate(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    let used = layout::used_bytes(&bytes, geometry);
-    Ok(layout::devices(&bytes, geometry)
+    Ok((file, bytes, geometry))
+}
+
+/// Reads current usage: the charges of live processes plus the
+/// daemon-observed extra. A dead process's slot still holds its charges
+/// until a shim reaps it, but they are no longer in use.
+pub fn usage(path: &Path) -> io::Result<Vec<Usage>> {
+    let processes = processes(path)?;
+    Ok(processes
+        .uuids
         .into_iter()
-        .zip(used)
-        .map(|(d, used_bytes)| Usage {
-            uuid: layout::format_uuid(&d.uuid),
-            cap_bytes: d.cap_bytes,
-            used_bytes,
+        .enumerate()
+        .map(|(dev, uuid)| {
+            let untracked_bytes = processes.untracked[dev];
+            Usage {
+                uuid,
+                cap_bytes: processes.caps[dev],
+                used_bytes: processes
+                    .live
+                    .iter()
+                    .map(|p| p.used[dev])
+                    .fold(untracked_bytes, u64::saturating_add),
+                untracked_bytes,
+            }
         })
         .collect())
 }
 
-/// Whether a live process still has a slot in the accounting file: its
-/// record lock is held (the kernel drops it when the process dies).
-pub fn has_live_process(path: &Path) -> io::Result<bool> {
-    use nix::fcntl::{fcntl, FcntlArg};
-    use nix::libc;
-    use std::os::fd::AsFd;
-    let file = fs::OpenOptions::new().read(true).write(true).open(path)?;
-    let bytes = fs::read(path)?;
-    let geometry =
-        layout::validate(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    let hwm = (layout::get_u32(&bytes, layout::header::SLOT_HWM) as usize).min(geometry.slots);
-    for index in 0..hwm {
-        let at = layout::slot_offset(geometry.devices, index);
-        if layout::get_u64(&bytes, at + layout::slot::STATE) & 0xff != layout::state::ALIVE {
+/// A process that holds a slot: its record lock is held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveProcess {
+    /// The lock holder's PID in this process's PID namespace, as the kernel
+    /// translates it; `None` where the holder is not visible from here (a
+    /// plugin without the host's PID namespace).
+    pub pid: Option<u32>,
+    /// Bytes it charged, per device of the file.
+    pub used: Vec<u64>,
+}
+
+/// The live processes of one accounting file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Processes {
+    /// Device UUIDs in file order.
+    pub uuids: Vec<String>,
+    /// Caps in bytes, per device.
+    pub caps: Vec<u64>,
+    /// The daemon-observed extra now in the file, per device.
+    pub untracked: Vec<u64>,
+    pub live: Vec<LiveProcess>,
+}
+
+/// Finds the processes that hold slots, by asking the kernel who holds each
+/// slot's record lock: the answer is a PID in our own namespace, so a
+/// daemon in the host's PID namespace can match it with NVML's PIDs.
+pub fn processes(path: &Path) -> io::Result<Processes> {
+    // Never takes a lock: any lock of ours would be dropped, and others'
+    // misread, by closing this descriptor.
+    let (file, bytes, geometry) = open_validated(path)?;
+    let mut live = Vec::new();
+    for slot in layout::slots(&bytes, geometry) {
+        if slot.state != layout::state::ALIVE {
             continue;
         }
-        let mut probe = libc::flock {
-            l_type: libc::F_WRLCK as libc::c_short,
-            l_whence: libc::SEEK_SET as libc::c_short,
-            l_start: at as libc::off_t,
-            l_len: 1,
-            l_pid: 0,
-        };
+        let mut probe = write_lock(layout::slot_offset(geometry.devices, slot.index));
         fcntl(file.as_fd(), FcntlArg::F_GETLK(&mut probe)).map_err(io::Error::from)?;
-        if probe.l_type != libc::F_UNLCK as libc::c_short {
-            return Ok(true);
+        if probe.l_type == libc::F_UNLCK as libc::c_short {
+            continue;
         }
+        live.push(LiveProcess {
+            pid: u32::try_from(probe.l_pid).ok().filter(|&p| p > 0),
+            used: slot.used,
+        });
     }
-    Ok(false)
+    let devices = layout::devices(&bytes, geometry);
+    Ok(Processes {
+        uuids: devices
+            .iter()
+            .map(|d| layout::format_uuid(&d.uuid))
+            .collect(),
+        caps: devices.iter().map(|d| d.cap_bytes).collect(),
+        untracked: (0..geometry.devices)
+            .map(|d| layout::observed_extra(&bytes, d))
+            .collect(),
+        live,
+    })
+}
+
+/// Whether a live process still has a slot in the accounting file.
+pub fn has_live_process(path: &Path) -> io::Result<bool> {
+    Ok(!processes(path)?.live.is_empty())
+}
+
+/// Publishes the untracked usage of device `dev` for the shims to fold into
+/// their checks. The daemon has no atomics on the shared page, only file
+/// writes, so they go under the sequence word: odd, value, even.
+pub fn publish_untracked(path: &Path, dev: usize, bytes: u64) -> io::Result<()> {
+    let (file, _, geometry) = open_validated(path)?;
+    if dev >= geometry.devices {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} has no device {dev}", path.display()),
+        ));
+    }
+    let record = layout::device_offset(dev) as u64;
+    // Held until `file` closes; this process holds no slot lock that the
+    // close could drop.
+    let turn = write_lock(layout::publisher_lock_offset(geometry));
+    fcntl(file.as_fd(), FcntlArg::F_SETLKW(&turn)).map_err(io::Error::from)?;
+    let seq_at = record + layout::device::OBSERVED_SEQ as u64;
+    let mut seq = [0u8; 8];
+    file.read_exact_at(&mut seq, seq_at)?;
+    // Even after a previous writer died mid-update.
+    let seq = u64::from_le_bytes(seq).wrapping_add(1) | 1;
+    file.write_all_at(&seq.to_le_bytes(), seq_at)?;
+    file.write_all_at(
+        &bytes.to_le_bytes(),
+        record + layout::device::OBSERVED_EXTRA as u64,
+    )?;
+    file.write_all_at(&seq.wrapping_add(1).to_le_bytes(), seq_at)
+}
+
+/// A write-lock request (or query) for the byte at `offset`.
+fn write_lock(offset: usize) -> libc::flock {
+    libc::flock {
+        l_type: libc::F_WRLCK as libc::c_short,
+        l_whence: libc::SEEK_SET as libc::c_short,
+        l_start: offset as libc::off_t,
+        l_len: 1,
+        l_pid: 0,
+    }
 }
 
 #[cfg(test)]
@@ -203,6 +303,35 @@ mod tests {
             1,
             "no staging file left"
         );
+    }
+
+    #[test]
+    fn untracked_usage_is_published_under_an_even_sequence() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = prepare(dir.path(), &t4(4308)).unwrap();
+        let seq = |path: &Path| {
+            let bytes = fs::read(path).unwrap();
+            layout::get_u64(
+                &bytes,
+                layout::device_offset(0) + layout::device::OBSERVED_SEQ,
+            )
+        };
+        publish_untracked(&path, 0, 600 * MIB).unwrap();
+        assert_eq!(seq(&path), 2);
+        let u = &usage(&path).unwrap()[0];
+        assert_eq!((u.untracked_bytes, u.used_bytes), (600 * MIB, 600 * MIB));
+
+        // A publisher that died between its writes left the sequence odd.
+        let file = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let at = (layout::device_offset(0) + layout::device::OBSERVED_SEQ) as u64;
+        file.write_all_at(&3u64.to_le_bytes(), at).unwrap();
+        publish_untracked(&path, 0, 100 * MIB).unwrap();
+        assert_eq!(seq(&path), 6);
+        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 100 * MIB);
+
+        let err = publish_untracked(&path, 1, MIB).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
+        assert!(processes(&path).unwrap().live.is_empty());
     }
 
     #[test]

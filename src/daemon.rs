@@ -16,6 +16,7 @@ use crate::inventory::Inventory;
 use crate::metrics::{self, Observed};
 use crate::plugin::{Plugin, PluginConfig, PluginError};
 use crate::podresources::PodResources;
+use crate::reconcile::{self, ProcessUsage, Reconciler};
 
 pub struct DaemonConfig {
     pub plugin: PluginConfig,
@@ -24,6 +25,9 @@ pub struct DaemonConfig {
     pub metrics: Option<tokio::net::TcpListener>,
     /// How long a finished container's accounting directory is kept.
     pub state_grace: Duration,
+    /// Per-process GPU memory and how often to compare it with the
+    /// containers' charges (shim isolation only).
+    pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
 }
 
 /// Runs until `shutdown` (or until the plugin fails to start).
@@ -60,6 +64,15 @@ pub async fn run(
     }
     if let Some(watch) = health {
         tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
+    }
+    if let (Isolation::Shim(shim), Some((source, every))) = (&*isolation, config.reconcile) {
+        let containers = shim.containers_dir();
+        tasks.spawn(reconcile::run(
+            Reconciler::new(source),
+            move || reconcile::container_files(&containers),
+            every,
+            stop.clone(),
+        ));
     }
     if let Isolation::Shim(shim) = &*isolation {
         tasks.spawn(cleanup::run(

@@ -4,16 +4,18 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::time::Duration;
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::signal::unix::{signal, SignalKind};
+use tokio_util::sync::CancellationToken;
 
 use crate::accounting::{self, AccountingError, Cap};
 use crate::gpu::Gpu;
 use crate::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
+use crate::reconcile::{self, ProcessUsage, Reconciler};
 
-#[derive(Debug, Clone)]
 pub struct ExecConfig {
     /// Cap per GPU, MiB.
     pub mem_mib: u64,
@@ -25,6 +27,9 @@ pub struct ExecConfig {
     pub context_charge_mib: u64,
     /// Restrict CUDA to the capped GPUs (set when the user picked GPUs).
     pub only_selected: bool,
+    /// Per-process GPU memory and how often to fold what the command uses
+    /// beyond its allocations (contexts, libraries) into its cap.
+    pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
     pub command: Vec<OsString>,
 }
 
@@ -114,7 +119,7 @@ pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
             context_charge_mib: config.context_charge_mib,
         })
         .collect();
-    accounting::prepare(&state_dir, &caps)?;
+    let file = accounting::prepare(&state_dir, &caps)?;
 
     let mut preload = config.shim.clone().into_os_string();
     if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
@@ -139,6 +144,16 @@ pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
         .id()
         .and_then(|id| i32::try_from(id).ok())
         .map(Pid::from_raw);
+    let reconciling = CancellationToken::new();
+    let _stop_reconciling = reconciling.clone().drop_guard();
+    if let Some((source, every)) = config.reconcile {
+        tokio::spawn(reconcile::run(
+            Reconciler::new(source),
+            move || vec![file.clone()],
+            every,
+            reconciling,
+        ));
+    }
     // Handling these keeps gpumem alive to clean up after the child.
     let mut term = signal(SignalKind::terminate()).ok();
     let mut int = signal(SignalKind::interrupt()).ok();

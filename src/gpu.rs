@@ -1,7 +1,7 @@
 //! Where GPUs come from: the `GpuSource` seam, with NVML for real nodes and a
 //! TOML-described fake node for the demo, tests and GPU-less development.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -32,7 +32,7 @@ pub enum GpuError {
     Field {
         path: PathBuf,
         position: usize,
-        field: &'static str,
+        field: String,
         message: String,
     },
     #[error(
@@ -52,11 +52,18 @@ pub trait GpuSource: Send + Sync {
     fn discover(&self) -> Result<Vec<Gpu>, GpuError>;
 }
 
+/// Device memory per process on each GPU: GPU UUID → PID → bytes, as
+/// NVML's running-process list reports it.
+pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
+
 /// A node described in TOML (`[[gpu]]` tables with `uuid`, `name`,
-/// `memory_mib`, optional `index` and `healthy`).
+/// `memory_mib`, optional `index` and `healthy`, and optional
+/// `[[gpu.process]]` tables with `pid` and `used_mib` standing in for
+/// NVML's per-process usage).
 #[derive(Debug, Clone)]
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
+    processes: ProcessMemory,
 }
 
 #[derive(Deserialize)]
@@ -75,6 +82,15 @@ struct FakeEntry {
     index: Option<u32>,
     #[serde(default = "default_healthy")]
     healthy: bool,
+    #[serde(default)]
+    process: Vec<FakeProcess>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FakeProcess {
+    pid: u32,
+    used_mib: u64,
 }
 
 fn default_healthy() -> bool {
@@ -103,15 +119,16 @@ impl FakeGpus {
                 message: "no [[gpu]] entries".into(),
             });
         }
-        let field = |position, field, message: String| GpuError::Field {
+        let field = |position, field: &str, message: String| GpuError::Field {
             path: origin.to_owned(),
             position,
-            field,
+            field: field.to_owned(),
             message,
         };
         let mut uuids = HashSet::new();
         let mut indices = HashSet::new();
         let mut gpus = Vec::with_capacity(file.gpu.len());
+        let mut processes = ProcessMemory::new();
         for (position, entry) in file.gpu.into_iter().enumerate() {
             let index = match entry.index {
                 Some(index) => index,
@@ -145,6 +162,27 @@ impl FakeGpus {
             if entry.name.trim().is_empty() {
                 return Err(field(position, "name", "must not be empty".into()));
             }
+            let mut memory = HashMap::new();
+            for (i, p) in entry.process.iter().enumerate() {
+                if p.pid == 0 {
+                    return Err(field(
+                        position,
+                        &format!("process[{i}].pid"),
+                        "must be greater than 0".into(),
+                    ));
+                }
+                if memory
+                    .insert(p.pid, p.used_mib.saturating_mul(1 << 20))
+                    .is_some()
+                {
+                    return Err(field(
+                        position,
+                        &format!("process[{i}].pid"),
+                        format!("{} appears twice", p.pid),
+                    ));
+                }
+            }
+            processes.insert(entry.uuid.clone(), memory);
             gpus.push(Gpu {
                 index,
                 uuid: entry.uuid,
@@ -154,7 +192,12 @@ impl FakeGpus {
             });
         }
         gpus.sort_by_key(|g| g.index);
-        Ok(FakeGpus { gpus })
+        Ok(FakeGpus { gpus, processes })
+    }
+
+    /// The per-process usage the file describes.
+    pub fn processes(&self) -> &ProcessMemory {
+        &self.processes
     }
 }
 
@@ -223,6 +266,34 @@ mod tests {
         assert_eq!(gpus.len(), 2);
         assert_eq!((gpus[0].index, gpus[1].index), (0, 1));
         assert!(gpus[0].healthy && !gpus[1].healthy);
+    }
+
+    #[test]
+    fn processes_stand_in_for_nvmls_per_process_usage() {
+        let gpu = "[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 15079\n";
+        let fake = FakeGpus::parse(
+            &format!(
+                "{gpu}[[gpu.process]]\npid = 41\nused_mib = 600\n\
+                 [[gpu.process]]\npid = 42\nused_mib = 1\n"
+            ),
+            Path::new("node.toml"),
+        )
+        .unwrap();
+        assert_eq!(
+            fake.processes()["GPU-a"],
+            [(41, 600 << 20), (42, 1 << 20)].into()
+        );
+
+        let twice = format!(
+            "{gpu}[[gpu.process]]\npid = 41\nused_mib = 1\n[[gpu.process]]\npid = 41\nused_mib = 2\n"
+        );
+        let err = parse(&twice).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "fake GPU file node.toml: gpu[0].process[1].pid: 41 appears twice"
+        );
+        let err = parse(&format!("{gpu}[[gpu.process]]\npid = 0\nused_mib = 1\n")).unwrap_err();
+        assert!(err.to_string().contains("gpu[0].process[0].pid"), "{err}");
     }
 
     #[test]

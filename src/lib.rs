@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod placement;
 pub mod plugin;
 pub mod podresources;
+pub mod reconcile;
 pub mod resource;
 pub mod service;
 pub mod simulator;

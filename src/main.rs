@@ -21,6 +21,7 @@ use gpumem::metrics;
 use gpumem::placement::Policy;
 use gpumem::plugin::PluginConfig;
 use gpumem::podresources::{self, PodResources};
+use gpumem::reconcile::{self, ProcessUsage};
 use gpumem::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
 use gpumem::status::NodeStatus;
 use gpumem::units::{MemorySize, MemoryUnit};
@@ -151,6 +152,26 @@ struct ContextArgs {
 }
 
 #[derive(Args)]
+struct ReconcileArgs {
+    /// Seconds between comparisons of NVML's per-process GPU memory with
+    /// what the shim charged; the excess (CUDA contexts, libraries, pool
+    /// reserves) counts against the cap. The plugin needs the host's PID
+    /// namespace for it. 0: off (allocations and --context-charge-mib only).
+    #[arg(long, env = "GPUMEM_RECONCILE_SECS", default_value_t = 2)]
+    reconcile_secs: u64,
+}
+
+impl ReconcileArgs {
+    fn source(&self, fake_gpus: Option<&Path>) -> Option<(Box<dyn ProcessUsage>, Duration)> {
+        if self.reconcile_secs == 0 {
+            return None;
+        }
+        let every = Duration::from_secs(self.reconcile_secs);
+        reconcile::source_for(fake_gpus).map(|source| (source, every))
+    }
+}
+
+#[derive(Args)]
 struct PluginArgs {
     /// Directory holding kubelet.sock; our socket (gpumem.sock) is created here.
     #[arg(
@@ -184,6 +205,9 @@ struct PluginArgs {
     /// Seconds a finished container's accounting directory is kept before removal.
     #[arg(long, env = "GPUMEM_STATE_GRACE_SECS", default_value_t = 300)]
     state_grace_secs: u64,
+
+    #[command(flatten)]
+    reconcile: ReconcileArgs,
 }
 
 #[derive(Args)]
@@ -226,6 +250,9 @@ struct ExecArgs {
 
     #[command(flatten)]
     context: ContextArgs,
+
+    #[command(flatten)]
+    reconcile: ReconcileArgs,
 
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "COMMAND")]
@@ -381,6 +408,10 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
 
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
+    let reconcile = match args.node.isolation {
+        IsolationMode::Shim => args.reconcile.source(args.node.fake_gpus.as_deref()),
+        IsolationMode::None => None,
+    };
     let config = DaemonConfig {
         plugin: PluginConfig {
             kubelet_dir: args.kubelet_dir,
@@ -391,6 +422,7 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
         pod_resources_socket: args.node.pod_resources_socket,
         metrics,
         state_grace: Duration::from_secs(args.state_grace_secs),
+        reconcile,
     };
     daemon::run(config, inventory, health, shutdown).await?;
     Ok(())
@@ -406,6 +438,7 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
         shim: exec::find_shim(args.shim)?,
         context_charge_mib: args.context.context_charge_mib,
         only_selected,
+        reconcile: args.reconcile.source(args.fake_gpus.as_deref()),
         command: args.command,
     })
     .await?;

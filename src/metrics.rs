@@ -151,6 +151,11 @@ async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
         "container_used_bytes",
         "GPU memory the container's processes hold",
     );
+    let untracked = gauge(
+        &mut registry,
+        "container_untracked_bytes",
+        "Part of container_used_bytes held beyond charged allocations (CUDA contexts, libraries)",
+    );
     for c in &status.containers {
         let labels = vec![
             ("namespace", c.namespace.clone()),
@@ -162,6 +167,9 @@ async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
         cap.get_or_create(&labels).set(bytes(c.cap_mib));
         if let Some(u) = c.used_mib {
             used.get_or_create(&labels).set(bytes(u));
+        }
+        if let Some(u) = c.untracked_mib {
+            untracked.get_or_create(&labels).set(bytes(u));
         }
     }
     let counter = |registry: &mut Registry, name: &str, help: &str, value: u64| {

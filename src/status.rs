@@ -50,6 +50,10 @@ pub struct ContainerStatus {
     /// What the container's processes use now, from its accounting file
     /// (only with shim isolation, and only where the file is readable).
     pub used_mib: Option<u64>,
+    /// The part of `used_mib` the driver holds beyond the charged
+    /// allocations (contexts, libraries), as last reconciled.
+    #[serde(default)]
+    pub untracked_mib: Option<u64>,
 }
 
 impl NodeStatus {
@@ -86,7 +90,7 @@ impl NodeStatus {
             };
             let gpu = &inv.gpus()[assignment.gpu];
             let cap_mib = gpu.cap_mib(assignment.units);
-            let used_mib = match isolation {
+            let usage = match isolation {
                 Isolation::Shim(shim) => {
                     let dir = shim.containers_dir().join(container_dir_name(
                         inv,
@@ -95,7 +99,7 @@ impl NodeStatus {
                     ));
                     accounting::usage(&dir.join(gpumem_layout::FILE_NAME))
                         .ok()
-                        .and_then(|u| u.first().map(|d| d.used_bytes / MIB))
+                        .and_then(|u| u.into_iter().next())
                 }
                 Isolation::None => None,
             };
@@ -108,7 +112,8 @@ impl NodeStatus {
                 gpu: gpu.gpu.index,
                 units: assignment.units,
                 cap_mib,
-                used_mib,
+                used_mib: usage.as_ref().map(|u| u.used_bytes / MIB),
+                untracked_mib: usage.as_ref().map(|u| u.untracked_bytes / MIB),
             });
         }
         containers.sort_by(|a, b| {
@@ -157,15 +162,22 @@ impl NodeStatus {
         if details {
             let _ = writeln!(
                 out,
-                "\n{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} USED(MiB)",
-                "NAMESPACE", "POD", "CONTAINER", "GPU", "UNITS", "CAP(MiB)"
+                "\n{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} UNTRACKED(MiB)",
+                "NAMESPACE", "POD", "CONTAINER", "GPU", "UNITS", "CAP(MiB)", "USED(MiB)"
             );
+            let mib = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |u| u.to_string());
             for c in &self.containers {
-                let used = c.used_mib.map_or_else(|| "-".to_owned(), |u| u.to_string());
                 let _ = writeln!(
                     out,
-                    "{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {used}",
-                    c.namespace, c.pod, c.container, c.gpu, c.units, c.cap_mib
+                    "{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} {}",
+                    c.namespace,
+                    c.pod,
+                    c.container,
+                    c.gpu,
+                    c.units,
+                    c.cap_mib,
+                    mib(c.used_mib),
+                    mib(c.untracked_mib)
                 );
             }
         }

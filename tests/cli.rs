@@ -286,6 +286,64 @@ fn exec_commands_sharing_a_state_dir_share_the_cap() {
 }
 
 #[test]
+fn exec_holds_a_command_to_what_the_driver_shows_it_using() {
+    let kit = common::shim_kit();
+    let state = tempfile::tempdir().unwrap();
+    // What NVML lists per process, through nvml-wrapper and the fake library.
+    let nvml_processes = state.path().join("processes");
+    std::fs::write(&nvml_processes, "").unwrap();
+    let mut holder = exec()
+        .env("FAKEGPU_PROCESSES_FILE", &nvml_processes)
+        .args(["--mem", "4308MiB", "--reconcile-secs", "1", "--state-dir"])
+        .arg(state.path().join("shared"))
+        .arg("--")
+        .arg(&kit.probe)
+        .args(["alloc:1000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("holding") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
+    }
+    let pid = common::field(&line, "pid");
+    // Its context and libraries: 600 MiB beyond the 1000 MiB it allocated.
+    std::fs::write(&nvml_processes, format!("{pid} 1600\n")).unwrap();
+
+    let probe = |steps: &[&str]| {
+        run(exec()
+            .args(["--mem", "4308MiB", "--reconcile-secs", "0", "--state-dir"])
+            .arg(state.path().join("shared"))
+            .arg("--")
+            .arg(&kit.probe)
+            .args(steps))
+    };
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (out, text) = probe(&["info"]);
+        assert!(out.status.success(), "{text}");
+        let info = text.lines().find(|l| l.starts_with("info")).unwrap();
+        if common::field(info, "free") == (4308 - 1600) * common::MIB {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never reconciled: {info}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, text) = probe(&["alloc:2709", "alloc:2708"]);
+    assert!(
+        text.contains("alloc:2709 2 #0") && text.contains("alloc:2708 0 #1"),
+        "{text}"
+    );
+    kill(Pid::from_raw(holder.id() as i32), Signal::SIGTERM).unwrap();
+    holder.wait().unwrap();
+}
+
+#[test]
 fn exec_reports_the_exit_code_and_bad_input() {
     let (out, _) = run(exec().args(["--mem", "1GiB", "--", "sh", "-c", "exit 7"]));
     assert_eq!(out.status.code(), Some(7));

@@ -15,12 +15,16 @@ use gpumem::inject::{Isolation, ShimConfig};
 use gpumem::inventory::Inventory;
 use gpumem::placement::Policy;
 use gpumem::plugin::{PluginConfig, PluginError};
+use gpumem::reconcile::FakeProcesses;
 use gpumem::simulator::KubeletSim;
 use gpumem::status::NodeStatus;
 use gpumem::units::MemoryUnit;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+
+/// How often the test daemon reconciles untracked usage.
+const RECONCILE: Duration = Duration::from_millis(100);
 
 /// The whole daemon (plugin, health, endpoint, clean-up) against the
 /// simulated kubelet, on a copy of a fixture that tests may edit.
@@ -52,6 +56,7 @@ impl Daemon {
             pod_resources_socket: kubelet.pod_resources_socket(),
             metrics: Some(listener),
             state_grace: grace,
+            reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
         };
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(daemon::run(
@@ -107,10 +112,43 @@ impl Daemon {
             .map(str::to_owned)
             .collect();
         lines.push(format!("healthy = {healthy}"));
-        // Write then rename: the watcher never reads half a file.
+        self.rewrite_node_file(lines.join("\n") + "\n");
+    }
+
+    /// Makes the fake NVML list `pid` with `used_mib` on the (last) GPU.
+    fn set_process_memory(&self, pid: u32, used_mib: u64) {
+        let text = std::fs::read_to_string(&self.node_file).unwrap();
+        self.rewrite_node_file(format!(
+            "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\n"
+        ));
+    }
+
+    /// Write then rename: the watchers never read half a file.
+    fn rewrite_node_file(&self, text: String) {
         let staging = self.dir.path().join("node.toml.new");
-        std::fs::write(&staging, lines.join("\n") + "\n").unwrap();
+        std::fs::write(&staging, text).unwrap();
         std::fs::rename(staging, &self.node_file).unwrap();
+    }
+
+    /// Waits until the one container's status passes `check`.
+    async fn wait_for_container(
+        &self,
+        what: &str,
+        check: impl Fn(&gpumem::status::ContainerStatus) -> bool,
+    ) -> gpumem::status::ContainerStatus {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let status = self.status().await;
+            if let Some(c) = status.containers.iter().find(|c| check(c)) {
+                return c.clone();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what}: {:?}",
+                status.containers
+            );
+            tokio::time::sleep(RECONCILE).await;
+        }
     }
 
     async fn stop(self) {
@@ -326,6 +364,83 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(running.exists());
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        "t4",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+    )
+    .await;
+    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let container = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let mut holder = shim_kit()
+        .probe(Some(&container))
+        .args(["alloc:1000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    let c = d
+        .wait_for_container("charged", |c| c.used_mib == Some(1000))
+        .await;
+    assert_eq!(c.untracked_mib, Some(0));
+
+    // NVML shows the process at 1600 MiB: a 600 MiB context beside its
+    // 1000 MiB allocation.
+    d.set_process_memory(holder.id(), 1600);
+    let c = d
+        .wait_for_container("untracked usage published", |c| {
+            c.untracked_mib == Some(600)
+        })
+        .await;
+    assert_eq!(c.used_mib, Some(1600));
+    let (_, metrics) = d.get("/metrics").await;
+    assert!(
+        metrics.contains(
+            "gpumem_container_untracked_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 629145600"
+        ),
+        "{metrics}"
+    );
+
+    // Another process of the container sees 4308 - 1600 MiB left, and the
+    // cap holds there, not 600 MiB later.
+    let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(&container)).args([
+        "info",
+        "nvml",
+        "alloc:2709",
+        "alloc:2708",
+    ]));
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        common::field(&lines[1], "free"),
+        2708 * common::MIB,
+        "{lines:?}"
+    );
+    assert_eq!(
+        common::field(&lines[2], "used"),
+        1600 * common::MIB,
+        "{lines:?}"
+    );
+    assert_eq!(
+        common::field(&lines[3], "used"),
+        1600 * common::MIB,
+        "{lines:?}"
+    );
+    assert_eq!(lines[4..], ["alloc:2709 2 #0", "alloc:2708 0 #1"]);
+
+    // The process exits: its untracked usage goes with it.
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    d.wait_for_container("released", |c| {
+        c.untracked_mib == Some(0) && c.used_mib == Some(0)
+    })
+    .await;
     d.stop().await;
 }
 

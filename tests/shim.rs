@@ -74,6 +74,35 @@ fn cuda_and_nvml_report_the_cap() {
 }
 
 #[test]
+fn untracked_usage_from_the_node_daemon_counts_in_every_view() {
+    use gpumem_layout::{device, device_offset, FILE_NAME};
+    use std::os::unix::fs::FileExt;
+    let dir = capped_dir(4308);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join(FILE_NAME))
+        .unwrap();
+    let write = |field: usize, value: u64| {
+        file.write_all_at(&value.to_le_bytes(), (device_offset(0) + field) as u64)
+            .unwrap()
+    };
+    write(device::OBSERVED_EXTRA, 600 * MIB);
+    write(device::OBSERVED_SEQ, 2);
+    let lines = probe(dir.path(), &["info", "nvml", "alloc:3709", "alloc:3708"]);
+    assert_eq!(field(line(&lines, "info 0"), "free"), CAP - 600 * MIB);
+    assert_eq!(field(line(&lines, "nvml 0"), "used"), 600 * MIB);
+    assert!(lines.contains(&"alloc:3709 2 #0".to_owned()), "{lines:?}");
+    assert!(lines.contains(&"alloc:3708 0 #1".to_owned()), "{lines:?}");
+
+    // A daemon that died mid-update left the sequence odd: the value it
+    // finished writing still counts, after a bounded wait.
+    write(device::OBSERVED_EXTRA, 1000 * MIB);
+    write(device::OBSERVED_SEQ, 3);
+    let lines = probe(dir.path(), &["info"]);
+    assert_eq!(field(line(&lines, "info 0"), "free"), CAP - 1000 * MIB);
+}
+
+#[test]
 fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
     let dir = capped_dir(4308);
     for via in [

@@ -214,6 +214,10 @@ impl Shim {
         if CONTEXT_CHARGED[dev].load(SeqCst) || CONTEXT_CHARGED[dev].swap(true, SeqCst) {
             return Ok(());
         }
+        // A slot from the first context on, even with nothing to charge:
+        // its record lock is how the node daemon finds this process's
+        // untracked usage (the context itself, libraries) in NVML.
+        self.counter(dev);
         let bytes = self.region.devices()[dev].context_charge_bytes;
         self.charge(dev, bytes)
             .inspect_err(|_| CONTEXT_CHARGED[dev].store(false, SeqCst))

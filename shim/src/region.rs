@@ -41,6 +41,10 @@ unsafe impl Send for Region {}
 // SAFETY: as above.
 unsafe impl Sync for Region {}
 
+/// Reads of a changing `OBSERVED_EXTRA` before giving up on a stable one:
+/// a few microseconds, longer than the daemon's update takes.
+const OBSERVED_SPINS: u32 = 256;
+
 /// Whether another process holds the lock of a slot.
 enum Holder {
     Alive,
@@ -160,10 +164,29 @@ impl Region {
         let slots = (0..self.hwm())
             .map(|i| self.used_counter(i, dev).load(SeqCst))
             .fold(0u64, u64::saturating_add);
-        slots.saturating_add(
-            self.u64_at(layout::device_offset(dev) + device::OBSERVED_EXTRA)
-                .load(SeqCst),
-        )
+        slots.saturating_add(self.observed_extra(dev))
+    }
+
+    /// The daemon's last complete `OBSERVED_EXTRA` for `dev`. The daemon
+    /// writes it with plain file writes between two writes of the sequence
+    /// word (odd in between); a value read while the sequence is odd or
+    /// changes may be half-written, so it is read again. A daemon that died
+    /// mid-update leaves the sequence odd but the value whole: after a
+    /// short spin (an update takes microseconds) the value is taken as is.
+    pub fn observed_extra(&self, dev: usize) -> u64 {
+        let at = layout::device_offset(dev);
+        let seq = self.u64_at(at + device::OBSERVED_SEQ);
+        let value = self.u64_at(at + device::OBSERVED_EXTRA);
+        let mut read = 0;
+        for _ in 0..OBSERVED_SPINS {
+            let before = seq.load(SeqCst);
+            read = value.load(SeqCst);
+            if before & 1 == 0 && seq.load(SeqCst) == before {
+                return read;
+            }
+            std::hint::spin_loop();
+        }
+        read
     }
 
     pub fn note_peak(&self, dev: usize, total: u64) {

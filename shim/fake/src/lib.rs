@@ -8,7 +8,8 @@
 //! Configuration (env): `FAKEGPU_UUIDS` (comma-separated, default one T4),
 //! `FAKEGPU_MEMORY_MIB` (default 15079), `FAKEGPU_NVML_USED_MIB` (what NVML
 //! reports as used by others, default 300), `FAKEGPU_NVML_RESERVED_MIB`
-//! (default 200).
+//! (default 200), `FAKEGPU_PROCESSES_FILE` (per-process usage for
+//! `nvmlDeviceGetComputeRunningProcesses_v3`: `PID USED_MIB [UUID]` lines).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -631,5 +632,67 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             used: n.nvml_used,
         }
     };
+    NVML_SUCCESS
+}
+
+#[repr(C)]
+pub struct NvmlProcessInfo {
+    pid: c_uint,
+    used_gpu_memory: c_ulonglong,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
+
+/// The processes `FAKEGPU_PROCESSES_FILE` lists on device `dev`: one
+/// `PID USED_MIB [UUID]` per line (no UUID: the first device), read on every
+/// call so a test can change it while a daemon polls.
+fn processes_on(dev: usize) -> Vec<(u32, u64)> {
+    let Some(path) = std::env::var_os("FAKEGPU_PROCESSES_FILE") else {
+        return Vec::new();
+    };
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let pid = words.next()?.parse().ok()?;
+            let used = words.next()?.parse::<u64>().ok()?;
+            let on = match words.next() {
+                Some(uuid) => node().uuids.iter().position(|u| u == uuid)?,
+                None => 0,
+            };
+            (on == dev).then_some((pid, used * MIB))
+        })
+        .collect()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    handle: *mut c_void,
+    count: *mut c_uint,
+    infos: *mut NvmlProcessInfo,
+) -> NvmlReturn {
+    let Some(dev) = nvml_device(handle) else {
+        return NVML_INVALID_ARGUMENT;
+    };
+    if count.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    let processes = processes_on(dev);
+    // As the real one: the needed count comes back with INSUFFICIENT_SIZE.
+    let room = unsafe { *count } as usize;
+    unsafe { *count = processes.len() as c_uint };
+    if processes.len() > room || (infos.is_null() && !processes.is_empty()) {
+        return NVML_INSUFFICIENT_SIZE;
+    }
+    for (i, (pid, used)) in processes.into_iter().enumerate() {
+        unsafe {
+            infos.add(i).write(NvmlProcessInfo {
+                pid,
+                used_gpu_memory: used,
+                gpu_instance_id: u32::MAX,
+                compute_instance_id: u32::MAX,
+            })
+        };
+    }
     NVML_SUCCESS
 }

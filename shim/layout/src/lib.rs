@@ -52,13 +52,18 @@ pub mod device {
     pub const CAP: usize = 16;
     /// Charged once per process and device at the first context.
     pub const CONTEXT_CHARGE: usize = 24;
-    /// u64, atomic: untracked usage the node daemon observed (context,
-    /// libraries), folded into every check.
+    /// u64: untracked usage the node daemon observed (contexts, libraries,
+    /// pool reserves), folded into every check. Written only by the daemon,
+    /// with plain file writes under the `OBSERVED_SEQ` seqlock.
     pub const OBSERVED_EXTRA: usize = 32;
     /// u64, atomic: highest total seen by a successful charge.
     pub const PEAK: usize = 40;
     /// u64, atomic: allocations refused for the cap.
     pub const OOM_COUNT: usize = 48;
+    /// u64: odd while the daemon is rewriting `OBSERVED_EXTRA`, so a reader
+    /// never takes a half-written value (a file write is not an atomic
+    /// store to the shared page).
+    pub const OBSERVED_SEQ: usize = 56;
 }
 
 /// Slot field offsets.
@@ -81,7 +86,7 @@ pub mod state {
 }
 
 const _: () = assert!(slot::USED + 8 * MAX_DEVICES <= SLOT_LEN);
-const _: () = assert!(device::OOM_COUNT + 8 <= DEVICE_LEN);
+const _: () = assert!(device::OBSERVED_SEQ + 8 <= DEVICE_LEN);
 
 /// Offset of device record `index`.
 pub fn device_offset(index: usize) -> usize {
@@ -96,6 +101,13 @@ pub fn slots_offset(devices: usize) -> usize {
 /// Offset of slot `index`.
 pub fn slot_offset(devices: usize, index: usize) -> usize {
     slots_offset(devices) + index * SLOT_LEN
+}
+
+/// The byte a node daemon locks while it rewrites `OBSERVED_EXTRA`, so two
+/// publishers (two `gpumem exec` sharing a directory) take turns: just past
+/// the end of the file, where no slot lock can be.
+pub fn publisher_lock_offset(geometry: Geometry) -> usize {
+    geometry.file_len()
 }
 
 /// Total file length.
@@ -226,16 +238,35 @@ pub fn devices(bytes: &[u8], geometry: Geometry) -> Vec<DeviceSpec> {
         .collect()
 }
 
-/// Per-device usage in a snapshot of the file: bytes charged by every slot
-/// plus the daemon-observed extra.
-pub fn used_bytes(bytes: &[u8], geometry: Geometry) -> Vec<u64> {
+/// The daemon-observed extra of device `dev` in a snapshot.
+pub fn observed_extra(bytes: &[u8], dev: usize) -> u64 {
+    get_u64(bytes, device_offset(dev) + device::OBSERVED_EXTRA)
+}
+
+/// A slot's state, owner pid (in the owner's PID namespace) and usage per
+/// device, from a snapshot of the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotView {
+    pub index: usize,
+    pub state: u64,
+    pub pid: u64,
+    pub used: Vec<u64>,
+}
+
+/// The slots ever claimed in a snapshot (up to the high-water mark).
+pub fn slots(bytes: &[u8], geometry: Geometry) -> Vec<SlotView> {
     let hwm = (get_u32(bytes, header::SLOT_HWM) as usize).min(geometry.slots);
-    (0..geometry.devices)
-        .map(|d| {
-            let slots: u64 = (0..hwm)
-                .map(|s| get_u64(bytes, slot_offset(geometry.devices, s) + slot::USED + 8 * d))
-                .fold(0, u64::saturating_add);
-            slots.saturating_add(get_u64(bytes, device_offset(d) + device::OBSERVED_EXTRA))
+    (0..hwm)
+        .map(|index| {
+            let at = slot_offset(geometry.devices, index);
+            SlotView {
+                index,
+                state: get_u64(bytes, at + slot::STATE) & 0xff,
+                pid: get_u64(bytes, at + slot::PID),
+                used: (0..geometry.devices)
+                    .map(|d| get_u64(bytes, at + slot::USED + 8 * d))
+                    .collect(),
+            }
         })
         .collect()
 }
@@ -339,7 +370,8 @@ mod tests {
             }
         );
         assert_eq!(devices(&bytes, g), [spec]);
-        assert_eq!(used_bytes(&bytes, g), [0]);
+        assert_eq!(observed_extra(&bytes, 0), 0);
+        assert!(slots(&bytes, g).is_empty());
     }
 
     #[test]

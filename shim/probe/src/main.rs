@@ -329,7 +329,7 @@ fn main() {
             match (kind, api) {
                 ("nvml", _) => nvml(),
                 ("hold", _) => {
-                    println!("holding");
+                    println!("holding pid={}", std::process::id());
                     std::io::stdout().flush().ok();
                     loop {
                         libc::pause();

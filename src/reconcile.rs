@@ -1,0 +1,294 @@
+//! Untracked usage: what the driver holds for a container's processes
+//! beyond the allocations the shim charged — the CUDA context (about half a
+//! GiB per process on an H100), libraries loaded lazily, memory-pool
+//! reserves. Every few seconds the daemon compares NVML's per-process usage
+//! with each process's charges and publishes the excess in the container's
+//! accounting file; the shim adds it to every check and to what nvidia-smi
+//! shows, so a container is held to its whole footprint, not only to its
+//! allocations.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::accounting::{self, Processes};
+use crate::gpu::{FakeGpus, GpuError, ProcessMemory};
+
+/// The seam where per-process GPU memory enters: NVML on a node, the fake
+/// GPU file in tests and the demo.
+pub trait ProcessUsage: Send + 'static {
+    /// Device memory per process on each GPU, by UUID and host PID.
+    fn usage(&mut self) -> Result<ProcessMemory, GpuError>;
+}
+
+/// NVML's running compute processes (about 26 µs per GPU on an H100).
+pub struct NvmlProcesses {
+    nvml: nvml_wrapper::Nvml,
+}
+
+impl NvmlProcesses {
+    pub fn new() -> Result<Self, GpuError> {
+        let nvml = nvml_wrapper::Nvml::init().map_err(|e| GpuError::Nvml(e.to_string()))?;
+        Ok(NvmlProcesses { nvml })
+    }
+}
+
+impl ProcessUsage for NvmlProcesses {
+    fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
+        use nvml_wrapper::enums::device::UsedGpuMemory;
+        let nvml_err = |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(e.to_string());
+        let mut memory = ProcessMemory::new();
+        for index in 0..self.nvml.device_count().map_err(nvml_err)? {
+            let device = self.nvml.device_by_index(index).map_err(nvml_err)?;
+            let per_pid = memory.entry(device.uuid().map_err(nvml_err)?).or_default();
+            for process in device.running_compute_processes().map_err(nvml_err)? {
+                // Unavailable (some virtualised setups): nothing to compare.
+                if let UsedGpuMemory::Used(bytes) = process.used_gpu_memory {
+                    let total = per_pid.entry(process.pid).or_default();
+                    *total = total.saturating_add(bytes);
+                }
+            }
+        }
+        Ok(memory)
+    }
+}
+
+/// The `[[gpu.process]]` tables of a fake GPU file, re-read on every call
+/// so tests can change them while the daemon runs.
+pub struct FakeProcesses {
+    path: PathBuf,
+}
+
+impl FakeProcesses {
+    pub fn new(path: &Path) -> Self {
+        FakeProcesses {
+            path: path.to_owned(),
+        }
+    }
+}
+
+impl ProcessUsage for FakeProcesses {
+    fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
+        Ok(FakeGpus::from_file(&self.path)?.processes().clone())
+    }
+}
+
+/// The per-process usage source for a GPU source: the fake file, or NVML.
+pub fn source_for(fake_gpus: Option<&Path>) -> Option<Box<dyn ProcessUsage>> {
+    match fake_gpus {
+        Some(path) => Some(Box::new(FakeProcesses::new(path))),
+        None => match NvmlProcesses::new() {
+            Ok(source) => Some(Box::new(source)),
+            Err(err) => {
+                warn!(%err, "untracked GPU memory is not reconciled");
+                None
+            }
+        },
+    }
+}
+
+/// Untracked bytes per device of one accounting file: for every live
+/// process the GPU lists, what it uses beyond what it charged. Per process,
+/// so one process charging more than it uses (managed memory not yet on
+/// the device) cannot hide another's context.
+pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<u64> {
+    processes
+        .uuids
+        .iter()
+        .enumerate()
+        .map(|(dev, uuid)| {
+            let Some(on_gpu) = memory.get(uuid) else {
+                return 0;
+            };
+            processes
+                .live
+                .iter()
+                .filter_map(|p| {
+                    let actual = *on_gpu.get(&p.pid?)?;
+                    Some(actual.saturating_sub(p.used.get(dev).copied().unwrap_or(0)))
+                })
+                .fold(0, u64::saturating_add)
+        })
+        .collect()
+}
+
+/// One daemon's reconciliation state.
+pub struct Reconciler {
+    source: Box<dyn ProcessUsage>,
+    /// The previous sample per file and device. An increase is published at
+    /// once; a decrease only when two samples in a row agree, because a
+    /// sample taken between a charge and the driver's allocation reads low.
+    previous: HashMap<(PathBuf, usize), u64>,
+    warned_hidden: bool,
+    last_error: Option<String>,
+}
+
+impl Reconciler {
+    pub fn new(source: Box<dyn ProcessUsage>) -> Self {
+        Reconciler {
+            source,
+            previous: HashMap::new(),
+            warned_hidden: false,
+            last_error: None,
+        }
+    }
+
+    /// Reconciles every file once. NVML failing leaves the published values
+    /// as they are: stale is safer than zero.
+    pub fn tick(&mut self, files: &[PathBuf]) {
+        let memory = match self.source.usage() {
+            Ok(memory) => {
+                self.last_error = None;
+                memory
+            }
+            Err(err) => {
+                let text = err.to_string();
+                if self.last_error.as_ref() != Some(&text) {
+                    warn!(%err, "cannot read per-process GPU memory; untracked usage not updated");
+                    self.last_error = Some(text);
+                }
+                return;
+            }
+        };
+        let mut seen = HashSet::new();
+        for file in files {
+            let processes = match accounting::processes(file) {
+                Ok(p) => p,
+                // Removed meanwhile, or being replaced: next tick.
+                Err(err) => {
+                    debug!(file = %file.display(), %err, "skipping accounting file");
+                    continue;
+                }
+            };
+            self.warn_if_hidden(file, &processes);
+            for (dev, sample) in untracked(&processes, &memory).into_iter().enumerate() {
+                let key = (file.clone(), dev);
+                let previous = self.previous.insert(key.clone(), sample).unwrap_or(0);
+                seen.insert(key);
+                let publish = sample.max(previous);
+                if publish == processes.untracked[dev] {
+                    continue;
+                }
+                match accounting::publish_untracked(file, dev, publish) {
+                    Ok(()) => debug!(
+                        file = %file.display(),
+                        device = %processes.uuids[dev],
+                        untracked_mib = publish >> 20,
+                        "untracked usage"
+                    ),
+                    Err(err) => {
+                        warn!(file = %file.display(), %err, "cannot publish untracked usage")
+                    }
+                }
+            }
+        }
+        self.previous.retain(|key, _| seen.contains(key));
+    }
+
+    fn warn_if_hidden(&mut self, file: &Path, processes: &Processes) {
+        let hidden = processes.live.iter().filter(|p| p.pid.is_none()).count();
+        if hidden > 0 && !self.warned_hidden {
+            self.warned_hidden = true;
+            warn!(
+                file = %file.display(),
+                hidden,
+                "container processes are not visible from this PID namespace, so their \
+                 untracked GPU memory (contexts, libraries) is not counted: run the plugin \
+                 with hostPID: true"
+            );
+        }
+    }
+}
+
+/// The accounting files of every container under `containers_dir`.
+pub fn container_files(containers_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(containers_dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path().join(gpumem_layout::FILE_NAME))
+        .filter(|p| p.is_file())
+        .collect()
+}
+
+/// Reconciles `files()` every `every` until `shutdown`.
+pub async fn run(
+    mut reconciler: Reconciler,
+    files: impl Fn() -> Vec<PathBuf> + Send + Sync + 'static,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    info!(
+        every_ms = every.as_millis() as u64,
+        "reconciling untracked GPU memory"
+    );
+    let files = std::sync::Arc::new(files);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        // NVML and file I/O block: off the async workers.
+        let files = files.clone();
+        match tokio::task::spawn_blocking(move || {
+            reconciler.tick(&files());
+            reconciler
+        })
+        .await
+        {
+            Ok(r) => reconciler = r,
+            Err(err) => {
+                warn!(%err, "untracked-usage reconciliation stopped");
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::accounting::LiveProcess;
+
+    const MIB: u64 = 1 << 20;
+    const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
+
+    fn live(pid: Option<u32>, used_mib: u64) -> LiveProcess {
+        LiveProcess {
+            pid,
+            used: vec![used_mib * MIB],
+        }
+    }
+
+    #[test]
+    fn untracked_is_per_process_excess_on_the_files_gpu() {
+        let processes = Processes {
+            uuids: vec![T4.into()],
+            caps: vec![4308 * MIB],
+            untracked: vec![0],
+            live: vec![
+                // A context of 300 MiB beside 1000 MiB charged.
+                live(Some(10), 1000),
+                // Charged more than the GPU shows (managed memory): no credit.
+                live(Some(11), 500),
+                // Not visible from here, or not on the GPU yet.
+                live(None, 0),
+                live(Some(12), 0),
+            ],
+        };
+        let memory: ProcessMemory = [
+            (
+                T4.to_owned(),
+                [(10, 1300 * MIB), (11, 200 * MIB), (99, 5000 * MIB)].into(),
+            ),
+            ("GPU-other".to_owned(), [(12, 700 * MIB)].into()),
+        ]
+        .into();
+        assert_eq!(untracked(&processes, &memory), [300 * MIB]);
+        assert_eq!(untracked(&processes, &ProcessMemory::new()), [0]);
+    }
+}
