@@ -1,15 +1,17 @@
 //! Shim overhead (not a test): `cargo bench --bench shim`.
 //!
 //! Runs the probe against the fake driver (release builds) with and without
-//! the shim preloaded, through dlsym and through cuGetProcAddress, and
-//! prints the time per cuMemAlloc(1 MiB)+cuMemFree pair and per
-//! cuMemGetInfo, and what the shim adds. The fake driver's own calls cost
-//! tens of nanoseconds, so the difference is the shim's.
+//! the shim preloaded, through dlsym and through cuGetProcAddress, on one
+//! thread and on 16 at once, and prints the time per cuMemAlloc(1 MiB) +
+//! cuMemFree pair and per cuMemGetInfo, and what the shim adds. The fake
+//! driver's own calls cost tens of nanoseconds (and serialise on one lock,
+//! as the real driver's do), so the difference is the shim's.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const PAIRS: &str = "bench:500000";
+/// Pairs per thread, and threads.
+const RUNS: [(u64, u32); 2] = [(500_000, 1), (100_000, 16)];
 
 fn build() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -37,10 +39,11 @@ fn build() -> PathBuf {
     out
 }
 
-fn run(out: &Path, state: Option<&Path>, via: &str) -> (f64, f64) {
+/// One probe run: per operation, (pair wall, pair CPU, info wall, info CPU) in ns.
+fn run(out: &Path, state: Option<&Path>, via: &str, pairs: u64, threads: u32) -> [f64; 4] {
     let mut cmd = Command::new(out.join("gpumem-probe"));
     cmd.env("LD_LIBRARY_PATH", out.join("bench-fake-driver"))
-        .args(["--via", via, PAIRS]);
+        .args(["--via", via, &format!("bench:{pairs}:{threads}")]);
     if let Some(dir) = state {
         cmd.env("LD_PRELOAD", out.join("libgpumem_shim.so"))
             .env("GPUMEM_STATE_DIR", dir);
@@ -56,7 +59,12 @@ fn run(out: &Path, state: Option<&Path>, via: &str) -> (f64, f64) {
             .and_then(|v| v.parse().ok())
             .unwrap()
     };
-    (field("pair_ns="), field("info_ns="))
+    [
+        field("pair_ns="),
+        field("pair_cpu_ns="),
+        field("info_ns="),
+        field("info_cpu_ns="),
+    ]
 }
 
 fn main() {
@@ -74,21 +82,37 @@ fn main() {
         }],
     )
     .unwrap();
-    println!("# shim overhead on the fake driver, {PAIRS} (best of 5 runs each)");
-    for via in ["dlsym", "gpa"] {
-        let best = |state: Option<&Path>| {
-            (0..5)
-                .map(|_| run(&out, state, via))
-                .fold((f64::MAX, f64::MAX), |a, b| (a.0.min(b.0), a.1.min(b.1)))
-        };
-        let (bare_pair, bare_info) = best(None);
-        let (shim_pair, shim_info) = best(Some(state.path()));
-        println!(
-            "via {via:<5} alloc+free pair: {bare_pair:6.1} ns bare, {shim_pair:6.1} ns shimmed, +{:5.1} ns ({:.2}×); \
-             cuMemGetInfo: {bare_info:5.1} ns bare, {shim_info:5.1} ns shimmed, +{:5.1} ns",
-            shim_pair - bare_pair,
-            shim_pair / bare_pair,
-            shim_info - bare_info
-        );
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "# shim overhead on the fake driver, {cpus} CPUs, best of 5 runs each; \
+         per operation and thread: wall ns / thread CPU ns"
+    );
+    for (pairs, threads) in RUNS {
+        for via in ["dlsym", "gpa"] {
+            let best = |state: Option<&Path>| {
+                (0..5)
+                    .map(|_| run(&out, state, via, pairs, threads))
+                    .fold([f64::MAX; 4], |a, b| {
+                        std::array::from_fn(|i| a[i].min(b[i]))
+                    })
+            };
+            let bare = best(None);
+            let shim = best(Some(state.path()));
+            println!(
+                "{threads:>2} thread(s) × {pairs:<6} via {via:<5} alloc+free pair: bare {:6.1}/{:6.1}, \
+                 shimmed {:6.1}/{:6.1}, +{:5.1} ns CPU; cuMemGetInfo: bare {:5.1}/{:5.1}, \
+                 shimmed {:5.1}/{:5.1}, +{:5.1} ns CPU",
+                bare[0],
+                bare[1],
+                shim[0],
+                shim[1],
+                shim[1] - bare[1],
+                bare[2],
+                bare[3],
+                shim[2],
+                shim[3],
+                shim[3] - bare[3],
+            );
+        }
     }
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/GPU_VERIFICATION.md in one run, for the device
 # machine (one device call). Build here first:
-#   cargo build --release -p gpumem -p gpumem-shim
-#   mkdir -p carry && cp target/release/gpumem target/release/libgpumem_shim.so carry/
+#   cargo build --release -p gpumem -p gpumem-shim -p gpumem-probe -p gpumem-fakegpu
+#   mkdir -p carry/fake && cp target/release/{gpumem,libgpumem_shim.so,gpumem-probe} carry/
+#   for l in libcuda.so.1 libnvidia-ml.so.1; do cp target/release/libgpumem_fakegpu.so carry/fake/$l; done
 # then on the GPU machine (carry: ["carry"]):
 #   bash shim/gpu-check.sh carry "$OUT" [checks|train|all]
 # (`checks` and `train` each fit one 10-minute device call; `all` may not).
@@ -27,6 +28,23 @@ step() {
 
 py() { step "$G" exec "$S" --mem "$cap" -- python3 -c "$1"; }
 
+probe_bench() {
+    # The shim's cost per alloc+free pair and per cuMemGetInfo, 1 and 16
+    # threads at once: on the real driver (1 MiB pairs cost ~114 µs, so few
+    # are needed), then on the fake driver with this machine's 16 cores.
+    local threads
+    for threads in 1 16; do
+        for round in 1 2 3; do
+            step "$bin/gpumem-probe" bench:2000:$threads
+            step "$G" exec "$S" --mem 60GiB -- "$bin/gpumem-probe" bench:2000:$threads
+        done
+        for round in 1 2 3; do
+            step env LD_LIBRARY_PATH="$bin/fake" "$bin/gpumem-probe" bench:200000:$threads
+            step env LD_LIBRARY_PATH="$bin/fake" "$G" exec "$S" --mem 4308MiB --reconcile-secs 0 -- "$bin/gpumem-probe" bench:200000:$threads
+        done
+    done
+}
+
 train() {
     # Training-step overhead: plain and under the shim (a cap far above the
     # model's needs), alternated so drift hits both alike; then the worst
@@ -45,7 +63,7 @@ train() {
 
 : >"$log"
 step nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-if [ "$part" = train ]; then train; echo "done: $log"; exit 0; fi
+if [ "$part" = train ]; then probe_bench; train; echo "done: $log"; exit 0; fi
 step "$G" exec "$S" --mem "$cap" -- nvidia-smi
 py 'import pynvml as n; n.nvmlInit(); h=n.nvmlDeviceGetHandleByIndex(0); m=n.nvmlDeviceGetMemoryInfo(h); print("nvml total", m.total>>20, "used", m.used>>20, "free", m.free>>20)'
 py 'import torch; f,t=torch.cuda.mem_get_info(); print("mem_get_info MiB", f>>20, t>>20, "total_memory MiB", torch.cuda.get_device_properties(0).total_memory>>20)'
@@ -112,5 +130,5 @@ for secs in 2 0; do
     step nvidia-smi --query-compute-apps=pid,used_memory --format=csv
     wait
 done
-if [ "$part" = all ]; then train; fi
+if [ "$part" = all ]; then probe_bench; train; fi
 echo "done: $log"

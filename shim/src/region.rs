@@ -190,8 +190,12 @@ impl Region {
     }
 
     pub fn note_peak(&self, dev: usize, total: u64) {
-        self.u64_at(layout::device_offset(dev) + device::PEAK)
-            .fetch_max(total, SeqCst);
+        let peak = self.u64_at(layout::device_offset(dev) + device::PEAK);
+        // A read first: once the peak is reached, charges stop writing the
+        // device record's cache line, which every check reads.
+        if total > peak.load(SeqCst) {
+            peak.fetch_max(total, SeqCst);
+        }
     }
 
     pub fn note_oom(&self, dev: usize) {

@@ -131,6 +131,12 @@ impl Resolver {
 
 fn load(via: &str, ptsz: bool) -> Api {
     let cuda = open("libcuda.so.1");
+    // SAFETY: cuInit(unsigned int)'s signature. The real driver refuses
+    // everything before it; its result shows in the context line.
+    unsafe {
+        let init: unsafe extern "C" fn(c_uint) -> CUresult = cast(sym(cuda, "cuInit"));
+        init(0);
+    }
     let flags = if ptsz { 2 } else { 0 };
     let resolver = match via {
         "dlsym" => Resolver::Dlsym(cuda),
@@ -288,6 +294,62 @@ fn stress(api: &Api, threads: usize, iters: usize, mib: u64, counter: &str) {
     );
 }
 
+/// Per operation on each of `threads` threads running `n` pairs (then `n`
+/// queries) together, averaged over the threads: wall time (latency,
+/// including time spent waiting for a CPU or a lock) and the thread's CPU
+/// time (cost, including cache-line transfers; the fair measure when there
+/// are more threads than CPUs).
+fn bench(api: &Api, n: u64, threads: usize) -> [(f64, f64); 2] {
+    fn cpu_ns() -> f64 {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: valid out-pointer.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
+    }
+    let phase = |work: &(dyn Fn() + Sync)| {
+        let ready = std::sync::Barrier::new(threads);
+        let (wall, cpu) = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        context(api);
+                        ready.wait();
+                        let (start, cpu) = (std::time::Instant::now(), cpu_ns());
+                        work();
+                        (start.elapsed().as_nanos() as f64, cpu_ns() - cpu)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap_or_else(|_| fail("bench thread panicked")))
+                .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1))
+        });
+        let per_op = threads as f64 * n as f64;
+        (wall / per_op, cpu / per_op)
+    };
+    let pair = phase(&|| {
+        for _ in 0..n {
+            let mut p = 0u64;
+            // SAFETY: valid out-pointer; p came from the driver.
+            if unsafe { (api.mem_alloc)(&mut p, MIB as usize) != 0 || (api.mem_free)(p) != 0 } {
+                fail("bench allocation failed");
+            }
+        }
+    });
+    let info = phase(&|| {
+        for _ in 0..n {
+            let (mut free, mut total) = (0usize, 0usize);
+            // SAFETY: valid out-pointers.
+            unsafe { (api.get_info)(&mut free, &mut total) };
+        }
+    });
+    [pair, info]
+}
+
 fn num(s: Option<&str>) -> u64 {
     s.and_then(|v| v.parse().ok())
         .unwrap_or_else(|| fail("bad number in step"))
@@ -415,23 +477,15 @@ fn main() {
                     println!("{step} forked");
                 }
                 ("bench", Some(api)) => {
-                    // N pairs of cuMemAlloc(1 MiB) + cuMemFree, then N cuMemGetInfo.
+                    // N pairs of cuMemAlloc(1 MiB) + cuMemFree, then N
+                    // cuMemGetInfo, on each of T threads (default 1) at once.
                     let n = num(parts.next());
-                    let start = std::time::Instant::now();
-                    for _ in 0..n {
-                        let mut p = 0u64;
-                        if (api.mem_alloc)(&mut p, MIB as usize) != 0 || (api.mem_free)(p) != 0 {
-                            fail("bench allocation failed");
-                        }
-                    }
-                    let pair = start.elapsed().as_nanos() as f64 / n as f64;
-                    let start = std::time::Instant::now();
-                    for _ in 0..n {
-                        let (mut free, mut total) = (0usize, 0usize);
-                        (api.get_info)(&mut free, &mut total);
-                    }
-                    let info = start.elapsed().as_nanos() as f64 / n as f64;
-                    println!("bench pair_ns={pair:.1} info_ns={info:.1}");
+                    let threads = parts.next().map_or(1, |t| num(Some(t))).max(1);
+                    let [pair, info] = bench(api, n, threads as usize);
+                    println!(
+                        "bench threads={threads} pair_ns={:.1} pair_cpu_ns={:.1} info_ns={:.1} info_cpu_ns={:.1}",
+                        pair.0, pair.1, info.0, info.1
+                    );
                 }
                 ("stress", Some(api)) => {
                     let threads = num(parts.next()) as usize;
