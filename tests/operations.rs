@@ -391,6 +391,11 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
         .await;
     assert_eq!(c.untracked_mib, Some(0));
 
+    // A broken file beside it is skipped, not fatal.
+    let junk = state.path().join("containers/junk");
+    std::fs::create_dir_all(&junk).unwrap();
+    std::fs::write(junk.join("accounting"), b"not an accounting file").unwrap();
+
     // NVML shows the process at 1600 MiB: a 600 MiB context beside its
     // 1000 MiB allocation.
     d.set_process_memory(holder.id(), 1600);

@@ -103,6 +103,56 @@ fn untracked_usage_from_the_node_daemon_counts_in_every_view() {
 }
 
 #[test]
+fn a_slot_is_only_ever_claimed_under_its_lock() {
+    use gpumem_layout::{slot, slot_offset, state, FILE_NAME};
+    let dir = capped_dir(4308);
+    let file = dir.path().join(FILE_NAME);
+    let slot_state = |index: usize| {
+        let bytes = std::fs::read(&file).unwrap();
+        let at = slot_offset(1, index);
+        (
+            gpumem_layout::get_u64(&bytes, at + slot::STATE) & 0xff,
+            gpumem_layout::get_u64(&bytes, at + slot::PID),
+        )
+    };
+    // A claimer paused between taking slot 0's lock and publishing it.
+    let mut claimer = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import fcntl, time\nf = open({file:?}, 'r+')\n\
+             fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {}, 0)\n\
+             print('locked', flush=True)\ntime.sleep(60)",
+            slot_offset(1, 0)
+        ))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    BufReader::new(claimer.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert_eq!(ready.trim(), "locked");
+    let lines = probe(dir.path(), &["alloc:100"]);
+    assert_eq!(lines[1], "alloc:100 0 #0");
+    assert_eq!(slot_state(0), (state::FREE, 0), "the locked slot was left alone");
+    assert_eq!(slot_state(1).0, state::ALIVE, "the probe took the next one");
+
+    // Killed mid-claim: the kernel drops the lock and the slot is free again.
+    claimer.kill().unwrap();
+    claimer.wait().unwrap();
+    let mut holder = shim_kit()
+        .probe(Some(dir.path()))
+        .args(["alloc:100", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    assert_eq!(slot_state(0), (state::ALIVE, u64::from(holder.id())));
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+#[test]
 fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
     let dir = capped_dir(4308);
     for via in [

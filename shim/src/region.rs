@@ -203,27 +203,23 @@ impl Region {
             .fetch_add(1, SeqCst);
     }
 
-    /// Claims a free slot for this process: CAS it to CLAIMING, take its
-    /// record lock, publish pid and start time, then ALIVE. A live slot
-    /// therefore always shows a lock.
+    /// Claims a free slot for this process: take its record lock first, so
+    /// a claimer killed at any step leaves either a FREE slot (the kernel
+    /// drops the lock) or an ALIVE slot without a lock, which reaping frees.
+    /// Only the lock holder writes a FREE slot, and reapers touch only ALIVE
+    /// ones, so pid, start time and counters are set before ALIVE is
+    /// published. A live slot therefore always shows a lock.
     pub fn claim(&self, pid: u32, start_time: u64) -> Option<usize> {
         for index in 0..self.geometry.slots {
             let word = self.state(index);
             let current = word.load(SeqCst);
+            if current & 0xff != state::FREE || !self.lock(index) {
+                continue;
+            }
+            // Reaped and reclaimed meanwhile? Only FREE under our lock is ours.
+            let current = word.load(SeqCst);
             if current & 0xff != state::FREE {
-                continue;
-            }
-            let generation = (current >> 8).wrapping_add(1);
-            let claiming = generation << 8 | state::CLAIMING;
-            if word
-                .compare_exchange(current, claiming, SeqCst, SeqCst)
-                .is_err()
-            {
-                continue;
-            }
-            if !self.lock(index) {
-                // Someone holds this slot's lock after all: leave it alone.
-                word.store(current, SeqCst);
+                self.unlock(index);
                 continue;
             }
             let at = self.slot_at(index);
@@ -234,7 +230,14 @@ impl Region {
             self.u64_at(at + slot::START_TIME).store(start_time, SeqCst);
             self.u32_at(header::SLOT_HWM)
                 .fetch_max(index as u32 + 1, SeqCst);
-            word.store(generation << 8 | state::ALIVE, SeqCst);
+            let alive = ((current >> 8).wrapping_add(1) << 8) | state::ALIVE;
+            if word
+                .compare_exchange(current, alive, SeqCst, SeqCst)
+                .is_err()
+            {
+                self.unlock(index);
+                continue;
+            }
             return Some(index);
         }
         None
@@ -294,6 +297,13 @@ impl Region {
         let request = self.lock_request(index, libc::F_WRLCK as libc::c_short);
         // SAFETY: fd is open for writing; request is a valid flock.
         unsafe { libc::fcntl(self.fd, libc::F_SETLK, &request) == 0 }
+    }
+
+    /// Releases only this slot's byte: POSIX locks are per byte range.
+    fn unlock(&self, index: usize) {
+        let request = self.lock_request(index, libc::F_UNLCK as libc::c_short);
+        // SAFETY: fd is open; request is a valid flock.
+        unsafe { libc::fcntl(self.fd, libc::F_SETLK, &request) };
     }
 
     fn holder(&self, index: usize) -> Holder {

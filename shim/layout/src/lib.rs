@@ -79,8 +79,9 @@ pub mod slot {
 
 /// Slot states (low byte of the state word).
 pub mod state {
+    /// Unused, or being claimed by the holder of its record lock.
     pub const FREE: u64 = 0;
-    pub const CLAIMING: u64 = 1;
+    /// 1 is unused.
     pub const ALIVE: u64 = 2;
     pub const REAPING: u64 = 3;
 }
