@@ -103,6 +103,10 @@ pub struct Usage {
     pub used_bytes: u64,
     /// What the node daemon saw the processes use beyond their charges.
     pub untracked_bytes: u64,
+    /// The highest usage an allocation reached, since the file was made.
+    pub peak_bytes: u64,
+    /// Allocations refused for the cap, since the file was made.
+    pub refusals: u64,
 }
 
 /// Opens an accounting file read-write (F_GETLK on a write lock needs it)
@@ -138,6 +142,8 @@ pub fn usage(path: &Path) -> io::Result<Vec<Usage>> {
                     .map(|p| p.used[dev])
                     .fold(untracked_bytes, u64::saturating_add),
                 untracked_bytes,
+                peak_bytes: processes.peaks[dev],
+                refusals: processes.refusals[dev],
             }
         })
         .collect())
@@ -163,6 +169,9 @@ pub struct Processes {
     pub caps: Vec<u64>,
     /// The daemon-observed extra now in the file, per device.
     pub untracked: Vec<u64>,
+    /// Peak usage and refused allocations, per device.
+    pub peaks: Vec<u64>,
+    pub refusals: Vec<u64>,
     pub live: Vec<LiveProcess>,
 }
 
@@ -197,6 +206,12 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
         caps: devices.iter().map(|d| d.cap_bytes).collect(),
         untracked: (0..geometry.devices)
             .map(|d| layout::observed_extra(&bytes, d))
+            .collect(),
+        peaks: (0..geometry.devices)
+            .map(|d| layout::peak(&bytes, d))
+            .collect(),
+        refusals: (0..geometry.devices)
+            .map(|d| layout::refusals(&bytes, d))
             .collect(),
         live,
     })

@@ -94,10 +94,21 @@ pub fn find_shim(explicit: Option<PathBuf>) -> Result<PathBuf, ExecError> {
     }
 }
 
-/// Runs the command with the shim preloaded and returns its exit status.
-/// SIGTERM is passed on to the child; SIGINT already reaches it from the
-/// terminal, so gpumem only waits for it to exit.
-pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
+/// How the command ended, and what it wanted of its cap.
+#[derive(Debug)]
+pub struct Finished {
+    pub status: ExitStatus,
+    /// Allocations refused for the cap while the command ran (with a shared
+    /// state directory: by any command sharing it).
+    pub refusals: u64,
+    /// Highest usage of the accounting file's life, MiB.
+    pub peak_mib: u64,
+}
+
+/// Runs the command with the shim preloaded until it exits. SIGTERM is
+/// passed on to the child; SIGINT already reaches it from the terminal, so
+/// gpumem only waits for it to exit.
+pub async fn run(config: ExecConfig) -> Result<Finished, ExecError> {
     let (program, args) = config.command.split_first().ok_or(ExecError::NoCommand)?;
     let temp;
     let state_dir = match &config.state_dir {
@@ -120,6 +131,12 @@ pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
         })
         .collect();
     let file = accounting::prepare(&state_dir, &caps)?;
+    let refusals = || {
+        accounting::usage(&file)
+            .map(|u| u.iter().map(|d| d.refusals).sum::<u64>())
+            .unwrap_or(0)
+    };
+    let refused_before = refusals();
 
     let mut preload = config.shim.clone().into_os_string();
     if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
@@ -149,7 +166,10 @@ pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
     if let Some((source, every)) = config.reconcile {
         tokio::spawn(reconcile::run(
             Reconciler::new(source),
-            move || vec![file.clone()],
+            {
+                let file = file.clone();
+                move || vec![file.clone()]
+            },
             every,
             reconciling,
         ));
@@ -160,7 +180,15 @@ pub async fn run(config: ExecConfig) -> Result<ExitStatus, ExecError> {
     loop {
         tokio::select! {
             status = child.wait() => {
-                return status.map_err(|source| ExecError::Spawn { command: program.clone(), source });
+                let status = status.map_err(|source| ExecError::Spawn { command: program.clone(), source })?;
+                let peak = accounting::usage(&file)
+                    .map(|u| u.iter().map(|d| d.peak_bytes).max().unwrap_or(0))
+                    .unwrap_or(0);
+                return Ok(Finished {
+                    status,
+                    refusals: refusals().saturating_sub(refused_before),
+                    peak_mib: peak >> 20,
+                });
             }
             Some(()) = async { term.as_mut()?.recv().await } => {
                 if let Some(pid) = pid {

@@ -431,7 +431,8 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
 async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     let only_selected = !args.gpus.is_empty();
     let gpus = exec::select(discover(args.fake_gpus.as_deref())?, &args.gpus)?;
-    let status = exec::run(ExecConfig {
+    let mem_mib = args.mem.mib;
+    let finished = exec::run(ExecConfig {
         mem_mib: args.mem.mib,
         gpus,
         state_dir: args.state_dir,
@@ -442,6 +443,14 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
         command: args.command,
     })
     .await?;
+    if finished.refusals > 0 {
+        // Why the command may have failed with out-of-memory.
+        eprintln!(
+            "gpumem: {} GPU allocation(s) refused at the {mem_mib} MiB cap (peak use {} MiB)",
+            finished.refusals, finished.peak_mib
+        );
+    }
+    let status = finished.status;
     // A child killed by a signal exits 128 + signal, as shells report it.
     let code = status
         .code()

@@ -156,6 +156,16 @@ async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
         "container_untracked_bytes",
         "Part of container_used_bytes held beyond charged allocations (CUDA contexts, libraries)",
     );
+    let peak = gauge(
+        &mut registry,
+        "container_peak_bytes",
+        "Highest GPU memory use an allocation of the container reached",
+    );
+    let refused = gauge(
+        &mut registry,
+        "container_refused_allocations",
+        "Allocations refused for the container's cap (it wanted more than its slice)",
+    );
     for c in &status.containers {
         let labels = vec![
             ("namespace", c.namespace.clone()),
@@ -170,6 +180,14 @@ async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
         }
         if let Some(u) = c.untracked_mib {
             untracked.get_or_create(&labels).set(bytes(u));
+        }
+        if let Some(p) = c.peak_mib {
+            peak.get_or_create(&labels).set(bytes(p));
+        }
+        if let Some(n) = c.refused_allocations {
+            refused
+                .get_or_create(&labels)
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
     let counter = |registry: &mut Registry, name: &str, help: &str, value: u64| {

@@ -270,6 +270,8 @@ mod tests {
             uuids: vec![T4.into()],
             caps: vec![4308 * MIB],
             untracked: vec![0],
+            peaks: vec![0],
+            refusals: vec![0],
             live: vec![
                 // A context of 300 MiB beside 1000 MiB charged.
                 live(Some(10), 1000),

@@ -54,6 +54,12 @@ pub struct ContainerStatus {
     /// allocations (contexts, libraries), as last reconciled.
     #[serde(default)]
     pub untracked_mib: Option<u64>,
+    /// The highest usage an allocation reached in this container.
+    #[serde(default)]
+    pub peak_mib: Option<u64>,
+    /// Allocations refused for the cap: the container wanted more.
+    #[serde(default)]
+    pub refused_allocations: Option<u64>,
 }
 
 impl NodeStatus {
@@ -114,6 +120,8 @@ impl NodeStatus {
                 cap_mib,
                 used_mib: usage.as_ref().map(|u| u.used_bytes / MIB),
                 untracked_mib: usage.as_ref().map(|u| u.untracked_bytes / MIB),
+                peak_mib: usage.as_ref().map(|u| u.peak_bytes / MIB),
+                refused_allocations: usage.as_ref().map(|u| u.refusals),
             });
         }
         containers.sort_by(|a, b| {

@@ -247,6 +247,13 @@ fn exec_caps_any_command() {
         lines.contains(&"alloc:4000 0 #0") && lines.contains(&"alloc:400 2 #1"),
         "{text}"
     );
+    // Why the command saw out-of-memory, in one line.
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(
+            "gpumem: 1 GPU allocation(s) refused at the 4308 MiB cap (peak use 4000 MiB)"
+        ),
+        "{text}"
+    );
 }
 
 #[test]

@@ -438,6 +438,17 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
         "{lines:?}"
     );
     assert_eq!(lines[4..], ["alloc:2709 2 #0", "alloc:2708 0 #1"]);
+    let c = d
+        .wait_for_container("refusal counted", |c| c.refused_allocations == Some(1))
+        .await;
+    assert_eq!(c.peak_mib, Some(4308));
+    let (_, metrics) = d.get("/metrics").await;
+    for expected in [
+        "gpumem_container_refused_allocations{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 1",
+        "gpumem_container_peak_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 4517265408",
+    ] {
+        assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
+    }
 
     // The process exits: its untracked usage goes with it.
     holder.kill().unwrap();

@@ -134,7 +134,11 @@ fn a_slot_is_only_ever_claimed_under_its_lock() {
     assert_eq!(ready.trim(), "locked");
     let lines = probe(dir.path(), &["alloc:100"]);
     assert_eq!(lines[1], "alloc:100 0 #0");
-    assert_eq!(slot_state(0), (state::FREE, 0), "the locked slot was left alone");
+    assert_eq!(
+        slot_state(0),
+        (state::FREE, 0),
+        "the locked slot was left alone"
+    );
     assert_eq!(slot_state(1).0, state::ALIVE, "the probe took the next one");
 
     // Killed mid-claim: the kernel drops the lock and the slot is free again.

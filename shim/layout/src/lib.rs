@@ -244,6 +244,16 @@ pub fn observed_extra(bytes: &[u8], dev: usize) -> u64 {
     get_u64(bytes, device_offset(dev) + device::OBSERVED_EXTRA)
 }
 
+/// The highest total a successful charge saw on device `dev`.
+pub fn peak(bytes: &[u8], dev: usize) -> u64 {
+    get_u64(bytes, device_offset(dev) + device::PEAK)
+}
+
+/// Allocations refused for the cap on device `dev`.
+pub fn refusals(bytes: &[u8], dev: usize) -> u64 {
+    get_u64(bytes, device_offset(dev) + device::OOM_COUNT)
+}
+
 /// A slot's state, owner pid (in the owner's PID namespace) and usage per
 /// device, from a snapshot of the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
