@@ -166,7 +166,12 @@ impl Reconciler {
             self.warn_if_hidden(file, &processes);
             for (dev, sample) in untracked(&processes, &memory).into_iter().enumerate() {
                 let key = (file.clone(), dev);
-                let previous = self.previous.insert(key.clone(), sample).unwrap_or(0);
+                // After a restart, what is published stands in for the
+                // sample before.
+                let previous = self
+                    .previous
+                    .insert(key.clone(), sample)
+                    .unwrap_or(processes.untracked[dev]);
                 seen.insert(key);
                 let publish = sample.max(previous);
                 if publish == processes.untracked[dev] {

@@ -530,3 +530,70 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
     );
     d.stop().await;
 }
+
+/// NVML answers played back in order.
+struct Script(std::collections::VecDeque<u64>, u32);
+
+impl gpumem::reconcile::ProcessUsage for Script {
+    fn usage(&mut self) -> Result<gpumem::gpu::ProcessMemory, gpumem::gpu::GpuError> {
+        let mib = self.0.pop_front().expect("script long enough");
+        Ok([(
+            common::T4_UUID.to_owned(),
+            [(self.1, mib * common::MIB)].into(),
+        )]
+        .into())
+    }
+}
+
+#[test]
+fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
+    use gpumem_layout::{slot, slot_offset, state, FILE_NAME};
+    use std::io::BufRead;
+    use std::os::unix::fs::FileExt;
+    let dir = common::capped_dir(4308);
+    let file = dir.path().join(FILE_NAME);
+    // A process holding slot 0 with 1000 MiB charged, as a shim would.
+    let at = slot_offset(1, 0);
+    let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+    f.write_all_at(
+        &(1000 * common::MIB).to_le_bytes(),
+        (at + slot::USED) as u64,
+    )
+    .unwrap();
+    f.write_all_at(&(1u64 << 8 | state::ALIVE).to_le_bytes(), at as u64)
+        .unwrap();
+    f.write_all_at(&1u32.to_le_bytes(), gpumem_layout::header::SLOT_HWM as u64)
+        .unwrap();
+    let mut holder = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import fcntl, time\nf = open({file:?}, 'r+')\n\
+             fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {at}, 0)\n\
+             print('locked', flush=True)\ntime.sleep(60)"
+        ))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufReader::new(holder.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    assert_eq!(ready.trim(), "locked");
+
+    // NVML's view of the holder, tick by tick, and the untracked MiB that
+    // must be published after each.
+    let nvml = [1600, 1000, 1600, 1000, 1000, 1200];
+    let published = [600, 600, 600, 600, 0, 200];
+    let mut reconciler = gpumem::reconcile::Reconciler::new(Box::new(Script(
+        nvml.into_iter().collect(),
+        holder.id(),
+    )));
+    for (tick, want) in published.into_iter().enumerate() {
+        reconciler.tick(std::slice::from_ref(&file));
+        let usage = &gpumem::accounting::usage(&file).unwrap()[0];
+        assert_eq!(usage.untracked_bytes, want * common::MIB, "tick {tick}");
+        assert_eq!(usage.used_bytes, (1000 + want) * common::MIB, "tick {tick}");
+    }
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
