@@ -170,14 +170,21 @@ impl NodeStatus {
         if details {
             let _ = writeln!(
                 out,
-                "\n{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} UNTRACKED(MiB)",
-                "NAMESPACE", "POD", "CONTAINER", "GPU", "UNITS", "CAP(MiB)", "USED(MiB)"
+                "\n{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} {:<15} REFUSED",
+                "NAMESPACE",
+                "POD",
+                "CONTAINER",
+                "GPU",
+                "UNITS",
+                "CAP(MiB)",
+                "USED(MiB)",
+                "UNTRACKED(MiB)"
             );
             let mib = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |u| u.to_string());
             for c in &self.containers {
                 let _ = writeln!(
                     out,
-                    "{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} {}",
+                    "{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} {:<15} {}",
                     c.namespace,
                     c.pod,
                     c.container,
@@ -185,10 +192,58 @@ impl NodeStatus {
                     c.units,
                     c.cap_mib,
                     mib(c.used_mib),
-                    mib(c.untracked_mib)
+                    mib(c.untracked_mib),
+                    mib(c.refused_allocations)
                 );
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_detail_table_lines_up_usage_under_its_headings() {
+        let status = NodeStatus {
+            resource: "aliyun.com/gpu-mem".into(),
+            unit: "GiB".into(),
+            registered: true,
+            gpus: vec![],
+            containers: vec![ContainerStatus {
+                namespace: "default".into(),
+                pod: "tf-notebook-1".into(),
+                container: "main".into(),
+                gpu: 0,
+                units: 4,
+                cap_mib: 4308,
+                used_mib: Some(1873),
+                untracked_mib: Some(412),
+                peak_mib: Some(4300),
+                refused_allocations: Some(3),
+            }],
+            pod_resources_error: None,
+        };
+        let table = status.table(true);
+        let lines: Vec<&str> = table.lines().collect();
+        let heading = lines.iter().find(|l| l.starts_with("NAMESPACE")).unwrap();
+        let row = lines.last().unwrap();
+        for (title, value) in [
+            ("CAP(MiB)", "4308"),
+            ("USED(MiB)", "1873"),
+            ("UNTRACKED(MiB)", "412"),
+            ("REFUSED", "3"),
+        ] {
+            let at = heading.find(title).unwrap();
+            assert_eq!(&row[at..at + value.len()], value, "{title}:\n{table}");
+        }
+        // Without shim isolation there is nothing to show, not zero.
+        let mut bare = status.clone();
+        bare.containers[0].used_mib = None;
+        bare.containers[0].refused_allocations = None;
+        let row = bare.table(true).lines().last().unwrap().to_owned();
+        assert!(row.ends_with(" -"), "{row}");
     }
 }
