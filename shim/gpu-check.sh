@@ -88,6 +88,12 @@ try:
     while True: xs.append(cupy.empty(256 << 20, dtype=cupy.uint8))
 except cupy.cuda.memory.OutOfMemoryError: print("cupy: OOM after", len(xs) * 256, "MiB")'
 py 'import jax, jax.numpy as jnp; print(jax.devices()); print(jnp.ones((1024, 1024)).sum()); print(jax.devices()[0].memory_stats())'
+# Every interception path on the real driver: dlsym, CUDA 12+ and 11
+# cuGetProcAddress, per-thread default stream; the debug log says whether the
+# driver's answers matched its exports (Export) or the documented table.
+for via in "--via dlsym" "--via gpa" "--via gpa11" "--via gpa --ptsz"; do
+    step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- env GPUMEM_SHIM_LOG=debug "$bin/gpumem-probe" $via info total alloc:4000 alloc:400 async:100 free:0
+done
 # Two processes under one state dir, watched from outside.
 shared=$(mktemp -d)
 "$G" exec "$S" --mem "$cap" --state-dir "$shared" -- python3 -c 'import torch, time; x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda"); print("holder has 3 GiB", flush=True); time.sleep(20)' >>"$log" 2>&1 &

@@ -157,6 +157,26 @@ fn a_slot_is_only_ever_claimed_under_its_lock() {
 }
 
 #[test]
+fn the_drivers_answers_are_matched_to_its_exports_by_identity() {
+    let dir = capped_dir(4308);
+    let (ok, _, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("GPUMEM_SHIM_LOG", "debug")
+            .args(["--via", "gpa", "--ptsz", "async:1"]),
+    );
+    assert!(ok, "{stderr}");
+    for expected in [
+        "cuGetProcAddress(cuGetProcAddress, 12080, 0) -> cuGetProcAddress_v2 (Export)",
+        "cuGetProcAddress(cuMemAlloc, 12080, 2) -> cuMemAlloc_v2 (Export)",
+        // The per-thread default stream variant is its own hook.
+        "cuGetProcAddress(cuMemAllocAsync, 12080, 2) -> cuMemAllocAsync_ptsz (Export)",
+    ] {
+        assert!(stderr.contains(expected), "missing {expected}:\n{stderr}");
+    }
+}
+
+#[test]
 fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
     let dir = capped_dir(4308);
     for via in [

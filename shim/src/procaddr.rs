@@ -9,6 +9,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use crate::cuda::{CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
 use crate::dlsym::LIBCUDA;
 use crate::hook::{self, guarded};
+use crate::log;
 use crate::table::Hooked;
 
 type GetProcAddressFn =
@@ -16,9 +17,23 @@ type GetProcAddressFn =
 type GetProcAddressV2Fn =
     unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
 
+/// How a driver answer was matched to a hooked variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Matched {
+    /// The pointer is the driver's exported entry point of that name.
+    Export,
+    /// No export matched: the documented (name, version, flags) mapping.
+    Documented,
+}
+
 /// Which variant the driver returned for `symbol`: the exported entry point
 /// it is identical to, or failing that the documented one.
-fn identify(symbol: &[u8], returned: usize, cuda_version: c_int, flags: u64) -> Option<Hooked> {
+fn identify(
+    symbol: &[u8],
+    returned: usize,
+    cuda_version: c_int,
+    flags: u64,
+) -> Option<(Hooked, Matched)> {
     let candidates = Hooked::candidates(symbol);
     if candidates.is_empty() {
         return None;
@@ -27,7 +42,10 @@ fn identify(symbol: &[u8], returned: usize, cuda_version: c_int, flags: u64) -> 
         .iter()
         .copied()
         .find(|c| LIBCUDA.symbol(c.name()) as usize == returned)
-        .or_else(|| Hooked::documented(symbol, cuda_version, flags))
+        .map(|h| (h, Matched::Export))
+        .or_else(|| {
+            Hooked::documented(symbol, cuda_version, flags).map(|h| (h, Matched::Documented))
+        })
 }
 
 /// Replaces the driver's answer in `*pfn` with our hook when it is one of ours.
@@ -41,12 +59,21 @@ fn wrap_answer(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int
     if returned == 0 {
         return;
     }
-    let Some(hooked) = identify(name, returned, cuda_version, flags) else {
+    let Some((hooked, matched)) = identify(name, returned, cuda_version, flags) else {
         return;
     };
     if returned == hooked.hook() {
         return;
     }
+    // Once per lookup, not per call: what the GPU check reads to see how
+    // the real driver's answers are matched.
+    log::debug(|| {
+        format!(
+            "cuGetProcAddress({}, {cuda_version}, {flags}) -> {} ({matched:?})",
+            String::from_utf8_lossy(name),
+            String::from_utf8_lossy(hooked.name().to_bytes())
+        )
+    });
     hooked.real().store(returned as *mut c_void);
     // SAFETY: `pfn` is the caller's valid out-pointer.
     unsafe { *pfn = hooked.hook() as *mut c_void };
