@@ -109,12 +109,12 @@ pub struct Usage {
     pub refusals: u64,
 }
 
-/// Opens an accounting file read-write (F_GETLK on a write lock needs it)
-/// and reads it through the same descriptor, so a file replaced meanwhile
-/// is never half this one and half the next.
-fn open_validated(path: &Path) -> io::Result<(fs::File, Vec<u8>, layout::Geometry)> {
+/// Opens an accounting file and reads it through the same descriptor, so a
+/// file replaced meanwhile is never half this one and half the next.
+/// Asking who holds a lock needs only read access.
+fn open_validated(path: &Path, write: bool) -> io::Result<(fs::File, Vec<u8>, layout::Geometry)> {
     use std::io::Read;
-    let mut file = fs::OpenOptions::new().read(true).write(true).open(path)?;
+    let mut file = fs::OpenOptions::new().read(true).write(write).open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
     let geometry =
@@ -181,7 +181,7 @@ pub struct Processes {
 pub fn processes(path: &Path) -> io::Result<Processes> {
     // Never takes a lock: any lock of ours would be dropped, and others'
     // misread, by closing this descriptor.
-    let (file, bytes, geometry) = open_validated(path)?;
+    let (file, bytes, geometry) = open_validated(path, false)?;
     let mut live = Vec::new();
     for slot in layout::slots(&bytes, geometry) {
         if slot.state != layout::state::ALIVE {
@@ -226,7 +226,7 @@ pub fn has_live_process(path: &Path) -> io::Result<bool> {
 /// their checks. The daemon has no atomics on the shared page, only file
 /// writes, so they go under the sequence word: odd, value, even.
 pub fn publish_untracked(path: &Path, dev: usize, bytes: u64) -> io::Result<()> {
-    let (file, _, geometry) = open_validated(path)?;
+    let (file, _, geometry) = open_validated(path, true)?;
     if dev >= geometry.devices {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
