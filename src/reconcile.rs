@@ -42,9 +42,21 @@ impl ProcessUsage for NvmlProcesses {
         let nvml_err = |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(e.to_string());
         let mut memory = ProcessMemory::new();
         for index in 0..self.nvml.device_count().map_err(nvml_err)? {
-            let device = self.nvml.device_by_index(index).map_err(nvml_err)?;
-            let per_pid = memory.entry(device.uuid().map_err(nvml_err)?).or_default();
-            for process in device.running_compute_processes().map_err(nvml_err)? {
+            // A GPU that does not answer is left out: its containers keep
+            // what was published for them (health reports the GPU itself).
+            let answer = self
+                .nvml
+                .device_by_index(index)
+                .and_then(|device| Ok((device.uuid()?, device.running_compute_processes()?)));
+            let (uuid, processes) = match answer {
+                Ok(answer) => answer,
+                Err(err) => {
+                    debug!(gpu = index, %err, "no per-process memory for this GPU");
+                    continue;
+                }
+            };
+            let per_pid = memory.entry(uuid).or_default();
+            for process in processes {
                 // Unavailable (some virtualised setups): nothing to compare.
                 if let UsedGpuMemory::Used(bytes) = process.used_gpu_memory {
                     let total = per_pid.entry(process.pid).or_default();
@@ -93,24 +105,24 @@ pub fn source_for(fake_gpus: Option<&Path>) -> Option<Box<dyn ProcessUsage>> {
 /// Untracked bytes per device of one accounting file: for every live
 /// process the GPU lists, what it uses beyond what it charged. Per process,
 /// so one process charging more than it uses (managed memory not yet on
-/// the device) cannot hide another's context.
-pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<u64> {
+/// the device) cannot hide another's context. `None` for a GPU with no
+/// answer this time.
+pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<Option<u64>> {
     processes
         .uuids
         .iter()
         .enumerate()
         .map(|(dev, uuid)| {
-            let Some(on_gpu) = memory.get(uuid) else {
-                return 0;
-            };
-            processes
+            let on_gpu = memory.get(uuid)?;
+            let excess = processes
                 .live
                 .iter()
                 .filter_map(|p| {
                     let actual = *on_gpu.get(&p.pid?)?;
                     Some(actual.saturating_sub(p.used.get(dev).copied().unwrap_or(0)))
                 })
-                .fold(0, u64::saturating_add)
+                .fold(0, u64::saturating_add);
+            Some(excess)
         })
         .collect()
 }
@@ -165,6 +177,9 @@ impl Reconciler {
             };
             self.warn_if_hidden(file, &processes);
             for (dev, sample) in untracked(&processes, &memory).into_iter().enumerate() {
+                let Some(sample) = sample else {
+                    continue;
+                };
                 let key = (file.clone(), dev);
                 // After a restart, what is published stands in for the
                 // sample before.
@@ -295,7 +310,13 @@ mod tests {
             ("GPU-other".to_owned(), [(12, 700 * MIB)].into()),
         ]
         .into();
-        assert_eq!(untracked(&processes, &memory), [300 * MIB]);
-        assert_eq!(untracked(&processes, &ProcessMemory::new()), [0]);
+        assert_eq!(untracked(&processes, &memory), [Some(300 * MIB)]);
+        assert_eq!(
+            untracked(&processes, &ProcessMemory::new()),
+            [None],
+            "no answer for the GPU: no sample"
+        );
+        let idle: ProcessMemory = [(T4.to_owned(), HashMap::new())].into();
+        assert_eq!(untracked(&processes, &idle), [Some(0)], "an idle GPU: zero");
     }
 }
