@@ -167,6 +167,8 @@ pub struct Processes {
     pub uuids: Vec<String>,
     /// Caps in bytes, per device.
     pub caps: Vec<u64>,
+    /// What each process is charged at its first context, per device.
+    pub context_charges: Vec<u64>,
     /// The daemon-observed extra now in the file, per device.
     pub untracked: Vec<u64>,
     /// Peak usage and refused allocations, per device.
@@ -204,6 +206,7 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
             .map(|d| layout::format_uuid(&d.uuid))
             .collect(),
         caps: devices.iter().map(|d| d.cap_bytes).collect(),
+        context_charges: devices.iter().map(|d| d.context_charge_bytes).collect(),
         untracked: (0..geometry.devices)
             .map(|d| layout::observed_extra(&bytes, d))
             .collect(),

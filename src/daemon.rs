@@ -46,6 +46,10 @@ pub async fn run(
     let stop = shutdown.child_token();
     let mut tasks = tokio::task::JoinSet::new();
 
+    let reconciler = match (&*isolation, config.reconcile) {
+        (Isolation::Shim(_), Some((source, every))) => Some((Reconciler::new(source), every)),
+        _ => None,
+    };
     if let Some(listener) = config.metrics {
         let observed = Observed {
             resource,
@@ -54,6 +58,7 @@ pub async fn run(
             counters: plugin.counters(),
             pod_resources: pod_resources.clone(),
             isolation: isolation.clone(),
+            overheads: reconciler.as_ref().map(|(r, _)| r.overheads()),
         };
         let stop = stop.clone();
         tasks.spawn(async move {
@@ -65,10 +70,10 @@ pub async fn run(
     if let Some(watch) = health {
         tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
     }
-    if let (Isolation::Shim(shim), Some((source, every))) = (&*isolation, config.reconcile) {
+    if let (Isolation::Shim(shim), Some((reconciler, every))) = (&*isolation, reconciler) {
         let containers = shim.containers_dir();
         tasks.spawn(reconcile::run(
-            Reconciler::new(source),
+            reconciler,
             move || reconcile::container_files(&containers),
             every,
             stop.clone(),

@@ -146,7 +146,8 @@ struct NodeArgs {
 struct ContextArgs {
     /// MiB charged once per process and GPU for its CUDA context, which the
     /// driver takes outside any allocation (about 520 MiB on an H100 with
-    /// driver 580; measure yours). 0 charges allocations only.
+    /// driver 580; the plugin measures it: gpumem_gpu_process_overhead_bytes).
+    /// 0 charges allocations only, and reconciliation counts the rest later.
     #[arg(long, env = "GPUMEM_CONTEXT_CHARGE_MIB", default_value_t = 0)]
     context_charge_mib: u64,
 }

@@ -23,6 +23,7 @@ use crate::inject::Isolation;
 use crate::inventory::Inventory;
 use crate::plugin::PluginStatus;
 use crate::podresources::PodResources;
+use crate::reconcile::Overheads;
 use crate::service::Counters;
 use crate::status::NodeStatus;
 
@@ -35,6 +36,8 @@ pub struct Observed {
     pub counters: Arc<Counters>,
     pub pod_resources: PodResources,
     pub isolation: Arc<Isolation>,
+    /// Per-GPU process overhead, where untracked usage is reconciled.
+    pub overheads: Option<Overheads>,
 }
 
 impl Observed {
@@ -130,8 +133,24 @@ async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
         "gpu_healthy",
         "1 if the GPU's units are Healthy",
     );
+    let overhead = gauge(
+        &mut registry,
+        "gpu_process_overhead_bytes",
+        "Median GPU memory a recent process held beyond its allocations (CUDA context, \
+         libraries): a measured value for --context-charge-mib",
+    );
+    let overheads = observed
+        .overheads
+        .as_ref()
+        .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        .unwrap_or_default();
     for g in &status.gpus {
         let labels = vec![("gpu", g.index.to_string()), ("uuid", g.uuid.clone())];
+        if let Some(&bytes) = overheads.get(&g.uuid) {
+            overhead
+                .get_or_create(&labels)
+                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
         units.get_or_create(&labels).set(i64::from(g.units));
         allocated
             .get_or_create(&labels)

@@ -7,8 +7,9 @@
 //! shows, so a container is held to its whole footprint, not only to its
 //! allocations.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -127,6 +128,49 @@ pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<Option<u6
         .collect()
 }
 
+/// Processes remembered per GPU for the overhead estimate.
+const FOOTPRINT_PROCESSES: usize = 64;
+
+/// Per GPU UUID, the median memory a recent process held beyond its
+/// allocations (context, libraries): what `--context-charge-mib` would
+/// charge up front. Shared with the metrics endpoint.
+pub type Overheads = Arc<Mutex<HashMap<String, u64>>>;
+
+/// Each recent process's largest overhead per GPU, oldest first.
+#[derive(Default)]
+struct Footprints {
+    per_gpu: HashMap<String, VecDeque<(u32, u64)>>,
+}
+
+impl Footprints {
+    fn note(&mut self, uuid: &str, pid: u32, overhead: u64) {
+        let recent = self.per_gpu.entry(uuid.to_owned()).or_default();
+        // Its largest sample: one taken between a charge and the driver's
+        // allocation reads low.
+        match recent.iter_mut().find(|(p, _)| *p == pid) {
+            Some((_, most)) => *most = (*most).max(overhead),
+            None => {
+                if recent.len() == FOOTPRINT_PROCESSES {
+                    recent.pop_front();
+                }
+                recent.push_back((pid, overhead));
+            }
+        }
+    }
+
+    fn medians(&self) -> HashMap<String, u64> {
+        self.per_gpu
+            .iter()
+            .filter(|(_, recent)| !recent.is_empty())
+            .map(|(uuid, recent)| {
+                let mut values: Vec<u64> = recent.iter().map(|&(_, v)| v).collect();
+                values.sort_unstable();
+                (uuid.clone(), values[values.len() / 2])
+            })
+            .collect()
+    }
+}
+
 /// One daemon's reconciliation state.
 pub struct Reconciler {
     source: Box<dyn ProcessUsage>,
@@ -136,6 +180,8 @@ pub struct Reconciler {
     previous: HashMap<(PathBuf, usize), u64>,
     warned_hidden: bool,
     last_error: Option<String>,
+    footprints: Footprints,
+    overheads: Overheads,
 }
 
 impl Reconciler {
@@ -145,7 +191,14 @@ impl Reconciler {
             previous: HashMap::new(),
             warned_hidden: false,
             last_error: None,
+            footprints: Footprints::default(),
+            overheads: Overheads::default(),
         }
+    }
+
+    /// The per-GPU overhead estimate, kept current by `tick`.
+    pub fn overheads(&self) -> Overheads {
+        self.overheads.clone()
     }
 
     /// Reconciles every file once. NVML failing leaves the published values
@@ -176,6 +229,7 @@ impl Reconciler {
                 }
             };
             self.warn_if_hidden(file, &processes);
+            self.note_footprints(&processes, &memory);
             for (dev, sample) in untracked(&processes, &memory).into_iter().enumerate() {
                 let Some(sample) = sample else {
                     continue;
@@ -206,6 +260,46 @@ impl Reconciler {
             }
         }
         self.previous.retain(|key, _| seen.contains(key));
+        self.publish_overheads();
+    }
+
+    /// Remembers what each live process holds beyond its allocations: its
+    /// excess plus the context charge it paid.
+    fn note_footprints(&mut self, processes: &Processes, memory: &ProcessMemory) {
+        for (dev, uuid) in processes.uuids.iter().enumerate() {
+            let Some(on_gpu) = memory.get(uuid) else {
+                continue;
+            };
+            for p in &processes.live {
+                let Some((pid, &actual)) = p.pid.and_then(|pid| Some((pid, on_gpu.get(&pid)?)))
+                else {
+                    continue;
+                };
+                let allocations = p.used[dev].saturating_sub(processes.context_charges[dev]);
+                self.footprints
+                    .note(uuid, pid, actual.saturating_sub(allocations));
+            }
+        }
+    }
+
+    fn publish_overheads(&mut self) {
+        let medians = self.footprints.medians();
+        let mut shared = self.overheads.lock().unwrap_or_else(|e| e.into_inner());
+        for (uuid, &median) in &medians {
+            let before = shared.get(uuid).copied().unwrap_or(0);
+            // Said when first known and when it moves by a tenth.
+            if median != before && (before == 0 || median.abs_diff(before) * 10 > before) {
+                info!(
+                    gpu = %uuid,
+                    overhead_mib = median >> 20,
+                    "processes on this GPU hold this much beyond their allocations \
+                     (median; contexts, libraries); --context-charge-mib with it counts \
+                     that from each process's first context instead of at the next \
+                     reconciliation"
+                );
+            }
+        }
+        *shared = medians;
     }
 
     fn warn_if_hidden(&mut self, file: &Path, processes: &Processes) {
@@ -246,7 +340,7 @@ pub async fn run(
         every_ms = every.as_millis() as u64,
         "reconciling untracked GPU memory"
     );
-    let files = std::sync::Arc::new(files);
+    let files = Arc::new(files);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -285,10 +379,29 @@ mod tests {
     }
 
     #[test]
+    fn overhead_is_the_median_of_recent_processes_largest_samples() {
+        let mut f = Footprints::default();
+        // Process 1 read low once (mid-allocation), then its real 600 MiB.
+        f.note(T4, 1, 100 * MIB);
+        f.note(T4, 1, 600 * MIB);
+        f.note(T4, 1, 500 * MIB);
+        f.note(T4, 2, 520 * MIB);
+        f.note(T4, 3, 700 * MIB);
+        assert_eq!(f.medians()[T4], 600 * MIB);
+        // Only the most recent processes count.
+        for pid in 10..10 + FOOTPRINT_PROCESSES as u32 {
+            f.note(T4, pid, 530 * MIB);
+        }
+        assert_eq!(f.per_gpu[T4].len(), FOOTPRINT_PROCESSES);
+        assert_eq!(f.medians()[T4], 530 * MIB);
+    }
+
+    #[test]
     fn untracked_is_per_process_excess_on_the_files_gpu() {
         let processes = Processes {
             uuids: vec![T4.into()],
             caps: vec![4308 * MIB],
+            context_charges: vec![0],
             untracked: vec![0],
             peaks: vec![0],
             refusals: vec![0],
