@@ -93,13 +93,15 @@ pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
     Ok(path)
 }
 
-/// Usage figures read from an accounting file: per device, in the order of
-/// the caps it was prepared with.
+/// One device of an accounting file: its cap and what the container uses
+/// of it. In the order of the caps the file was prepared with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Usage {
     pub uuid: String,
     pub cap_bytes: u64,
-    /// Charged by the container's processes plus `untracked_bytes`.
+    /// What each process is charged at its first context.
+    pub context_charge_bytes: u64,
+    /// Charged by the container's live processes plus `untracked_bytes`.
     pub used_bytes: u64,
     /// What the node daemon saw the processes use beyond their charges.
     pub untracked_bytes: u64,
@@ -126,27 +128,7 @@ fn open_validated(path: &Path, write: bool) -> io::Result<(fs::File, Vec<u8>, la
 /// daemon-observed extra. A dead process's slot still holds its charges
 /// until a shim reaps it, but they are no longer in use.
 pub fn usage(path: &Path) -> io::Result<Vec<Usage>> {
-    let processes = processes(path)?;
-    Ok(processes
-        .uuids
-        .into_iter()
-        .enumerate()
-        .map(|(dev, uuid)| {
-            let untracked_bytes = processes.untracked[dev];
-            Usage {
-                uuid,
-                cap_bytes: processes.caps[dev],
-                used_bytes: processes
-                    .live
-                    .iter()
-                    .map(|p| p.used[dev])
-                    .fold(untracked_bytes, u64::saturating_add),
-                untracked_bytes,
-                peak_bytes: processes.peaks[dev],
-                refusals: processes.refusals[dev],
-            }
-        })
-        .collect())
+    Ok(processes(path)?.devices)
 }
 
 /// A process that holds a slot: its record lock is held.
@@ -160,20 +142,11 @@ pub struct LiveProcess {
     pub used: Vec<u64>,
 }
 
-/// The live processes of one accounting file.
+/// The devices and live processes of one accounting file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Processes {
-    /// Device UUIDs in file order.
-    pub uuids: Vec<String>,
-    /// Caps in bytes, per device.
-    pub caps: Vec<u64>,
-    /// What each process is charged at its first context, per device.
-    pub context_charges: Vec<u64>,
-    /// The daemon-observed extra now in the file, per device.
-    pub untracked: Vec<u64>,
-    /// Peak usage and refused allocations, per device.
-    pub peaks: Vec<u64>,
-    pub refusals: Vec<u64>,
+    /// In file order; `LiveProcess::used` is indexed alike.
+    pub devices: Vec<Usage>,
     pub live: Vec<LiveProcess>,
 }
 
@@ -199,25 +172,26 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
             used: slot.used,
         });
     }
-    let devices = layout::devices(&bytes, geometry);
-    Ok(Processes {
-        uuids: devices
-            .iter()
-            .map(|d| layout::format_uuid(&d.uuid))
-            .collect(),
-        caps: devices.iter().map(|d| d.cap_bytes).collect(),
-        context_charges: devices.iter().map(|d| d.context_charge_bytes).collect(),
-        untracked: (0..geometry.devices)
-            .map(|d| layout::observed_extra(&bytes, d))
-            .collect(),
-        peaks: (0..geometry.devices)
-            .map(|d| layout::peak(&bytes, d))
-            .collect(),
-        refusals: (0..geometry.devices)
-            .map(|d| layout::refusals(&bytes, d))
-            .collect(),
-        live,
-    })
+    let devices = layout::devices(&bytes, geometry)
+        .iter()
+        .enumerate()
+        .map(|(dev, d)| {
+            let untracked_bytes = layout::observed_extra(&bytes, dev);
+            Usage {
+                uuid: layout::format_uuid(&d.uuid),
+                cap_bytes: d.cap_bytes,
+                context_charge_bytes: d.context_charge_bytes,
+                used_bytes: live
+                    .iter()
+                    .map(|p| p.used[dev])
+                    .fold(untracked_bytes, u64::saturating_add),
+                untracked_bytes,
+                peak_bytes: layout::peak(&bytes, dev),
+                refusals: layout::refusals(&bytes, dev),
+            }
+        })
+        .collect();
+    Ok(Processes { devices, live })
 }
 
 /// Whether a live process still has a slot in the accounting file.

@@ -131,12 +131,16 @@ pub async fn run(config: ExecConfig) -> Result<Finished, ExecError> {
         })
         .collect();
     let file = accounting::prepare(&state_dir, &caps)?;
-    let refusals = || {
-        accounting::usage(&file)
-            .map(|u| u.iter().map(|d| d.refusals).sum::<u64>())
-            .unwrap_or(0)
+    // Refusals and peak over all GPUs of the file, in one read.
+    let totals = || {
+        accounting::usage(&file).map_or((0, 0), |u| {
+            (
+                u.iter().map(|d| d.refusals).sum::<u64>(),
+                u.iter().map(|d| d.peak_bytes).max().unwrap_or(0),
+            )
+        })
     };
-    let refused_before = refusals();
+    let (refused_before, _) = totals();
 
     let mut preload = config.shim.clone().into_os_string();
     if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
@@ -181,12 +185,10 @@ pub async fn run(config: ExecConfig) -> Result<Finished, ExecError> {
         tokio::select! {
             status = child.wait() => {
                 let status = status.map_err(|source| ExecError::Spawn { command: program.clone(), source })?;
-                let peak = accounting::usage(&file)
-                    .map(|u| u.iter().map(|d| d.peak_bytes).max().unwrap_or(0))
-                    .unwrap_or(0);
+                let (refused, peak) = totals();
                 return Ok(Finished {
                     status,
-                    refusals: refusals().saturating_sub(refused_before),
+                    refusals: refused.saturating_sub(refused_before),
                     peak_mib: peak >> 20,
                 });
             }

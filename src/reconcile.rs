@@ -103,25 +103,35 @@ pub fn source_for(fake_gpus: Option<&Path>) -> Option<Box<dyn ProcessUsage>> {
     }
 }
 
+/// The live processes of a file that NVML lists on its device `dev`, as
+/// (pid, what NVML shows, what the process charged); `None` when NVML had
+/// no answer for that GPU this time.
+fn listed<'a>(
+    processes: &'a Processes,
+    memory: &'a ProcessMemory,
+    dev: usize,
+) -> Option<impl Iterator<Item = (u32, u64, u64)> + 'a> {
+    let on_gpu = memory.get(&processes.devices.get(dev)?.uuid)?;
+    Some(processes.live.iter().filter_map(move |p| {
+        let pid = p.pid?;
+        Some((
+            pid,
+            *on_gpu.get(&pid)?,
+            p.used.get(dev).copied().unwrap_or(0),
+        ))
+    }))
+}
+
 /// Untracked bytes per device of one accounting file: for every live
 /// process the GPU lists, what it uses beyond what it charged. Per process,
 /// so one process charging more than it uses (managed memory not yet on
 /// the device) cannot hide another's context. `None` for a GPU with no
 /// answer this time.
 pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<Option<u64>> {
-    processes
-        .uuids
-        .iter()
-        .enumerate()
-        .map(|(dev, uuid)| {
-            let on_gpu = memory.get(uuid)?;
-            let excess = processes
-                .live
-                .iter()
-                .filter_map(|p| {
-                    let actual = *on_gpu.get(&p.pid?)?;
-                    Some(actual.saturating_sub(p.used.get(dev).copied().unwrap_or(0)))
-                })
+    (0..processes.devices.len())
+        .map(|dev| {
+            let excess = listed(processes, memory, dev)?
+                .map(|(_, actual, charged)| actual.saturating_sub(charged))
                 .fold(0, u64::saturating_add);
             Some(excess)
         })
@@ -240,16 +250,16 @@ impl Reconciler {
                 let previous = self
                     .previous
                     .insert(key.clone(), sample)
-                    .unwrap_or(processes.untracked[dev]);
+                    .unwrap_or(processes.devices[dev].untracked_bytes);
                 seen.insert(key);
                 let publish = sample.max(previous);
-                if publish == processes.untracked[dev] {
+                if publish == processes.devices[dev].untracked_bytes {
                     continue;
                 }
                 match accounting::publish_untracked(file, dev, publish) {
                     Ok(()) => debug!(
                         file = %file.display(),
-                        device = %processes.uuids[dev],
+                        device = %processes.devices[dev].uuid,
                         untracked_mib = publish >> 20,
                         "untracked usage"
                     ),
@@ -266,18 +276,14 @@ impl Reconciler {
     /// Remembers what each live process holds beyond its allocations: its
     /// excess plus the context charge it paid.
     fn note_footprints(&mut self, processes: &Processes, memory: &ProcessMemory) {
-        for (dev, uuid) in processes.uuids.iter().enumerate() {
-            let Some(on_gpu) = memory.get(uuid) else {
+        for (dev, device) in processes.devices.iter().enumerate() {
+            let Some(listed) = listed(processes, memory, dev) else {
                 continue;
             };
-            for p in &processes.live {
-                let Some((pid, &actual)) = p.pid.and_then(|pid| Some((pid, on_gpu.get(&pid)?)))
-                else {
-                    continue;
-                };
-                let allocations = p.used[dev].saturating_sub(processes.context_charges[dev]);
+            for (pid, actual, charged) in listed {
+                let allocations = charged.saturating_sub(device.context_charge_bytes);
                 self.footprints
-                    .note(uuid, pid, actual.saturating_sub(allocations));
+                    .note(&device.uuid, pid, actual.saturating_sub(allocations));
             }
         }
     }
@@ -366,7 +372,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::accounting::LiveProcess;
+    use crate::accounting::{LiveProcess, Usage};
 
     const MIB: u64 = 1 << 20;
     const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
@@ -399,12 +405,15 @@ mod tests {
     #[test]
     fn untracked_is_per_process_excess_on_the_files_gpu() {
         let processes = Processes {
-            uuids: vec![T4.into()],
-            caps: vec![4308 * MIB],
-            context_charges: vec![0],
-            untracked: vec![0],
-            peaks: vec![0],
-            refusals: vec![0],
+            devices: vec![Usage {
+                uuid: T4.into(),
+                cap_bytes: 4308 * MIB,
+                context_charge_bytes: 0,
+                used_bytes: 1500 * MIB,
+                untracked_bytes: 0,
+                peak_bytes: 0,
+                refusals: 0,
+            }],
             live: vec![
                 // A context of 300 MiB beside 1000 MiB charged.
                 live(Some(10), 1000),
