@@ -269,12 +269,7 @@ fn exec_commands_sharing_a_state_dir_share_the_cap() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("holding") {
-        line.clear();
-        assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
-    }
+    common::wait_for_line(&mut holder, "holding");
     let (ok, text) = run(exec()
         .args(["--mem", "4GiB", "--state-dir"])
         .arg(state.path())
@@ -309,13 +304,8 @@ fn exec_holds_a_command_to_what_the_driver_shows_it_using() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut out = std::io::BufReader::new(holder.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.contains("holding") {
-        line.clear();
-        assert!(std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0);
-    }
-    let pid = common::field(&line, "pid");
+    let seen = common::wait_for_line(&mut holder, "holding");
+    let pid = common::field(&seen, "pid");
     // Its context and libraries: 600 MiB beyond the 1000 MiB it allocated.
     std::fs::write(&nvml_processes, format!("{pid} 1600\n")).unwrap();
 

@@ -549,7 +549,6 @@ impl gpumem::reconcile::ProcessUsage for Script {
 #[test]
 fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
     use gpumem_layout::{slot, slot_offset, state, FILE_NAME};
-    use std::io::BufRead;
     use std::os::unix::fs::FileExt;
     let dir = common::capped_dir(4308);
     let file = dir.path().join(FILE_NAME);
@@ -565,21 +564,7 @@ fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
         .unwrap();
     f.write_all_at(&1u32.to_le_bytes(), gpumem_layout::header::SLOT_HWM as u64)
         .unwrap();
-    let mut holder = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(format!(
-            "import fcntl, time\nf = open({file:?}, 'r+')\n\
-             fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {at}, 0)\n\
-             print('locked', flush=True)\ntime.sleep(60)"
-        ))
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut ready = String::new();
-    std::io::BufReader::new(holder.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    assert_eq!(ready.trim(), "locked");
+    let mut holder = common::hold_record_lock(&file, at);
 
     // NVML's view of the holder, tick by tick, and the untracked MiB that
     // must be published after each.

@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 
 use common::{capped_dir, field, run_lines, shim_kit, MIB};
@@ -116,22 +115,7 @@ fn a_slot_is_only_ever_claimed_under_its_lock() {
         )
     };
     // A claimer paused between taking slot 0's lock and publishing it.
-    let mut claimer = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(format!(
-            "import fcntl, time\nf = open({file:?}, 'r+')\n\
-             fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {}, 0)\n\
-             print('locked', flush=True)\ntime.sleep(60)",
-            slot_offset(1, 0)
-        ))
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut ready = String::new();
-    BufReader::new(claimer.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    assert_eq!(ready.trim(), "locked");
+    let mut claimer = common::hold_record_lock(&file, slot_offset(1, 0));
     let lines = probe(dir.path(), &["alloc:100"]);
     assert_eq!(lines[1], "alloc:100 0 #0");
     assert_eq!(
@@ -283,16 +267,7 @@ fn processes_share_one_cap_and_a_killed_one_gives_its_share_back() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut out = BufReader::new(holder.stdout.take().unwrap());
-    let mut seen = String::new();
-    while !seen.contains("holding") {
-        let mut l = String::new();
-        assert!(
-            out.read_line(&mut l).unwrap() > 0,
-            "holder exited early: {seen}"
-        );
-        seen.push_str(&l);
-    }
+    let seen = common::wait_for_line(&mut holder, "holding");
     assert!(seen.contains("alloc:3000 0 #0"), "{seen}");
 
     let lines = probe(dir.path(), &["alloc:2000", "alloc:1000", "nvml"]);

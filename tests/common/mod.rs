@@ -260,8 +260,9 @@ pub fn field(line: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
 }
 
-/// Reads a child's stdout until a line containing `marker` (the child keeps running).
-pub fn wait_for_line(child: &mut std::process::Child, marker: &str) {
+/// Reads a child's stdout until a line containing `marker` (the child keeps
+/// running) and returns everything read, that line included.
+pub fn wait_for_line(child: &mut std::process::Child, marker: &str) -> String {
     use std::io::BufRead;
     let stdout = child.stdout.take().expect("stdout piped");
     let mut reader = std::io::BufReader::new(stdout);
@@ -276,9 +277,26 @@ pub fn wait_for_line(child: &mut std::process::Child, marker: &str) {
         if line.contains(marker) {
             // Keep the pipe open so the child never writes into a closed one.
             std::mem::forget(reader);
-            return;
+            return seen;
         }
     }
+}
+
+/// Another process holding the POSIX record lock on byte `offset` of
+/// `file`, as a shim holds its slot's (or a claimer about to claim it).
+pub fn hold_record_lock(file: &Path, offset: usize) -> std::process::Child {
+    let mut holder = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import fcntl, time\nf = open({file:?}, 'r+')\n\
+             fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {offset}, 0)\n\
+             print('locked', flush=True)\ntime.sleep(60)"
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_line(&mut holder, "locked");
+    holder
 }
 
 /// A host directory laid out as the DaemonSet's installer leaves it.
