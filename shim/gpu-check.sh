@@ -5,17 +5,21 @@
 #   mkdir -p carry/fake && cp target/release/{gpumem,libgpumem_shim.so,gpumem-probe} carry/
 #   for l in libcuda.so.1 libnvidia-ml.so.1; do cp target/release/libgpumem_fakegpu.so carry/fake/$l; done
 # then on the GPU machine (carry: ["carry"]):
-#   bash shim/gpu-check.sh carry "$OUT" [checks|train|all]
-# (`checks` and `train` each fit one 10-minute device call; `all` may not).
+#   bash shim/gpu-check.sh carry "$OUT" [checks|footprint|train|fakebench|all]...
+# (`checks footprint` fits one 10-minute device call, `train` another).
 # Every command and its output go to $OUT/gpu-check.log; paste the results
 # into docs/GPU_VERIFICATION.md and docs/BENCHMARKS.md.
 set -u
-usage="usage: shim/gpu-check.sh CARRY_DIR OUT_DIR [checks|train|all]"
+usage="usage: shim/gpu-check.sh CARRY_DIR OUT_DIR [checks|footprint|train|fakebench|all]..."
 bin=${1:?$usage}
 out=${2:?$usage}
-part=${3:-all}
+shift 2
+parts=" ${*:-all} "
+wants() { [[ $parts == *" $1 "* || $parts == *" all "* ]]; }
 mkdir -p "$out"
 log="$out/gpu-check.log"
+# Scratch files stay out of $OUT (only a few files come back from there).
+work=$(mktemp -d)
 G="$bin/gpumem"
 S="--shim=$bin/libgpumem_shim.so"
 cap=4308MiB
@@ -29,15 +33,23 @@ step() {
 py() { step "$G" exec "$S" --mem "$cap" -- python3 -c "$1"; }
 
 probe_bench() {
-    # The shim's cost per alloc+free pair and per cuMemGetInfo, 1 and 16
-    # threads at once: on the real driver (1 MiB pairs cost ~114 µs, so few
-    # are needed), then on the fake driver with this machine's 16 cores.
-    local threads
+    # The shim's cost per alloc+free pair and per cuMemGetInfo on the real
+    # driver (1 MiB pairs cost ~114 µs, so few are needed), 1 and 16
+    # threads at once.
+    local threads round
     for threads in 1 16; do
         for round in 1 2 3; do
             step "$bin/gpumem-probe" bench:2000:$threads
             step "$G" exec "$S" --mem 60GiB -- "$bin/gpumem-probe" bench:2000:$threads
         done
+    done
+}
+
+fake_bench() {
+    # The same on the fake driver, where the driver's own cost is tens of
+    # nanoseconds, with this machine's 16 cores.
+    local threads round
+    for threads in 1 16; do
         for round in 1 2 3; do
             step env LD_LIBRARY_PATH="$bin/fake" "$bin/gpumem-probe" bench:200000:$threads
             step env LD_LIBRARY_PATH="$bin/fake" "$G" exec "$S" --mem 4308MiB --reconcile-secs 0 -- "$bin/gpumem-probe" bench:200000:$threads
@@ -61,9 +73,7 @@ train() {
     done
 }
 
-: >"$log"
-step nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-if [ "$part" = train ]; then probe_bench; train; echo "done: $log"; exit 0; fi
+checks() {
 step "$G" exec "$S" --mem "$cap" -- nvidia-smi
 py 'import pynvml as n; n.nvmlInit(); h=n.nvmlDeviceGetHandleByIndex(0); m=n.nvmlDeviceGetMemoryInfo(h); print("nvml total", m.total>>20, "used", m.used>>20, "free", m.free>>20)'
 py 'import torch; f,t=torch.cuda.mem_get_info(); print("mem_get_info MiB", f>>20, t>>20, "total_memory MiB", torch.cuda.get_device_properties(0).total_memory>>20)'
@@ -92,7 +102,7 @@ py 'import jax, jax.numpy as jnp; print(jax.devices()); print(jnp.ones((1024, 10
 # cuGetProcAddress, per-thread default stream; the debug log says whether the
 # driver's answers matched its exports (Export) or the documented table.
 for via in "--via dlsym" "--via gpa" "--via gpa11" "--via gpa --ptsz"; do
-    step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- env GPUMEM_SHIM_LOG=debug "$bin/gpumem-probe" $via info total alloc:4000 alloc:400 async:100 free:0
+    step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- env GPUMEM_SHIM_LOG=debug "$bin/gpumem-probe" $via info total alloc:3000 alloc:1000 async:100 free:0
 done
 # Two processes under one state dir, watched from outside.
 shared=$(mktemp -d)
@@ -136,5 +146,97 @@ for secs in 2 0; do
     step nvidia-smi --query-compute-apps=pid,used_memory --format=csv
     wait
 done
-if [ "$part" = all ]; then probe_bench; train; fi
+}
+
+# The footprint checks: each container is held to its cap as the GPU sees it
+# from outside (nvidia-smi's per-process memory, summed over the
+# container's processes), read while the processes hold what they got.
+outside() {
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits |
+        awk -F', *' -v pids=" $* " 'index(pids, " " $1 " ") { s += $2 } END { print s + 0 }'
+}
+
+# ready FILE COUNT: waits for COUNT "READY pid" lines; prints the pids.
+ready() {
+    local i
+    for i in $(seq 900); do
+        [ "$(grep -c '^READY' "$1")" -ge "$2" ] && break
+        sleep 0.1
+    done
+    grep '^READY' "$1" | awk '{ printf "%s ", $2 }'
+}
+
+# judge NAME CAP_MIB PIDS...: one summary line, OK when outside <= cap.
+judge() {
+    local name=$1 cap=$2; shift 2
+    local used verdict=OK
+    used=$(outside "$@")
+    [ "$used" -le "$cap" ] || verdict=OVER
+    echo "FOOTPRINT $name cap=${cap}MiB outside=${used}MiB $verdict" | tee -a "$log"
+}
+
+# alone NAME CAP_MIB ARGS...: one container, one process.
+alone() {
+    local name=$1 cap=$2; shift 2
+    local file="$work/$name.out" pids
+    echo "### $name: gpumem exec --mem ${cap}MiB $*" | tee -a "$log"
+    "$G" exec "$S" --mem "${cap}MiB" "$@" >"$file" 2>&1 &
+    pids=$(ready "$file" 1)
+    judge "$name" "$cap" $pids
+    wait
+    cat "$file" >>"$log"
+}
+
+footprints() {
+    local py="python3 shim/gpu"
+    alone torch-fill-at-once "${cap%MiB}" -- $py/fill.py
+    alone torch-fill-at-once-no-reconcile "${cap%MiB}" --reconcile-secs 0 -- $py/fill.py
+    alone vmm-create-map-release "${cap%MiB}" --reconcile-secs 0 -- $py/driver.py vmm
+    alone arrays "${cap%MiB}" --reconcile-secs 0 -- $py/driver.py arrays
+    alone jax-default-prealloc "${cap%MiB}" -- $py/jax_prealloc.py
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True alone torch-expandable "${cap%MiB}" -- $py/fill.py
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync alone torch-cudamallocasync "${cap%MiB}" -- $py/fill.py
+
+    # Two processes of one container: the second fills what the first left.
+    local shared file pids
+    shared=$(mktemp -d)
+    file="$work/two-processes.out"
+    echo "### two processes, one container (${cap})" | tee -a "$log"
+    "$G" exec "$S" --mem "$cap" --state-dir "$shared" -- $py/fill.py --max-mib 2048 --hold 20 >"$file" 2>&1 &
+    ready "$file" 1 >/dev/null
+    "$G" exec "$S" --mem "$cap" --state-dir "$shared" -- $py/fill.py --hold 8 >>"$file" 2>&1 &
+    pids=$(ready "$file" 2)
+    judge two-processes-one-container "${cap%MiB}" $pids
+    wait
+    cat "$file" >>"$log"
+
+    # Two containers splitting the GPU as the plugin would (79 units of an
+    # 81559 MiB H100: 39 + 39, then 40 + 39), both filling at once: each
+    # must stop at its own cap, and neither may meet the driver's OOM first.
+    local units caps a b
+    for units in "39 39" "40 39"; do
+        set -- $units
+        a=$(( $1 * 81559 / 79 )); b=$(( $2 * 81559 / 79 ))
+        echo "### two containers: $1 + $2 units, caps $a + $b MiB" | tee -a "$log"
+        "$G" exec "$S" --mem "${a}MiB" -- $py/fill.py --hold 10 >"$work/left.out" 2>&1 &
+        "$G" exec "$S" --mem "${b}MiB" -- $py/fill.py --hold 10 >"$work/right.out" 2>&1 &
+        pids=$(ready "$work/left.out" 1)
+        judge "container-$1-units" "$a" $pids
+        pids=$(ready "$work/right.out" 1)
+        judge "container-$2-units" "$b" $pids
+        wait
+        cat "$work/left.out" "$work/right.out" >>"$log"
+    done
+
+    # What small allocations cost: the driver's 2 MiB chunks, and the charge.
+    step "$G" exec "$S" --mem 60GiB --reconcile-secs 0 -- $py/driver.py small
+    grep '^FOOTPRINT' "$log"
+}
+
+: >"$log"
+step nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+wants checks && checks
+wants footprint && footprints
+wants train && { probe_bench; train; }
+wants fakebench && fake_bench
 echo "done: $log"

@@ -144,10 +144,12 @@ struct NodeArgs {
 
 #[derive(Args)]
 struct ContextArgs {
-    /// MiB charged once per process and GPU for its CUDA context, which the
-    /// driver takes outside any allocation (about 520 MiB on an H100 with
-    /// driver 580; the plugin measures it: gpumem_gpu_process_overhead_bytes).
-    /// 0 charges allocations only, and reconciliation counts the rest later.
+    /// MiB charged for a CUDA context where the shim cannot measure it. The
+    /// shim charges each context what the driver took for it (NVML's figure
+    /// for the process, read around the call: 518 MiB on an H100 with driver
+    /// 580); without NVML in the container it charges this instead, and
+    /// refuses a context up front when this much does not fit. 0: contexts
+    /// that cannot be measured are left to reconciliation.
     #[arg(long, env = "GPUMEM_CONTEXT_CHARGE_MIB", default_value_t = 0)]
     context_charge_mib: u64,
 }
@@ -157,7 +159,7 @@ struct ReconcileArgs {
     /// Seconds between comparisons of NVML's per-process GPU memory with
     /// what the shim charged; the excess (CUDA contexts, libraries, pool
     /// reserves) counts against the cap. The plugin needs the host's PID
-    /// namespace for it. 0: off (allocations and --context-charge-mib only).
+    /// namespace for it. 0: off (what the shim charges, only).
     #[arg(long, env = "GPUMEM_RECONCILE_SECS", default_value_t = 2)]
     reconcile_secs: u64,
 }

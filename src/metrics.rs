@@ -136,8 +136,8 @@ async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
     let overhead = gauge(
         &mut registry,
         "gpu_process_overhead_bytes",
-        "Median GPU memory a recent process held beyond its allocations (CUDA context, \
-         libraries): a measured value for --context-charge-mib",
+        "Median GPU memory a recent process held beyond what the shim charged it (modules \
+         loaded lazily, library workspaces, pool reserves): what reconciliation catches",
     );
     let overheads = observed
         .overheads

@@ -1,7 +1,7 @@
 //! Untracked usage: what the driver holds for a container's processes
-//! beyond the allocations the shim charged — the CUDA context (about half a
-//! GiB per process on an H100), libraries loaded lazily, memory-pool
-//! reserves. Every few seconds the daemon compares NVML's per-process usage
+//! beyond what the shim charged — modules loaded lazily at the first kernel
+//! launch (about 90 MiB for PyTorch on an H100), library workspaces,
+//! memory-pool reserves, and contexts where the shim could not measure them. Every few seconds the daemon compares NVML's per-process usage
 //! with each process's charges and publishes the excess in the container's
 //! accounting file; the shim adds it to every check and to what nvidia-smi
 //! shows, so a container is held to its whole footprint, not only to its
@@ -141,9 +141,10 @@ pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<Option<u6
 /// Processes remembered per GPU for the overhead estimate.
 const FOOTPRINT_PROCESSES: usize = 64;
 
-/// Per GPU UUID, the median memory a recent process held beyond its
-/// allocations (context, libraries): what `--context-charge-mib` would
-/// charge up front. Shared with the metrics endpoint.
+/// Per GPU UUID, the median memory a recent process held beyond what the
+/// shim charged it (its allocations and its measured context): modules
+/// loaded lazily, library workspaces, pool reserves, the part only
+/// reconciliation catches. Shared with the metrics endpoint.
 pub type Overheads = Arc<Mutex<HashMap<String, u64>>>;
 
 /// Each recent process's largest overhead per GPU, oldest first.
@@ -273,17 +274,15 @@ impl Reconciler {
         self.publish_overheads();
     }
 
-    /// Remembers what each live process holds beyond its allocations: its
-    /// excess plus the context charge it paid.
+    /// Remembers what each live process holds beyond what it was charged.
     fn note_footprints(&mut self, processes: &Processes, memory: &ProcessMemory) {
         for (dev, device) in processes.devices.iter().enumerate() {
             let Some(listed) = listed(processes, memory, dev) else {
                 continue;
             };
             for (pid, actual, charged) in listed {
-                let allocations = charged.saturating_sub(device.context_charge_bytes);
                 self.footprints
-                    .note(&device.uuid, pid, actual.saturating_sub(allocations));
+                    .note(&device.uuid, pid, actual.saturating_sub(charged));
             }
         }
     }
@@ -298,10 +297,9 @@ impl Reconciler {
                 info!(
                     gpu = %uuid,
                     overhead_mib = median >> 20,
-                    "processes on this GPU hold this much beyond their allocations \
-                     (median; contexts, libraries); --context-charge-mib with it counts \
-                     that from each process's first context instead of at the next \
-                     reconciliation"
+                    "processes on this GPU hold this much beyond what the shim charged \
+                     them (median; modules loaded lazily, library workspaces, pool \
+                     reserves): reconciliation counts it against their caps"
                 );
             }
         }

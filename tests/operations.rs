@@ -242,7 +242,8 @@ async fn status_and_metrics_show_who_holds_what() {
         (nb1.pod.as_str(), nb1.gpu, nb1.units, nb1.cap_mib),
         ("nb-1", 0, 4, 4309)
     );
-    assert_eq!(nb1.used_mib, Some(1000));
+    // 1000 MiB and its 300 MiB context.
+    assert_eq!(nb1.used_mib, Some(1300));
     assert_eq!(status.containers[1].used_mib, Some(0));
 
     let (code, body) = d.get("/healthz").await;
@@ -252,7 +253,7 @@ async fn status_and_metrics_show_who_holds_what() {
         "gpumem_gpu_allocated_units{gpu=\"0\",uuid=\"GPU-1a2b3c4d-0000-4000-8000-000000010000\"} 12",
         "gpumem_gpu_units{gpu=\"1\",uuid=\"GPU-1a2b3c4d-0000-4000-8000-000000010001\"} 15",
         "gpumem_container_cap_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 4518313984",
-        "gpumem_container_used_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 1048576000",
+        "gpumem_container_used_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 1363148800",
         "gpumem_allocate_calls_total 3",
         "gpumem_allocate_errors_total 0",
         "gpumem_registrations_total 1",
@@ -387,7 +388,7 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
         .unwrap();
     common::wait_for_line(&mut holder, "holding");
     let c = d
-        .wait_for_container("charged", |c| c.used_mib == Some(1000))
+        .wait_for_container("charged", |c| c.used_mib == Some(1300))
         .await;
     assert_eq!(c.untracked_mib, Some(0));
 
@@ -396,49 +397,49 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
     std::fs::create_dir_all(&junk).unwrap();
     std::fs::write(junk.join("accounting"), b"not an accounting file").unwrap();
 
-    // NVML shows the process at 1600 MiB: a 600 MiB context beside its
-    // 1000 MiB allocation.
+    // NVML shows the process at 1600 MiB: 300 MiB of libraries beside its
+    // 1000 MiB allocation and 300 MiB context.
     d.set_process_memory(holder.id(), 1600);
     let c = d
         .wait_for_container("untracked usage published", |c| {
-            c.untracked_mib == Some(600)
+            c.untracked_mib == Some(300)
         })
         .await;
     assert_eq!(c.used_mib, Some(1600));
     let (_, metrics) = d.get("/metrics").await;
     for expected in [
-        "gpumem_container_untracked_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 629145600",
-        // The measured value an operator could give --context-charge-mib.
-        "gpumem_gpu_process_overhead_bytes{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 629145600",
+        "gpumem_container_untracked_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 314572800",
+        // What processes hold beyond their charges: reconciliation's part.
+        "gpumem_gpu_process_overhead_bytes{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 314572800",
     ] {
         assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
     }
 
-    // Another process of the container sees 4308 - 1600 MiB left, and the
-    // cap holds there, not 600 MiB later.
+    // Another process of the container sees 4308 - 1600 MiB left, less its
+    // own context, and the cap holds there, not 300 MiB later.
     let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(&container)).args([
         "info",
         "nvml",
-        "alloc:2709",
-        "alloc:2708",
+        "alloc:2409",
+        "alloc:2408",
     ]));
     assert!(ok, "{stderr}");
     assert_eq!(
         common::field(&lines[1], "free"),
-        2708 * common::MIB,
+        2408 * common::MIB,
         "{lines:?}"
     );
     assert_eq!(
         common::field(&lines[2], "used"),
-        1600 * common::MIB,
+        1900 * common::MIB,
         "{lines:?}"
     );
     assert_eq!(
         common::field(&lines[3], "used"),
-        1600 * common::MIB,
+        1900 * common::MIB,
         "{lines:?}"
     );
-    assert_eq!(lines[4..], ["alloc:2709 2 #0", "alloc:2708 0 #1"]);
+    assert_eq!(lines[4..], ["alloc:2409 2 #0", "alloc:2408 0 #1"]);
     let c = d
         .wait_for_container("refusal counted", |c| c.refused_allocations == Some(1))
         .await;

@@ -9,6 +9,8 @@ use common::{capped_dir, field, run_lines, shim_kit, MIB};
 
 const CAP: u64 = 4308 * MIB;
 const FULL: u64 = 15079 * MIB;
+/// What a context takes on the fake driver (FAKEGPU_CONTEXT_MIB's default).
+const CONTEXT: u64 = 300 * MIB;
 
 /// Runs the probe under the shim with `steps`, asserting it exits cleanly.
 fn probe(dir: &std::path::Path, args: &[&str]) -> Vec<String> {
@@ -45,15 +47,15 @@ fn cuda_and_nvml_report_the_cap() {
         &["info", "total", "nvml", "alloc:1000", "info", "nvml"],
     );
     assert_eq!(field(line(&lines, "info 0"), "total"), CAP);
-    assert_eq!(field(line(&lines, "info 0"), "free"), CAP);
+    assert_eq!(field(line(&lines, "info 0"), "free"), CAP - CONTEXT);
     assert_eq!(field(line(&lines, "total 0"), "bytes"), CAP);
 
     let nvml = line(&lines, "nvml 0");
     assert_eq!(field(nvml, "total"), CAP);
     assert_eq!(
         field(nvml, "used"),
-        0,
-        "the container's own usage, not the card's"
+        CONTEXT,
+        "the container's own usage (its context), not the card's"
     );
     let v2 = line(&lines, "nvml2 0");
     assert_eq!(field(v2, "total"), CAP);
@@ -66,9 +68,9 @@ fn cuda_and_nvml_report_the_cap() {
         .skip_while(|l| !l.starts_with("alloc"))
         .collect();
     let info = after.iter().find(|l| l.starts_with("info 0")).unwrap();
-    assert_eq!(field(info, "free"), CAP - 1000 * MIB);
+    assert_eq!(field(info, "free"), CAP - CONTEXT - 1000 * MIB);
     let v1 = after.iter().find(|l| l.starts_with("nvml 0")).unwrap();
-    assert_eq!(field(v1, "used"), 1000 * MIB);
+    assert_eq!(field(v1, "used"), CONTEXT + 1000 * MIB);
     assert_eq!(field(v1, "used") + field(v1, "free"), CAP);
 }
 
@@ -87,18 +89,24 @@ fn untracked_usage_from_the_node_daemon_counts_in_every_view() {
     };
     write(device::OBSERVED_EXTRA, 600 * MIB);
     write(device::OBSERVED_SEQ, 2);
-    let lines = probe(dir.path(), &["info", "nvml", "alloc:3709", "alloc:3708"]);
-    assert_eq!(field(line(&lines, "info 0"), "free"), CAP - 600 * MIB);
-    assert_eq!(field(line(&lines, "nvml 0"), "used"), 600 * MIB);
-    assert!(lines.contains(&"alloc:3709 2 #0".to_owned()), "{lines:?}");
-    assert!(lines.contains(&"alloc:3708 0 #1".to_owned()), "{lines:?}");
+    let lines = probe(dir.path(), &["info", "nvml", "alloc:3410", "alloc:3408"]);
+    assert_eq!(
+        field(line(&lines, "info 0"), "free"),
+        CAP - 600 * MIB - CONTEXT
+    );
+    assert_eq!(field(line(&lines, "nvml 0"), "used"), 600 * MIB + CONTEXT);
+    assert!(lines.contains(&"alloc:3410 2 #0".to_owned()), "{lines:?}");
+    assert!(lines.contains(&"alloc:3408 0 #1".to_owned()), "{lines:?}");
 
     // A daemon that died mid-update left the sequence odd: the value it
     // finished writing still counts, after a bounded wait.
     write(device::OBSERVED_EXTRA, 1000 * MIB);
     write(device::OBSERVED_SEQ, 3);
     let lines = probe(dir.path(), &["info"]);
-    assert_eq!(field(line(&lines, "info 0"), "free"), CAP - 1000 * MIB);
+    assert_eq!(
+        field(line(&lines, "info 0"), "free"),
+        CAP - 1000 * MIB - CONTEXT
+    );
 }
 
 #[test]
@@ -170,9 +178,9 @@ fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
         &["--via", "gpa", "--ptsz"],
     ] {
         let mut args = via.to_vec();
-        // The whole cap in one piece, one byte more, then give it back.
+        // All the context left in one piece, one byte more, then give it back.
         args.extend([
-            "allocb:4517265408",
+            "allocb:4202692608",
             "allocb:1",
             "free:0",
             "allocb:1",
@@ -181,7 +189,7 @@ fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
         ]);
         let lines = probe(dir.path(), &args);
         assert!(
-            lines.contains(&"allocb:4517265408 0 #0".to_owned()),
+            lines.contains(&"allocb:4202692608 0 #0".to_owned()),
             "{via:?}: {lines:?}"
         );
         assert!(
@@ -270,11 +278,12 @@ fn processes_share_one_cap_and_a_killed_one_gives_its_share_back() {
     let seen = common::wait_for_line(&mut holder, "holding");
     assert!(seen.contains("alloc:3000 0 #0"), "{seen}");
 
-    let lines = probe(dir.path(), &["alloc:2000", "alloc:1000", "nvml"]);
-    assert_eq!(lines[1..3], ["alloc:2000 2 #0", "alloc:1000 0 #1"]);
+    // 3000 MiB and a context there, a context here: 700 MiB are left.
+    let lines = probe(dir.path(), &["alloc:1000", "alloc:700", "nvml"]);
+    assert_eq!(lines[1..3], ["alloc:1000 2 #0", "alloc:700 0 #1"]);
     assert_eq!(
         field(line(&lines, "nvml 0"), "used"),
-        4000 * MIB,
+        3700 * MIB + 2 * CONTEXT,
         "both processes counted"
     );
 
@@ -283,7 +292,7 @@ fn processes_share_one_cap_and_a_killed_one_gives_its_share_back() {
     let lines = probe(dir.path(), &["alloc:4000"]);
     assert_eq!(
         lines[1], "alloc:4000 0 #0",
-        "the SIGKILLed holder's 3000 MiB came back"
+        "the SIGKILLed holder's 3000 MiB and context came back"
     );
 }
 
@@ -291,7 +300,8 @@ fn processes_share_one_cap_and_a_killed_one_gives_its_share_back() {
 fn many_processes_and_threads_never_exceed_the_cap() {
     let dir = capped_dir(4308);
     let counter = dir.path().join("held");
-    // 1000 MiB pieces under a 4308 MiB cap: at most 4 may be held at once.
+    // 1000 MiB pieces under a 4308 MiB cap (less the contexts): at most 4
+    // may be held at once.
     let step = format!("stress:16:200:1000:{}", counter.display());
     let children: Vec<_> = (0..4)
         .map(|_| {
@@ -474,22 +484,314 @@ fn rtld_next_lookups_keep_their_meaning() {
 }
 
 #[test]
-fn a_forked_child_charges_its_own_slot() {
+fn a_forked_child_of_a_cuda_process_passes_through() {
     let dir = capped_dir(4308);
     let lines = probe(
         dir.path(),
         &["alloc:1000", "forkalloc:2000", "nvml", "alloc:3000"],
     );
+    // CUDA is unusable after a fork (the driver answers 3 to everything,
+    // as the H100 did), and the shim leaves the child alone.
     assert!(
-        lines.contains(&"child forkalloc:2000 0".to_owned()),
+        lines.contains(&"child forkalloc:2000 3".to_owned()),
         "{lines:?}"
     );
-    // The child exited holding 2000 MiB; it was its own, so it is reaped and
-    // the parent is back to its own 1000 MiB.
     assert_eq!(
         field(line(&lines, "nvml 0"), "used"),
-        1000 * MIB,
+        CONTEXT + 1000 * MIB,
         "{lines:?}"
     );
     assert!(lines.contains(&"alloc:3000 0 #1".to_owned()), "{lines:?}");
+}
+
+#[test]
+fn a_forked_child_never_waits_on_a_lock_its_parent_held() {
+    let dir = capped_dir(4308);
+    // Threads allocate and free without pause while the main thread forks;
+    // each child frees and allocates through the shim.
+    let lines = probe(dir.path(), &["forkstorm:100:4:1"]);
+    assert_eq!(line(&lines, "forkstorm"), "forkstorm ok=100 hung=0");
+}
+
+#[test]
+fn a_child_forked_before_cuda_is_capped_on_its_own_slot() {
+    let dir = capped_dir(4308);
+    // A launcher that looked at NVML, then forked a CUDA worker.
+    let lines = probe(dir.path(), &["nvml", "fork", "alloc:4000", "alloc:400"]);
+    assert!(lines.contains(&"alloc:4000 0 #0".to_owned()), "{lines:?}");
+    assert!(lines.contains(&"alloc:400 2 #1".to_owned()), "{lines:?}");
+    assert!(lines.contains(&"fork status=0".to_owned()), "{lines:?}");
+}
+
+#[test]
+fn an_execed_process_leaves_no_charge_behind() {
+    let dir = capped_dir(4308);
+    // The new image charges afresh: what the old one held is gone.
+    let lines = probe(dir.path(), &["alloc:3000", "exec", "alloc:3000", "info"]);
+    let granted = lines.iter().filter(|l| *l == "alloc:3000 0 #0").count();
+    assert_eq!(granted, 2, "{lines:?}");
+    assert_eq!(
+        field(line(&lines, "info 0"), "free"),
+        CAP - CONTEXT - 3000 * MIB,
+        "{lines:?}"
+    );
+
+    // An image that never touches CUDA again: its pid lives on, its
+    // charge does not.
+    let mut quiet = shim_kit()
+        .probe(Some(dir.path()))
+        .args(["alloc:3000", "exec", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut quiet, "holding");
+    let lines = probe(dir.path(), &["alloc:3000"]);
+    assert_eq!(lines[1], "alloc:3000 0 #0");
+    quiet.kill().unwrap();
+    quiet.wait().unwrap();
+
+    // One that only closed its descriptors still has the file mapped and
+    // the memory allocated: it keeps its charge.
+    let mut closer = shim_kit()
+        .probe(Some(dir.path()))
+        .args(["alloc:3000", "closefds", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut closer, "holding");
+    let lines = probe(dir.path(), &["alloc:3000"]);
+    assert_eq!(lines[1], "alloc:3000 2 #0");
+    closer.kill().unwrap();
+    closer.wait().unwrap();
+}
+
+#[test]
+fn a_file_shrunk_under_a_running_process_is_an_error_not_a_crash() {
+    let dir = capped_dir(4308);
+    let go = dir.path().join("go");
+    let output = dir.path().join("output");
+    let child = shim_kit()
+        .probe(Some(dir.path()))
+        .args([
+            "alloc:100",
+            &format!("wait:{}", go.display()),
+            "alloc:100",
+            "alloc:5000",
+        ])
+        .stdout(std::fs::File::create(&output).unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + common::WAIT;
+    while !std::fs::read_to_string(&output)
+        .unwrap()
+        .contains("alloc:100 0")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the probe never allocated"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.path().join("accounting"))
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    std::fs::write(&go, "").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(
+        stderr.contains("shrank while in use") && stderr.contains("NOT capped"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    // Uncapped from then on, as with a file missing from the start.
+    let stdout = std::fs::read_to_string(&output).unwrap();
+    assert!(stdout.contains("alloc:5000 0 #2"), "{stdout}");
+}
+
+#[test]
+fn racers_for_the_last_bytes_are_never_all_refused() {
+    let dir = capped_dir(4308);
+    let rounds = 60;
+    let file = dir.path().join("race");
+    // Two processes of 4 threads each: every round they all ask for 3000
+    // MiB at once, and exactly one of them fits.
+    let step = format!("race:4:{rounds}:3000:{}:8", file.display());
+    let racers: Vec<_> = (0..2)
+        .map(|_| {
+            shim_kit()
+                .probe(Some(dir.path()))
+                .arg(&step)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for racer in racers {
+        let out = racer.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let bytes = std::fs::read(&file).unwrap();
+    let wins: Vec<u64> = (0..rounds)
+        .map(|r| u64::from_le_bytes(bytes[8 * (1 + r)..8 * (2 + r)].try_into().unwrap()))
+        .collect();
+    assert!(wins.iter().all(|&w| w == 1), "winners per round: {wins:?}");
+}
+
+#[test]
+fn a_charge_near_the_cap_outlasts_a_racer_that_backs_out() {
+    use gpumem_layout::{header, slot, slot_offset, state, FILE_NAME};
+    let dir = capped_dir(4308);
+    let file = dir.path().join(FILE_NAME);
+    let len = std::fs::metadata(&file).unwrap().len();
+    // Another process in the middle of a charge that will not fit: it has
+    // added 4000 MiB to its slot and backs out only once someone is
+    // waiting for the charge lock (the byte after the file's end + 1).
+    let racer = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            r#"import fcntl, os, struct, time
+f = open({file:?}, "r+b")
+at = {slot_at}
+fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, at, 0)
+def put(offset, fmt, value):
+    f.seek(offset); f.write(struct.pack(fmt, value)); f.flush()
+put(at + {used}, "<Q", 4000 << 20)
+put(at + {pid}, "<Q", os.getpid())
+put(at + {state}, "<Q", (1 << 8) | {alive})
+put({hwm}, "<I", 6)
+print("racing", flush=True)
+probe = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, {charge_lock}, 1, 0)
+deadline = time.time() + 60
+while struct.unpack("hhqqi4x", fcntl.fcntl(f, fcntl.F_GETLK, probe))[0] == fcntl.F_UNLCK:
+    assert time.time() < deadline, "nobody waited for the charge lock"
+put(at + {used}, "<Q", 0)
+print("backed out", flush=True)
+time.sleep(60)"#,
+            slot_at = slot_offset(1, 5),
+            used = slot::USED,
+            pid = slot::PID,
+            state = slot::STATE,
+            alive = state::ALIVE,
+            hwm = header::SLOT_HWM,
+            charge_lock = len + 1,
+        ))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut racer = racer;
+    common::wait_for_line(&mut racer, "racing");
+    // 300 MiB of context and 3000 MiB fit once the racer has backed out.
+    let lines = probe(dir.path(), &["alloc:3000"]);
+    racer.kill().unwrap();
+    racer.wait().unwrap();
+    assert_eq!(lines[1], "alloc:3000 0 #0");
+}
+
+#[test]
+fn an_interposer_after_the_shim_reaches_the_driver_not_itself() {
+    // Another preloaded library wraps cuMemAlloc_v2 and finds the next one
+    // with dlsym(RTLD_NEXT): it must get the driver's, not ours again.
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let wrap_c = build.path().join("wrap.c");
+    std::fs::write(
+        &wrap_c,
+        r#"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*alloc_fn)(unsigned long long *, size_t);
+static int calls;
+int cuMemAlloc_v2(unsigned long long *p, size_t n) {
+    alloc_fn next = (alloc_fn)dlsym(RTLD_NEXT, "cuMemAlloc_v2");
+    if (++calls > 100 || !next) { fprintf(stderr, "recursed\n"); return 999; }
+    int r = next(p, n);
+    calls--;
+    return r;
+}
+"#,
+    )
+    .unwrap();
+    let main_c = build.path().join("main.c");
+    std::fs::write(
+        &main_c,
+        r#"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*fn)();
+int main(void) {
+    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 10;
+    void *ctx = 0;
+    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain"))(&ctx, 0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(ctx);
+    fn alloc = (fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+    unsigned long long p;
+    printf("small %d\n", alloc(&p, (size_t)100 << 20));
+    printf("over %d\n", alloc(&p, (size_t)5000 << 20));
+    return 0;
+}
+"#,
+    )
+    .unwrap();
+    let wrap = build.path().join("libwrap.so");
+    let main = build.path().join("main");
+    for (args, what) in [
+        (
+            vec![
+                "-shared",
+                "-fPIC",
+                "-o",
+                wrap.to_str().unwrap(),
+                wrap_c.to_str().unwrap(),
+                "-ldl",
+            ],
+            "interposer",
+        ),
+        (
+            vec![
+                "-o",
+                main.to_str().unwrap(),
+                main_c.to_str().unwrap(),
+                "-ldl",
+            ],
+            "program",
+        ),
+    ] {
+        let status = std::process::Command::new("cc")
+            .args(&args)
+            .status()
+            .expect("a C compiler (cc) is needed");
+        assert!(status.success(), "compiling the {what}");
+    }
+    let out = std::process::Command::new(&main)
+        .env("LD_LIBRARY_PATH", &kit.driver_dir)
+        .env(
+            "LD_PRELOAD",
+            format!("{}:{}", kit.shim.display(), wrap.display()),
+        )
+        .env("GPUMEM_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{:?} {stdout} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout, "small 0\nover 2\n",
+        "through the interposer, still capped"
+    );
 }

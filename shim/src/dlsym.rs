@@ -97,6 +97,21 @@ impl Library {
         found as usize
     }
 
+    /// The address of `name`, loading the library if the process has not:
+    /// for the shim's own NVML questions.
+    pub fn load(&self, name: &CStr) -> Option<usize> {
+        if self.handle().is_null() {
+            // SAFETY: a valid soname; the handle is kept for the process's life.
+            let handle =
+                unsafe { libc::dlopen(self.soname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+            if handle.is_null() {
+                return None;
+            }
+            self.handle.store(handle as usize, Ordering::Release);
+        }
+        Some(self.symbol(name) as usize).filter(|&a| a != 0)
+    }
+
     /// The address of `name` in this library, if it is loaded and has it.
     pub fn symbol(&self, name: &CStr) -> *mut c_void {
         let handle = self.handle();
@@ -108,11 +123,14 @@ impl Library {
 }
 
 /// Called by the entry point for every `dlsym`: makes sure the real dlsym
-/// is known and says whether `name` is one we hook. Must not allocate.
-extern "C" fn classify(name: *const c_char) -> usize {
+/// is known and says whether `name` is one we hook. `RTLD_NEXT` lookups are
+/// never ours: resolved from here they would find what comes after the
+/// shim, not after the caller (an interposer preloaded after us would get
+/// its own function back, and recurse). Must not allocate.
+extern "C" fn classify(handle: *mut c_void, name: *const c_char) -> usize {
     catch_unwind(|| {
         real_dlsym();
-        if name.is_null() {
+        if name.is_null() || handle == libc::RTLD_NEXT {
             return 0;
         }
         // SAFETY: dlsym's contract: `name` is a NUL-terminated string.
@@ -153,12 +171,11 @@ fn substitute(handle: *mut c_void, name: *const c_char) -> *mut c_void {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
     std::arch::naked_asm!(
-        // Keep both arguments across the call; 3 × 8 bytes re-aligns the
-        // stack to 16 for the callee.
+        // Keep both arguments across the call (which takes them as they
+        // are); 3 × 8 bytes re-aligns the stack to 16 for the callee.
         "push rdi",
         "push rsi",
         "sub rsp, 8",
-        "mov rdi, rsi",
         "call {classify}",
         "add rsp, 8",
         "pop rsi",
@@ -181,12 +198,12 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut
     )
 }
 
-/// Portable fallback: correct for every handle except `RTLD_NEXT` from a
-/// caller other than the main program, which resolves relative to us.
+/// Portable fallback: correct for every handle except `RTLD_NEXT`, which the
+/// real dlsym resolves relative to the shim instead of the caller.
 #[cfg(not(target_arch = "x86_64"))]
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, name: *const c_char) -> *mut c_void {
-    if classify(name) != 0 {
+    if classify(handle, name) != 0 {
         intercept(handle, name)
     } else {
         call_real(handle, name)

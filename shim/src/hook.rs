@@ -13,10 +13,14 @@ thread_local! {
     static INSIDE: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Runs `logic` unless this thread is already inside a hook (then, or if
-/// `logic` panics, runs `real`). `logic` calls the real function itself
-/// when it decides to, so a panic before that point never loses the call.
+/// Runs `logic` unless this thread is already inside a hook, or this is a
+/// forked child that must leave the shim alone (then, or if `logic`
+/// panics, runs `real`). `logic` calls the real function itself when it
+/// decides to, so a panic before that point never loses the call.
 pub fn guarded<R>(real: impl FnOnce() -> R, logic: impl FnOnce() -> R) -> R {
+    if crate::fork::passing_through() {
+        return real();
+    }
     let entered = INSIDE
         .try_with(|inside| !inside.replace(true))
         .unwrap_or(false);
@@ -79,3 +83,18 @@ pub unsafe fn as_fn<F: Copy>(address: usize) -> F {
     // F is a function pointer of the same size as usize.
     unsafe { std::mem::transmute_copy(&address) }
 }
+
+/// The real function of a hooked variant, or return `$missing` from the
+/// hook when no path has supplied it and it cannot be found.
+macro_rules! real {
+    ($hooked:expr, $ty:ty, $missing:expr) => {{
+        let address = $hooked.real().get_or_next($hooked.name());
+        if address == 0 {
+            return $missing;
+        }
+        // SAFETY: the slot only ever holds the driver's function of this
+        // exact variant (matched by name or identity), whose ABI is $ty.
+        unsafe { $crate::hook::as_fn::<$ty>(address) }
+    }};
+}
+pub(crate) use real;

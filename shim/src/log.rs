@@ -33,6 +33,11 @@ fn emit(message: &str) {
     }
 }
 
+/// Whether warnings are off (`GPUMEM_SHIM_LOG=off`).
+pub fn quiet() -> bool {
+    level() == 0
+}
+
 pub fn warn(message: &str) {
     if level() >= 1 {
         emit(message);

@@ -18,17 +18,6 @@ pub enum Refusal {
     OutOfMemory,
 }
 
-/// Bytes the driver really takes for a request of `requested` bytes: large
-/// allocations are rounded up to 2 MiB pages (measured on the H100: 2 MiB+1
-/// costs 4 MiB, 64 MiB+1 costs 66 MiB); smaller ones share pages and are
-/// charged in 64 KiB steps (1 MiB costs 1 MiB).
-pub fn charge_size(requested: u64) -> u64 {
-    const PAGE: u64 = 2 << 20;
-    const SMALL: u64 = 64 << 10;
-    let step = if requested > PAGE { PAGE } else { SMALL };
-    requested.div_ceil(step).saturating_mul(step)
-}
-
 const NO_SLOT: usize = usize::MAX;
 /// The file was full: count this process in `OVERFLOW` instead.
 const PRIVATE_SLOT: usize = usize::MAX - 1;
@@ -37,9 +26,17 @@ const PRIVATE_SLOT: usize = usize::MAX - 1;
 static SLOT: AtomicUsize = AtomicUsize::new(NO_SLOT);
 static CLAIM: Mutex<()> = Mutex::new(());
 static OVERFLOW: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
-static CONTEXT_CHARGED: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(false) }; MAX_DEVICES];
 static FULL: AtomicBool = AtomicBool::new(false);
 static MISSING: AtomicBool = AtomicBool::new(false);
+/// Set while a thread opens the file: a child forked then must not wait
+/// for an opening that will never finish there.
+static OPENING: AtomicBool = AtomicBool::new(false);
+
+/// Pauses between the retries of a charge that lost a race near the cap:
+/// together (about 5 ms) long enough for a racer that will back out to do
+/// so even if it was preempted in between, short next to what an
+/// out-of-memory error costs a program anyway.
+const RETRY_PAUSES_US: [u64; 10] = [0, 0, 20, 50, 100, 200, 400, 800, 1600, 2000];
 
 /// A process's view of its container's accounting file.
 pub struct Shim {
@@ -51,15 +48,32 @@ static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
 /// The shim's state, opened on first use. `None` means pass-through: the
 /// reason was written to stderr once.
 pub fn shim() -> Option<&'static Shim> {
+    crate::fork::watch();
+    if crate::sigbus::broken() {
+        return None;
+    }
     SHIM.get_or_init(open).as_ref()
 }
 
+/// The shim's state for a CUDA call, which may take the shim's locks.
+pub fn cuda_shim() -> Option<&'static Shim> {
+    let shim = shim()?;
+    crate::fork::engage();
+    Some(shim)
+}
+
+/// Whether a thread is opening the file right now.
+pub fn opening() -> bool {
+    OPENING.load(SeqCst)
+}
+
 fn open() -> Option<Shim> {
+    OPENING.store(true, SeqCst);
     let dir = std::env::var_os("GPUMEM_STATE_DIR")
         .filter(|d| !d.is_empty())
         .map_or_else(|| PathBuf::from(layout::CONTAINER_DIR), PathBuf::from);
     let path = dir.join(layout::FILE_NAME);
-    match Region::open(&path) {
+    let opened = match Region::open(&path) {
         Ok(region) => {
             log::info(&format!(
                 "capping {} device(s) from {}",
@@ -78,7 +92,9 @@ fn open() -> Option<Shim> {
             );
             None
         }
-    }
+    };
+    OPENING.store(false, SeqCst);
+    opened
 }
 
 /// Forgets this process's slot and charges: called in a forked child, whose
@@ -88,9 +104,6 @@ pub fn forget_after_fork() {
     for counter in &OVERFLOW {
         counter.store(0, SeqCst);
     }
-    for flag in &CONTEXT_CHARGED {
-        flag.store(false, SeqCst);
-    }
 }
 
 impl Shim {
@@ -99,8 +112,17 @@ impl Shim {
         self.region.devices().iter().position(|d| &d.uuid == uuid)
     }
 
+    pub fn uuid(&self, dev: usize) -> [u8; 16] {
+        self.region.devices()[dev].uuid
+    }
+
     pub fn cap(&self, dev: usize) -> u64 {
         self.region.devices()[dev].cap_bytes
+    }
+
+    /// What the plugin says a context costs, for when it cannot be measured.
+    pub fn context_hint(&self, dev: usize) -> u64 {
+        self.region.devices()[dev].context_charge_bytes
     }
 
     /// This process's counter for `dev`, if it has a slot.
@@ -112,9 +134,21 @@ impl Shim {
         }
     }
 
+    /// What this process is charged on `dev`.
+    pub fn own_charges(&self, dev: usize) -> u64 {
+        self.own_counter(dev).map_or(0, |c| c.load(SeqCst))
+    }
+
     /// This process's counter for `dev`, claiming a slot on first use.
     fn counter(&self, dev: usize) -> &AtomicU64 {
         self.own_counter(dev).unwrap_or_else(|| self.register(dev))
+    }
+
+    /// Claims this process's slot if it has none: from its first context
+    /// on, even with nothing charged, its record lock is how the node
+    /// daemon finds its untracked usage in NVML.
+    pub fn claim_slot(&self, dev: usize) {
+        self.counter(dev);
     }
 
     #[cold]
@@ -122,25 +156,21 @@ impl Shim {
         let _one_at_a_time = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
         let mut slot = SLOT.load(SeqCst);
         if slot == NO_SLOT {
-            crate::fork::watch();
             let pid = std::process::id();
             let start = region::start_time_of(pid).unwrap_or(0);
-            slot = match self.region.claim(pid, start) {
-                Some(index) => index,
-                None => {
-                    self.region.reap(None);
-                    self.region.claim(pid, start).unwrap_or_else(|| {
-                        log::warn_once(
-                            &FULL,
-                            &format!(
-                                "all {} accounting slots are in use; this process is capped on its own",
-                                self.region.slot_count()
-                            ),
-                        );
-                        PRIVATE_SLOT
-                    })
-                }
-            };
+            // Slots an earlier image of this process left before an exec
+            // go first: they carry this pid and start time.
+            self.region.reap(None);
+            slot = self.region.claim(pid, start).unwrap_or_else(|| {
+                log::warn_once(
+                    &FULL,
+                    &format!(
+                        "all {} accounting slots are in use; this process is capped on its own",
+                        self.region.slot_count()
+                    ),
+                );
+                PRIVATE_SLOT
+            });
             SLOT.store(slot, SeqCst);
         }
         match slot {
@@ -161,7 +191,9 @@ impl Shim {
 
     /// Adds `bytes` to this process's charge unless the container would go
     /// over its cap. Increment-then-validate: of two processes racing for
-    /// the last bytes, at most one keeps them, never both.
+    /// the last bytes, at most one keeps them, never both; and the loser
+    /// retries in turn with the others that lost, so that never both are
+    /// refused when one of them fits.
     pub fn charge(&self, dev: usize, bytes: u64) -> Result<(), Refusal> {
         if bytes == 0 {
             return Ok(());
@@ -173,18 +205,44 @@ impl Shim {
             return Err(Refusal::OutOfMemory);
         }
         let counter = self.counter(dev);
-        for attempt in 0..2 {
-            counter.fetch_add(bytes, SeqCst);
-            let total = self.used(dev);
-            if total <= cap {
-                self.region.note_peak(dev, total);
-                return Ok(());
+        if self.try_add(counter, dev, bytes, cap) {
+            return Ok(());
+        }
+        self.charge_contended(counter, dev, bytes, cap)
+    }
+
+    fn try_add(&self, counter: &AtomicU64, dev: usize, bytes: u64, cap: u64) -> bool {
+        counter.fetch_add(bytes, SeqCst);
+        let total = self.used(dev);
+        if total <= cap {
+            self.region.note_peak(dev, total);
+            return true;
+        }
+        counter.fetch_sub(bytes, SeqCst);
+        false
+    }
+
+    /// The slow path: over the cap on the first try. Racers that failed
+    /// alike take turns under the container's charge lock, so a transient
+    /// charge of another loser (added, about to be backed out) cannot
+    /// refuse this one; a dead process's budget is reaped first.
+    #[cold]
+    fn charge_contended(
+        &self,
+        counter: &AtomicU64,
+        dev: usize,
+        bytes: u64,
+        cap: u64,
+    ) -> Result<(), Refusal> {
+        let _turn = self.region.lock_charges();
+        self.reap();
+        for pause in RETRY_PAUSES_US {
+            match pause {
+                0 => std::thread::yield_now(),
+                us => std::thread::sleep(std::time::Duration::from_micros(us)),
             }
-            counter.fetch_sub(bytes, SeqCst);
-            if attempt == 0 {
-                // A dead process may still hold budget; a racing one may
-                // have backed out already.
-                self.reap();
+            if self.try_add(counter, dev, bytes, cap) {
+                return Ok(());
             }
         }
         self.region.note_oom(dev);
@@ -201,26 +259,21 @@ impl Shim {
 
     /// Gives back bytes charged earlier; never wraps below zero.
     pub fn uncharge(&self, dev: usize, bytes: u64) {
-        // No slot (a forked child freeing its parent's memory): nothing of
-        // ours to give back, and no reason to claim a slot for it.
+        // No slot: nothing of ours to give back, and no reason to claim one.
         if let Some(counter) = self.own_counter(dev) {
             let _ = counter.fetch_update(SeqCst, SeqCst, |v| Some(v.saturating_sub(bytes)));
         }
     }
 
-    /// Charges the per-process context cost once per device.
-    pub fn charge_context(&self, dev: usize) -> Result<(), Refusal> {
-        // A plain load first: this runs on every allocation.
-        if CONTEXT_CHARGED[dev].load(SeqCst) || CONTEXT_CHARGED[dev].swap(true, SeqCst) {
-            return Ok(());
+    /// Moves a charge of `charged` bytes to `actual`: more is charged
+    /// against the cap, less is given back.
+    pub fn settle(&self, dev: usize, charged: u64, actual: u64) -> Result<(), Refusal> {
+        if actual > charged {
+            self.charge(dev, actual - charged)
+        } else {
+            self.uncharge(dev, charged - actual);
+            Ok(())
         }
-        // A slot from the first context on, even with nothing to charge:
-        // its record lock is how the node daemon finds this process's
-        // untracked usage (the context itself, libraries) in NVML.
-        self.counter(dev);
-        let bytes = self.region.devices()[dev].context_charge_bytes;
-        self.charge(dev, bytes)
-            .inspect_err(|_| CONTEXT_CHARGED[dev].store(false, SeqCst))
     }
 
     /// `cuMemGetInfo` as the container should see it: total is the cap,
@@ -239,24 +292,5 @@ impl Shim {
         let cap = self.cap(dev).min(real_total);
         let used = self.used(dev).min(cap);
         (cap, used, cap - used)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MIB: u64 = 1 << 20;
-
-    #[test]
-    fn charges_follow_the_drivers_rounding() {
-        assert_eq!(charge_size(0), 0);
-        assert_eq!(charge_size(1), 64 << 10);
-        assert_eq!(charge_size(MIB), MIB);
-        assert_eq!(charge_size(2 * MIB), 2 * MIB);
-        assert_eq!(charge_size(2 * MIB + 1), 4 * MIB);
-        assert_eq!(charge_size(3 * MIB), 4 * MIB);
-        assert_eq!(charge_size(64 * MIB + 1), 66 * MIB);
-        assert_eq!(charge_size(u64::MAX), u64::MAX);
     }
 }

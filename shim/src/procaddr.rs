@@ -34,13 +34,9 @@ fn identify(
     cuda_version: c_int,
     flags: u64,
 ) -> Option<(Hooked, Matched)> {
-    let candidates = Hooked::candidates(symbol);
-    if candidates.is_empty() {
-        return None;
-    }
+    let mut candidates = Hooked::candidates(symbol).peekable();
+    candidates.peek()?;
     candidates
-        .iter()
-        .copied()
         .find(|c| LIBCUDA.symbol(c.name()) as usize == returned)
         .map(|h| (h, Matched::Export))
         .or_else(|| {

@@ -5,6 +5,8 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use gpumem_layout::{self as layout, device, header, slot, state, DeviceSpec, Geometry};
 
@@ -33,6 +35,8 @@ pub struct Region {
     fd: libc::c_int,
     geometry: Geometry,
     devices: Vec<DeviceSpec>,
+    /// The file's device and inode, to find it in other processes' maps.
+    ident: (u64, u64),
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics (the
@@ -61,7 +65,7 @@ impl Region {
         if fd < 0 {
             return Err(RegionError::Open(std::io::Error::last_os_error()));
         }
-        match Self::map(fd) {
+        match Self::map(fd, path) {
             Ok(region) => Ok(region),
             Err(err) => {
                 // SAFETY: fd is ours and not yet shared with any mapping.
@@ -71,7 +75,7 @@ impl Region {
         }
     }
 
-    fn map(fd: libc::c_int) -> Result<Region, RegionError> {
+    fn map(fd: libc::c_int, path: &Path) -> Result<Region, RegionError> {
         // SAFETY: a zeroed stat is a valid out-buffer for fstat.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: fd is open; st is a valid out-pointer.
@@ -99,6 +103,9 @@ impl Region {
         if base == libc::MAP_FAILED {
             return Err(RegionError::Map(std::io::Error::last_os_error()));
         }
+        // From here on, a file shrunk by someone else reads as zeroes
+        // instead of killing the process.
+        crate::sigbus::protect(base, len, path);
         // SAFETY: the mapping is `len` bytes long and readable. The header
         // and device records are written once by the plugin before any
         // process maps the file, so reading them as bytes is sound.
@@ -110,8 +117,10 @@ impl Region {
                 fd,
                 geometry,
                 devices,
+                ident: (st.st_dev, st.st_ino),
             }),
             Err(err) => {
+                crate::sigbus::forget();
                 // SAFETY: unmaps exactly what was mapped above.
                 unsafe { libc::munmap(base, len) };
                 Err(RegionError::Layout(err))
@@ -244,7 +253,8 @@ impl Region {
     }
 
     /// Frees the slots of processes that died without cleaning up (SIGKILL,
-    /// OOM kill). Returns how many were reaped.
+    /// OOM kill) or exec'd (the descriptor is close-on-exec, so the lock
+    /// went, but the pid lives on). Returns how many were reaped.
     pub fn reap(&self, own: Option<usize>) -> usize {
         let mut reaped = 0;
         for index in 0..self.hwm() {
@@ -262,9 +272,7 @@ impl Region {
             let at = self.slot_at(index);
             let pid = self.u64_at(at + slot::PID).load(SeqCst);
             let start = self.u64_at(at + slot::START_TIME).load(SeqCst);
-            // No lock but the same process still running: it closed our
-            // descriptor by accident. Its usage is real; keep the slot.
-            if u32::try_from(pid).ok().and_then(start_time_of) == Some(start) && start != 0 {
+            if !self.abandoned(pid, start) {
                 continue;
             }
             let reaping = (current & !0xff) | state::REAPING;
@@ -283,31 +291,85 @@ impl Region {
         reaped
     }
 
-    fn lock_request(&self, index: usize, kind: libc::c_short) -> libc::flock {
+    /// Whether the process of a slot whose lock is gone left it behind: it
+    /// died, or it exec'd (the new image has not mapped the file). One that
+    /// closed our descriptor by accident still has the file mapped: its
+    /// usage is real and it keeps its slot. If its maps cannot be read, the
+    /// slot is kept too.
+    fn abandoned(&self, pid: u64, start: u64) -> bool {
+        let Ok(pid) = u32::try_from(pid) else {
+            return true;
+        };
+        if start == 0 || start_time_of(pid) != Some(start) {
+            return true;
+        }
+        // Ours, but not this image's slot (the caller skips that one): an
+        // image before an exec.
+        if pid == std::process::id() {
+            return true;
+        }
+        maps_file(pid, self.ident) == Some(false)
+    }
+
+    /// Serialises charges that lost a race near the cap, across the
+    /// container's processes. A holder that is stopped does not stop the
+    /// others for long: past a short wait they go on without the lock.
+    pub fn lock_charges(&self) -> ChargeLock<'_> {
+        static LOCAL: Mutex<()> = Mutex::new(());
+        const PATIENCE: Duration = Duration::from_millis(50);
+        let local = LOCAL.lock().unwrap_or_else(|e| e.into_inner());
+        let offset = layout::charge_lock_offset(self.geometry);
+        let deadline = Instant::now() + PATIENCE;
+        let locked = loop {
+            if self.lock_byte(offset) {
+                break true;
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        };
+        ChargeLock {
+            region: self,
+            offset,
+            locked,
+            _local: local,
+        }
+    }
+
+    fn lock_request(offset: usize, kind: libc::c_short) -> libc::flock {
         // SAFETY: flock is plain data; zero is a valid starting value.
         let mut request: libc::flock = unsafe { std::mem::zeroed() };
         request.l_type = kind;
         request.l_whence = libc::SEEK_SET as libc::c_short;
-        request.l_start = self.slot_at(index) as libc::off_t;
+        request.l_start = offset as libc::off_t;
         request.l_len = 1;
         request
     }
 
-    fn lock(&self, index: usize) -> bool {
-        let request = self.lock_request(index, libc::F_WRLCK as libc::c_short);
+    fn lock_byte(&self, offset: usize) -> bool {
+        let request = Self::lock_request(offset, libc::F_WRLCK as libc::c_short);
         // SAFETY: fd is open for writing; request is a valid flock.
         unsafe { libc::fcntl(self.fd, libc::F_SETLK, &request) == 0 }
     }
 
-    /// Releases only this slot's byte: POSIX locks are per byte range.
-    fn unlock(&self, index: usize) {
-        let request = self.lock_request(index, libc::F_UNLCK as libc::c_short);
+    /// Releases only this byte: POSIX locks are per byte range.
+    fn unlock_byte(&self, offset: usize) {
+        let request = Self::lock_request(offset, libc::F_UNLCK as libc::c_short);
         // SAFETY: fd is open; request is a valid flock.
         unsafe { libc::fcntl(self.fd, libc::F_SETLK, &request) };
     }
 
+    fn lock(&self, index: usize) -> bool {
+        self.lock_byte(self.slot_at(index))
+    }
+
+    fn unlock(&self, index: usize) {
+        self.unlock_byte(self.slot_at(index))
+    }
+
     fn holder(&self, index: usize) -> Holder {
-        let mut request = self.lock_request(index, libc::F_WRLCK as libc::c_short);
+        let mut request = Self::lock_request(self.slot_at(index), libc::F_WRLCK as libc::c_short);
         // SAFETY: fd is open; request is a valid in/out flock.
         if unsafe { libc::fcntl(self.fd, libc::F_GETLK, &mut request) } != 0 {
             return Holder::Unknown;
@@ -318,6 +380,47 @@ impl Region {
             Holder::Alive
         }
     }
+}
+
+/// Held while a charge retries near the cap; released on drop.
+pub struct ChargeLock<'a> {
+    region: &'a Region,
+    offset: usize,
+    locked: bool,
+    _local: MutexGuard<'static, ()>,
+}
+
+impl Drop for ChargeLock<'_> {
+    fn drop(&mut self) {
+        if self.locked {
+            self.region.unlock_byte(self.offset);
+        }
+    }
+}
+
+/// Whether `pid` has the file `(device, inode)` mapped; `None` if its maps
+/// cannot be read (another user's process, or gone).
+fn maps_file(pid: u32, (device, inode): (u64, u64)) -> Option<bool> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let wanted = (
+        u64::from(libc::major(device)),
+        u64::from(libc::minor(device)),
+    );
+    Some(maps.lines().any(|line| {
+        // address perms offset major:minor inode [path]
+        let mut fields = line.split_whitespace().skip(3);
+        let (Some(dev), Some(ino)) = (fields.next(), fields.next()) else {
+            return false;
+        };
+        let Some((major, minor)) = dev.split_once(':') else {
+            return false;
+        };
+        let parsed = (
+            u64::from_str_radix(major, 16).ok(),
+            u64::from_str_radix(minor, 16).ok(),
+        );
+        ino.parse::<u64>().ok() == Some(inode) && parsed == (Some(wanted.0), Some(wanted.1))
+    }))
 }
 
 /// Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22).

@@ -111,6 +111,13 @@ pub fn publisher_lock_offset(geometry: Geometry) -> usize {
     geometry.file_len()
 }
 
+/// The byte a shim locks while it retries a charge that lost a race near
+/// the cap, so that of several processes racing for the last bytes one
+/// wins instead of all backing out together.
+pub fn charge_lock_offset(geometry: Geometry) -> usize {
+    geometry.file_len() + 1
+}
+
 /// Total file length.
 pub fn file_len(devices: usize, slots: usize) -> usize {
     slot_offset(devices, slots)

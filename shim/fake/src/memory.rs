@@ -1,0 +1,409 @@
+//! Device memory: the cuMemAlloc family, stream-ordered allocations and the
+//! table of live allocations (arrays included) that a destroyed context sweeps.
+//!
+//! Costs follow an H100 (driver 580): 2 MiB or more takes whole 2 MiB pages;
+//! less is carved (512-byte steps) from 2 MiB chunks, each charged once when
+//! opened and given back when its last allocation is freed.
+
+use std::cell::RefCell;
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::ffi::{c_uint, c_void};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use crate::context::{self, Context};
+use crate::node::{self, MAX_DEVICES};
+use crate::{
+    config, out, pool, CUdeviceptr, CUresult, INVALID_CONTEXT, INVALID_VALUE, PAGE, SUCCESS,
+};
+
+/// Small allocations are rounded up to this.
+const SMALL_STEP: u64 = 512;
+/// Shards of the allocation table, so threads allocating at once do not
+/// queue on one lock (the shim benchmark measures the shim, not this).
+const SHARDS: usize = 64;
+/// A chunk's live count once it has been given back.
+const DEAD: u64 = u64::MAX;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Memory,
+    Array,
+    Mipmap,
+}
+
+enum Cost {
+    Pages(u64),
+    Chunk(Arc<Chunk>),
+}
+
+struct Allocation {
+    kind: Kind,
+    dev: usize,
+    /// Serial of the context it was made in.
+    ctx: u64,
+    cost: Cost,
+}
+
+impl Allocation {
+    fn give_back(self) {
+        match self.cost {
+            Cost::Pages(bytes) => node::uncharge(self.dev, bytes),
+            Cost::Chunk(chunk) => chunk.leave(),
+        }
+    }
+}
+
+/// A 2 MiB chunk small allocations are carved from. Only the thread that
+/// opened it carves from it; any thread may free into it.
+struct Chunk {
+    base: u64,
+    dev: usize,
+    /// Serial of the context it belongs to.
+    ctx: AtomicU64,
+    /// Allocations in it, or `DEAD` once the last one left (never 0).
+    live: AtomicU64,
+}
+
+impl Chunk {
+    fn enter(&self) -> bool {
+        self.live
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| {
+                (n != DEAD).then(|| n + 1)
+            })
+            .is_ok()
+    }
+
+    /// The last allocation out turns the chunk `DEAD` in the same step, so
+    /// the owner can never slip a new one into a chunk being given back.
+    fn leave(&self) {
+        let last = self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Relaxed, |n| {
+                Some(if n == 1 { DEAD } else { n - 1 })
+            })
+            == Ok(1);
+        if last {
+            node::uncharge(self.dev, PAGE);
+        }
+    }
+}
+
+struct Open {
+    chunk: Arc<Chunk>,
+    used: u64,
+}
+
+thread_local! {
+    /// The calling thread's open chunk per device.
+    static OPEN: RefCell<[Option<Open>; MAX_DEVICES]> =
+        const { RefCell::new([const { None }; MAX_DEVICES]) };
+}
+
+/// Keys are distinct addresses: one multiply spreads them well enough, at a
+/// fraction of SipHash's cost.
+#[derive(Default)]
+struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        bytes.iter().for_each(|&b| self.write_u64(u64::from(b)));
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        let h = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 = h ^ (h >> 32);
+    }
+}
+
+type Table = HashMap<u64, Allocation, BuildHasherDefault<AddressHasher>>;
+
+/// A shard on cache lines of its own: each thread keeps hitting the shard
+/// of its open chunk, and neighbours must not slow each other down.
+#[repr(align(128))]
+struct Shard(Mutex<Table>);
+
+fn shards() -> &'static [Shard; SHARDS] {
+    static SHARDED: OnceLock<[Shard; SHARDS]> = OnceLock::new();
+    SHARDED.get_or_init(|| std::array::from_fn(|_| Shard(Mutex::new(Table::default()))))
+}
+
+fn lock(shard: &Shard) -> MutexGuard<'_, Table> {
+    shard.0.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The shard holding `address`: a chunk's allocations share one.
+fn shard_of(address: u64) -> MutexGuard<'static, Table> {
+    lock(&shards()[(address >> 21) as usize % SHARDS])
+}
+
+/// Fresh addresses for `bytes` (VA ranges, allocations, array and VMM
+/// handles alike, so no two ever collide), aligned to `align` and 2 MiB.
+pub(crate) fn address_space(bytes: u64, align: u64) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0x7f00_0000_0000);
+    let align = align.max(PAGE).next_power_of_two();
+    let span = bytes.max(1).next_multiple_of(PAGE) + (align - PAGE);
+    NEXT.fetch_add(span, Ordering::Relaxed)
+        .next_multiple_of(align)
+}
+
+/// Carves `bytes` (< 2 MiB) from the thread's open chunk on `dev`, opening
+/// one (and charging its 2 MiB) when that is full, dead or of another context.
+fn carve(dev: usize, ctx: u64, bytes: u64) -> Result<(u64, Arc<Chunk>), CUresult> {
+    let size = bytes.next_multiple_of(SMALL_STEP);
+    OPEN.with_borrow_mut(|open| {
+        let slot = &mut open[dev];
+        if let Some(o) = slot {
+            let same = o.chunk.ctx.load(Ordering::Relaxed) == ctx;
+            if same && o.used + size <= PAGE && o.chunk.enter() {
+                let address = o.chunk.base + o.used;
+                o.used += size;
+                return Ok((address, Arc::clone(&o.chunk)));
+            }
+        }
+        node::charge(dev, PAGE)?;
+        let chunk = reopen(slot.take().map(|o| o.chunk), dev, ctx);
+        *slot = Some(Open {
+            chunk: Arc::clone(&chunk),
+            used: size,
+        });
+        Ok((chunk.base, chunk))
+    })
+}
+
+/// A chunk nothing but this thread holds any more is dead (no allocation
+/// holds it, and only holders can clone it): it is reused, address and
+/// all, sparing the allocator and the shared address counter.
+fn reopen(old: Option<Arc<Chunk>>, dev: usize, ctx: u64) -> Arc<Chunk> {
+    match old {
+        Some(chunk) if Arc::strong_count(&chunk) == 1 => {
+            chunk.ctx.store(ctx, Ordering::Relaxed);
+            chunk.live.store(1, Ordering::Relaxed);
+            chunk
+        }
+        _ => Arc::new(Chunk {
+            base: address_space(PAGE, PAGE),
+            dev,
+            ctx: AtomicU64::new(ctx),
+            live: AtomicU64::new(1),
+        }),
+    }
+}
+
+/// Takes `bytes` on `dev` in context `ctx` (with its serial).
+pub(crate) fn allocate(
+    kind: Kind,
+    dev: usize,
+    (ctx, serial): (&Context, u64),
+    bytes: u64,
+) -> Result<u64, CUresult> {
+    if bytes == 0 {
+        return Err(INVALID_VALUE);
+    }
+    let (address, cost) = if kind == Kind::Memory && bytes < PAGE {
+        let (address, chunk) = carve(dev, serial, bytes)?;
+        (address, Cost::Chunk(chunk))
+    } else {
+        let pages = bytes.next_multiple_of(PAGE);
+        node::charge(dev, pages)?;
+        (address_space(pages, PAGE), Cost::Pages(pages))
+    };
+    let allocation = Allocation {
+        kind,
+        dev,
+        ctx: serial,
+        cost,
+    };
+    shard_of(address).insert(address, allocation);
+    // Destroyed meanwhile: its sweep may have passed this shard already.
+    if ctx.serial() != serial {
+        let swept = shard_of(address).remove(&address);
+        if let Some(allocation) = swept {
+            allocation.give_back();
+        }
+        return Err(INVALID_CONTEXT);
+    }
+    Ok(address)
+}
+
+/// Frees what `allocate` made at `address`, if it was of `kind`.
+pub(crate) fn release(address: u64, kind: Kind) -> CUresult {
+    let mut shard = shard_of(address);
+    let allocation = match shard.entry(address) {
+        Entry::Occupied(e) if e.get().kind == kind => e.remove(),
+        _ => return INVALID_VALUE,
+    };
+    drop(shard);
+    allocation.give_back();
+    SUCCESS
+}
+
+/// Frees everything made in the context spell `serial`.
+pub(crate) fn sweep(serial: u64) {
+    for shard in shards() {
+        let swept: Vec<Allocation> = lock(shard)
+            .extract_if(|_, a| a.ctx == serial)
+            .map(|(_, a)| a)
+            .collect();
+        swept.into_iter().for_each(Allocation::give_back);
+    }
+}
+
+fn alloc_current(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    refuse_after_fork!();
+    let ctx = match context::current() {
+        Ok(ctx) => ctx,
+        Err(code) => return code,
+    };
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64) {
+        Ok(address) => unsafe { out(dptr, address) },
+        Err(code) => code,
+    }
+}
+
+/// On the pool's device, whatever the current context's is.
+fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CUresult {
+    refuse_after_fork!();
+    let Some(dev) = pool::device_of(pool) else {
+        return INVALID_VALUE;
+    };
+    let ctx = match context::current() {
+        Ok(ctx) => ctx,
+        Err(code) => return code,
+    };
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    match allocate(Kind::Memory, dev, ctx, size as u64) {
+        Ok(address) => unsafe { out(dptr, address) },
+        Err(code) => code,
+    }
+}
+
+fn free(dptr: CUdeviceptr) -> CUresult {
+    refuse_after_fork!();
+    release(dptr, Kind::Memory)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    alloc_current(dptr, size)
+}
+
+/// The 32-bit-era `cuMemAlloc` (v1 ABI): exported as the real driver does;
+/// the shim must never treat it as the v2 function.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, size: c_uint) -> CUresult {
+    let mut wide: CUdeviceptr = 0;
+    let r = alloc_current(&mut wide, size as usize);
+    if r == SUCCESS {
+        unsafe { *dptr = wide as c_uint };
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    _element: c_uint,
+) -> CUresult {
+    let p = width.next_multiple_of(512);
+    let r = alloc_current(dptr, p * height);
+    if r == SUCCESS {
+        unsafe { *pitch = p };
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocManaged(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _flags: c_uint,
+) -> CUresult {
+    alloc_current(dptr, size)
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    free(dptr)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _s: *mut c_void,
+) -> CUresult {
+    alloc_current(dptr, size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _s: *mut c_void,
+) -> CUresult {
+    alloc_current(dptr, size)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: *mut c_void,
+    _s: *mut c_void,
+) -> CUresult {
+    alloc_from_pool(dptr, size, pool)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: *mut c_void,
+    _s: *mut c_void,
+) -> CUresult {
+    alloc_from_pool(dptr, size, pool)
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync(dptr: CUdeviceptr, _s: *mut c_void) -> CUresult {
+    free(dptr)
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync_ptsz(dptr: CUdeviceptr, _s: *mut c_void) -> CUresult {
+    free(dptr)
+}
+
+/// Free is what every process on the node leaves of the current device.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    refuse_after_fork!();
+    let (ctx, _) = match context::current() {
+        Ok(ctx) => ctx,
+        Err(code) => return code,
+    };
+    if free.is_null() || total.is_null() {
+        return INVALID_VALUE;
+    }
+    let memory = config().memory;
+    unsafe {
+        *total = memory as usize;
+        *free = memory.saturating_sub(node::used(ctx.dev)) as usize;
+    }
+    SUCCESS
+}

@@ -1,0 +1,255 @@
+//! NVML: devices by index or UUID, memory as a node daemon sees it (the
+//! configured others plus every fake-driver process on the node), and the
+//! per-process list. It keeps working in a forked child, as the real one does.
+
+use std::ffi::{c_char, c_uint, c_ulonglong, c_void, CStr};
+
+use crate::{config, node, MIB};
+
+type NvmlReturn = c_uint;
+const NVML_SUCCESS: NvmlReturn = 0;
+const NVML_INVALID_ARGUMENT: NvmlReturn = 2;
+const NVML_NOT_FOUND: NvmlReturn = 6;
+const NVML_INSUFFICIENT_SIZE: NvmlReturn = 7;
+
+fn nvml_device(handle: *mut c_void) -> Option<usize> {
+    (handle as usize)
+        .checked_sub(1)
+        .filter(|&d| d < config().uuids.len())
+}
+
+fn handle_of(dev: usize) -> *mut c_void {
+    (dev + 1) as *mut c_void
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInit_v2() -> NvmlReturn {
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInit() -> NvmlReturn {
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlShutdown() -> NvmlReturn {
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(_result: NvmlReturn) -> *const c_char {
+    c"fake NVML error".as_ptr()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> NvmlReturn {
+    if count.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    unsafe { *count = config().uuids.len() as c_uint };
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    index: c_uint,
+    handle: *mut *mut c_void,
+) -> NvmlReturn {
+    if handle.is_null() || index as usize >= config().uuids.len() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    unsafe { *handle = handle_of(index as usize) };
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
+    uuid: *const c_char,
+    handle: *mut *mut c_void,
+) -> NvmlReturn {
+    if uuid.is_null() || handle.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    let uuid = unsafe { CStr::from_ptr(uuid) }.to_bytes();
+    match config().uuids.iter().position(|u| u.as_bytes() == uuid) {
+        Some(dev) => {
+            unsafe { *handle = handle_of(dev) };
+            NVML_SUCCESS
+        }
+        None => NVML_NOT_FOUND,
+    }
+}
+
+unsafe fn copy_string(text: &str, buf: *mut c_char, len: c_uint) -> NvmlReturn {
+    if buf.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    if text.len() + 1 > len as usize {
+        return NVML_INSUFFICIENT_SIZE;
+    }
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast(), text.len());
+        *buf.add(text.len()) = 0;
+    }
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    handle: *mut c_void,
+    buf: *mut c_char,
+    len: c_uint,
+) -> NvmlReturn {
+    match nvml_device(handle) {
+        Some(d) => unsafe { copy_string(&config().uuids[d], buf, len) },
+        None => NVML_INVALID_ARGUMENT,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetName(
+    handle: *mut c_void,
+    buf: *mut c_char,
+    len: c_uint,
+) -> NvmlReturn {
+    match nvml_device(handle) {
+        Some(_) => unsafe { copy_string("Tesla T4", buf, len) },
+        None => NVML_INVALID_ARGUMENT,
+    }
+}
+
+#[repr(C)]
+pub struct NvmlMemory {
+    total: u64,
+    free: u64,
+    used: u64,
+}
+
+#[repr(C)]
+pub struct NvmlMemoryV2 {
+    version: c_uint,
+    total: u64,
+    reserved: u64,
+    free: u64,
+    used: u64,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    handle: *mut c_void,
+    memory: *mut NvmlMemory,
+) -> NvmlReturn {
+    let Some(dev) = nvml_device(handle) else {
+        return NVML_INVALID_ARGUMENT;
+    };
+    if memory.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    let c = config();
+    let used = c.nvml_used + c.nvml_reserved + node::used_by_processes(dev);
+    unsafe {
+        *memory = NvmlMemory {
+            total: c.memory,
+            free: c.memory.saturating_sub(used),
+            used,
+        }
+    };
+    NVML_SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    handle: *mut c_void,
+    memory: *mut NvmlMemoryV2,
+) -> NvmlReturn {
+    let Some(dev) = nvml_device(handle) else {
+        return NVML_INVALID_ARGUMENT;
+    };
+    if memory.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    let c = config();
+    let used = c.nvml_used + node::used_by_processes(dev);
+    unsafe {
+        let version = (*memory).version;
+        *memory = NvmlMemoryV2 {
+            version,
+            total: c.memory,
+            reserved: c.nvml_reserved,
+            free: c.memory.saturating_sub(used + c.nvml_reserved),
+            used,
+        }
+    };
+    NVML_SUCCESS
+}
+
+#[repr(C)]
+pub struct NvmlProcessInfo {
+    pid: c_uint,
+    used_gpu_memory: c_ulonglong,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
+
+/// `FAKEGPU_PROCESSES_FILE`'s processes on device `dev`: one
+/// `PID USED_MIB [UUID]` per line (no UUID: the first device), read on every
+/// call so a test can change it while a daemon polls.
+fn listed_on(dev: usize) -> Vec<(u32, u64)> {
+    let Some(path) = std::env::var_os("FAKEGPU_PROCESSES_FILE") else {
+        return Vec::new();
+    };
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let pid = words.next()?.parse().ok()?;
+            let used = words.next()?.parse::<u64>().ok()?;
+            let on = match words.next() {
+                Some(uuid) => config().uuids.iter().position(|u| u == uuid)?,
+                None => 0,
+            };
+            (on == dev).then_some((pid, used * MIB))
+        })
+        .collect()
+}
+
+/// The node's processes, then the file's lines: a line for a PID already
+/// listed says what the driver shows for it instead.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    handle: *mut c_void,
+    count: *mut c_uint,
+    infos: *mut NvmlProcessInfo,
+) -> NvmlReturn {
+    let Some(dev) = nvml_device(handle) else {
+        return NVML_INVALID_ARGUMENT;
+    };
+    if count.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    let mut processes = node::processes(dev);
+    for (pid, used) in listed_on(dev) {
+        match processes.iter_mut().find(|p| p.0 == pid) {
+            Some(p) => p.1 = used,
+            None => processes.push((pid, used)),
+        }
+    }
+    // As the real one: the needed count comes back with INSUFFICIENT_SIZE.
+    let room = unsafe { *count } as usize;
+    unsafe { *count = processes.len() as c_uint };
+    if processes.len() > room || (infos.is_null() && !processes.is_empty()) {
+        return NVML_INSUFFICIENT_SIZE;
+    }
+    for (i, (pid, used)) in processes.into_iter().enumerate() {
+        unsafe {
+            infos.add(i).write(NvmlProcessInfo {
+                pid,
+                used_gpu_memory: used,
+                gpu_instance_id: u32::MAX,
+                compute_instance_id: u32::MAX,
+            })
+        };
+    }
+    NVML_SUCCESS
+}

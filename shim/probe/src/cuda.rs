@@ -1,0 +1,271 @@
+//! Reaching the CUDA driver as programs do: dlopen, then every function by
+//! dlsym (exact `_v2` names) or through cuGetProcAddress (base names), as
+//! the CUDA 12 and 11 runtimes do.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+
+use crate::fail;
+
+pub type CUresult = c_int;
+pub type Ctx = *mut c_void;
+pub const MIB: u64 = 1 << 20;
+
+#[repr(C)]
+pub struct Prop {
+    pub type_: c_int,
+    pub handle_types: c_int,
+    pub location_type: c_int,
+    pub location_id: c_int,
+    pub win32: *mut c_void,
+    pub flags: [u8; 8],
+}
+
+#[repr(C)]
+pub struct PoolProps {
+    pub alloc_type: c_int,
+    pub handle_types: c_int,
+    pub location_type: c_int,
+    pub location_id: c_int,
+    pub win32: *mut c_void,
+    pub max_size: usize,
+    pub usage: u16,
+    pub reserved: [u8; 54],
+}
+
+#[repr(C)]
+pub struct AccessDesc {
+    pub location_type: c_int,
+    pub location_id: c_int,
+    pub flags: c_int,
+}
+
+#[repr(C)]
+pub struct ArrayDesc {
+    pub width: usize,
+    pub height: usize,
+    pub format: c_int,
+    pub channels: c_uint,
+}
+
+#[repr(C)]
+pub struct Array3dDesc {
+    pub width: usize,
+    pub height: usize,
+    pub depth: usize,
+    pub format: c_int,
+    pub channels: c_uint,
+    pub flags: c_uint,
+}
+
+pub struct Api {
+    pub mem_alloc: unsafe extern "C" fn(*mut u64, usize) -> CUresult,
+    pub mem_free: unsafe extern "C" fn(u64) -> CUresult,
+    pub alloc_async: unsafe extern "C" fn(*mut u64, usize, *mut c_void) -> CUresult,
+    pub alloc_pool: unsafe extern "C" fn(*mut u64, usize, *mut c_void, *mut c_void) -> CUresult,
+    pub free_async: unsafe extern "C" fn(u64, *mut c_void) -> CUresult,
+    pub managed: unsafe extern "C" fn(*mut u64, usize, c_uint) -> CUresult,
+    pub pitch: unsafe extern "C" fn(*mut u64, *mut usize, usize, usize, c_uint) -> CUresult,
+    pub create: unsafe extern "C" fn(*mut u64, usize, *const Prop, u64) -> CUresult,
+    pub release: unsafe extern "C" fn(u64) -> CUresult,
+    pub get_info: unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult,
+    pub total_mem: unsafe extern "C" fn(*mut usize, c_int) -> CUresult,
+    pub retain: unsafe extern "C" fn(*mut Ctx, c_int) -> CUresult,
+    pub set_current: unsafe extern "C" fn(Ctx) -> CUresult,
+    pub ctx_create: unsafe extern "C" fn(*mut Ctx, c_uint, c_int) -> CUresult,
+    pub ctx_destroy: unsafe extern "C" fn(Ctx) -> CUresult,
+    pub primary_release: unsafe extern "C" fn(c_int) -> CUresult,
+    pub primary_reset: unsafe extern "C" fn(c_int) -> CUresult,
+    pub reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> CUresult,
+    pub address_free: unsafe extern "C" fn(u64, usize) -> CUresult,
+    pub map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> CUresult,
+    pub unmap: unsafe extern "C" fn(u64, usize) -> CUresult,
+    pub set_access: unsafe extern "C" fn(u64, usize, *const AccessDesc, usize) -> CUresult,
+    pub retain_handle: unsafe extern "C" fn(*mut u64, *mut c_void) -> CUresult,
+    pub export: unsafe extern "C" fn(*mut c_void, u64, c_int, u64) -> CUresult,
+    pub import: unsafe extern "C" fn(*mut u64, *mut c_void, c_int) -> CUresult,
+    pub array_create: unsafe extern "C" fn(*mut *mut c_void, *const ArrayDesc) -> CUresult,
+    pub array3d_create: unsafe extern "C" fn(*mut *mut c_void, *const Array3dDesc) -> CUresult,
+    pub mipmap_create:
+        unsafe extern "C" fn(*mut *mut c_void, *const Array3dDesc, c_uint) -> CUresult,
+    pub array_destroy: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    pub mipmap_destroy: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    pub default_pool: unsafe extern "C" fn(*mut *mut c_void, c_int) -> CUresult,
+    pub pool_create: unsafe extern "C" fn(*mut *mut c_void, *const PoolProps) -> CUresult,
+}
+
+pub fn open(name: &str) -> *mut c_void {
+    let c = CString::new(name).unwrap_or_else(|_| fail("NUL in library name"));
+    // SAFETY: valid C string.
+    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        // SAFETY: dlerror returns a C string after a failed dlopen.
+        let why = unsafe { CStr::from_ptr(libc::dlerror()) };
+        fail(&format!("dlopen {name}: {}", why.to_string_lossy()));
+    }
+    handle
+}
+
+pub fn sym(handle: *mut c_void, name: &str) -> *mut c_void {
+    let c = CString::new(name).unwrap_or_else(|_| fail("NUL in symbol name"));
+    // SAFETY: valid handle and C string; goes through whatever dlsym is bound.
+    let f = unsafe { libc::dlsym(handle, c.as_ptr()) };
+    if f.is_null() {
+        fail(&format!("dlsym {name} not found"));
+    }
+    f
+}
+
+/// # Safety
+/// `F` must be the function type of the symbol at `p`.
+pub unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
+    // SAFETY: the caller names the function type of the symbol.
+    unsafe { std::mem::transmute_copy(&p) }
+}
+
+type Gpa5 =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
+type Gpa4 = unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
+
+enum Resolver {
+    Dlsym(*mut c_void),
+    Gpa5(Gpa5, u64),
+    Gpa4(Gpa4, u64),
+}
+
+impl Resolver {
+    /// `base` is the cuGetProcAddress name, `exported` the exact symbol.
+    fn get(&self, base: &str, exported: &str) -> *mut c_void {
+        match self {
+            Resolver::Dlsym(h) => sym(*h, exported),
+            Resolver::Gpa5(gpa, flags) => {
+                let c = CString::new(base).unwrap_or_else(|_| fail("NUL in symbol name"));
+                let mut f = std::ptr::null_mut();
+                let mut status = -1;
+                // SAFETY: cuGetProcAddress_v2 contract.
+                let r = unsafe { gpa(c.as_ptr(), &mut f, 12080, *flags, &mut status) };
+                if r != 0 || f.is_null() || status != 0 {
+                    fail(&format!("cuGetProcAddress_v2 {base}: {r} status {status}"));
+                }
+                f
+            }
+            Resolver::Gpa4(gpa, flags) => {
+                let c = CString::new(base).unwrap_or_else(|_| fail("NUL in symbol name"));
+                let mut f = std::ptr::null_mut();
+                // SAFETY: cuGetProcAddress contract.
+                let r = unsafe { gpa(c.as_ptr(), &mut f, 11080, *flags) };
+                if r != 0 || f.is_null() {
+                    fail(&format!("cuGetProcAddress {base}: {r}"));
+                }
+                f
+            }
+        }
+    }
+}
+
+pub fn load(via: &str, ptsz: bool) -> Api {
+    let cuda = open("libcuda.so.1");
+    // SAFETY: cuInit(unsigned int)'s signature. The real driver refuses
+    // everything before it; its result shows in the context line.
+    unsafe {
+        let init: unsafe extern "C" fn(c_uint) -> CUresult = cast(sym(cuda, "cuInit"));
+        init(0);
+    }
+    let flags = if ptsz { 2 } else { 0 };
+    let resolver = match via {
+        "dlsym" => Resolver::Dlsym(cuda),
+        // The CUDA 12 runtime: cuGetProcAddress_v2 through dlsym, then the
+        // driver's own answer for "cuGetProcAddress", then everything else.
+        "gpa" => {
+            // SAFETY: cuGetProcAddress_v2's signature.
+            let bootstrap: Gpa5 = unsafe { cast(sym(cuda, "cuGetProcAddress_v2")) };
+            let first = Resolver::Gpa5(bootstrap, 0);
+            // SAFETY: for version 12080 the driver returns the 5-argument form.
+            let gpa: Gpa5 = unsafe { cast(first.get("cuGetProcAddress", "cuGetProcAddress_v2")) };
+            Resolver::Gpa5(gpa, flags)
+        }
+        // The CUDA 11.x runtime: the 4-argument cuGetProcAddress.
+        "gpa11" => {
+            // SAFETY: cuGetProcAddress's signature.
+            let bootstrap: Gpa4 = unsafe { cast(sym(cuda, "cuGetProcAddress")) };
+            let first = Resolver::Gpa4(bootstrap, 0);
+            // SAFETY: for version 11080 the driver returns the 4-argument form.
+            let gpa: Gpa4 = unsafe { cast(first.get("cuGetProcAddress", "cuGetProcAddress")) };
+            Resolver::Gpa4(gpa, flags)
+        }
+        other => fail(&format!("unknown --via {other}")),
+    };
+    let suffix = if ptsz { "_ptsz" } else { "" };
+    let get = |base: &str, exported: &str| resolver.get(base, exported);
+    // SAFETY: each symbol is cast to its documented signature.
+    unsafe {
+        Api {
+            mem_alloc: cast(get("cuMemAlloc", "cuMemAlloc_v2")),
+            mem_free: cast(get("cuMemFree", "cuMemFree_v2")),
+            alloc_async: cast(get("cuMemAllocAsync", &format!("cuMemAllocAsync{suffix}"))),
+            alloc_pool: cast(get(
+                "cuMemAllocFromPoolAsync",
+                &format!("cuMemAllocFromPoolAsync{suffix}"),
+            )),
+            free_async: cast(get("cuMemFreeAsync", &format!("cuMemFreeAsync{suffix}"))),
+            managed: cast(get("cuMemAllocManaged", "cuMemAllocManaged")),
+            pitch: cast(get("cuMemAllocPitch", "cuMemAllocPitch_v2")),
+            create: cast(get("cuMemCreate", "cuMemCreate")),
+            release: cast(get("cuMemRelease", "cuMemRelease")),
+            get_info: cast(get("cuMemGetInfo", "cuMemGetInfo_v2")),
+            total_mem: cast(get("cuDeviceTotalMem", "cuDeviceTotalMem_v2")),
+            retain: cast(get("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain")),
+            set_current: cast(sym(cuda, "cuCtxSetCurrent")),
+            // By its exact name, as code built against an old cuda.h links it.
+            ctx_create: cast(sym(cuda, "cuCtxCreate_v2")),
+            ctx_destroy: cast(get("cuCtxDestroy", "cuCtxDestroy_v2")),
+            primary_release: cast(get(
+                "cuDevicePrimaryCtxRelease",
+                "cuDevicePrimaryCtxRelease_v2",
+            )),
+            primary_reset: cast(get("cuDevicePrimaryCtxReset", "cuDevicePrimaryCtxReset_v2")),
+            reserve: cast(get("cuMemAddressReserve", "cuMemAddressReserve")),
+            address_free: cast(get("cuMemAddressFree", "cuMemAddressFree")),
+            map: cast(get("cuMemMap", "cuMemMap")),
+            unmap: cast(get("cuMemUnmap", "cuMemUnmap")),
+            set_access: cast(get("cuMemSetAccess", "cuMemSetAccess")),
+            retain_handle: cast(get(
+                "cuMemRetainAllocationHandle",
+                "cuMemRetainAllocationHandle",
+            )),
+            export: cast(get(
+                "cuMemExportToShareableHandle",
+                "cuMemExportToShareableHandle",
+            )),
+            import: cast(get(
+                "cuMemImportFromShareableHandle",
+                "cuMemImportFromShareableHandle",
+            )),
+            array_create: cast(get("cuArrayCreate", "cuArrayCreate_v2")),
+            array3d_create: cast(get("cuArray3DCreate", "cuArray3DCreate_v2")),
+            mipmap_create: cast(get("cuMipmappedArrayCreate", "cuMipmappedArrayCreate")),
+            array_destroy: cast(get("cuArrayDestroy", "cuArrayDestroy")),
+            mipmap_destroy: cast(get("cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy")),
+            default_pool: cast(get(
+                "cuDeviceGetDefaultMemPool",
+                "cuDeviceGetDefaultMemPool",
+            )),
+            pool_create: cast(get("cuMemPoolCreate", "cuMemPoolCreate")),
+        }
+    }
+}
+
+/// Retains `dev`'s primary context and makes it current, as the runtime does.
+pub fn context_on(api: &Api, dev: c_int) -> CUresult {
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    let r = unsafe { (api.retain)(&mut ctx, dev) };
+    if r != 0 {
+        return r;
+    }
+    // SAFETY: ctx came from the driver.
+    unsafe { (api.set_current)(ctx) }
+}
+
+pub fn context(api: &Api) -> CUresult {
+    context_on(api, 0)
+}

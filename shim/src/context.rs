@@ -1,0 +1,323 @@
+//! Contexts: a CUDA context takes device memory the moment it is made
+//! (518 MiB on the H100), before any allocation. The shim charges each new
+//! context what the driver took for it, read from NVML's figure for this
+//! very process just before and after the real call, so other processes'
+//! activity meanwhile cannot skew it; and gives it back, with the
+//! allocations and arrays that die with it, when the context is destroyed.
+//! Where NVML cannot answer, the plugin's per-GPU hint is charged instead.
+
+#![allow(non_snake_case)]
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::cuda::{
+    refused, written, CUcontext, CUdevice, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
+};
+use crate::dlsym::LIBCUDA;
+use crate::hook::{as_fn, guarded, real, Real};
+use crate::ops::Shim;
+use crate::table::Hooked;
+use crate::{array, cuda, devices, log, nvml};
+
+/// A context this process made on a capped device, and what it was charged.
+#[derive(Debug, Clone, Copy)]
+struct Made {
+    handle: usize,
+    ordinal: CUdevice,
+    dev: usize,
+    bytes: u64,
+    primary: bool,
+}
+
+static MADE: Mutex<Vec<Made>> = Mutex::new(Vec::new());
+
+/// One context creation at a time per process: two measured at once would
+/// each see the other's memory.
+static CREATING: Mutex<()> = Mutex::new(());
+
+fn made() -> MutexGuard<'static, Vec<Made>> {
+    MADE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+type PrimaryGetStateFn = unsafe extern "C" fn(CUdevice, *mut c_uint, *mut c_int) -> CUresult;
+
+/// Whether the device's primary context exists; `None` if the driver
+/// cannot say.
+fn primary_active(ordinal: CUdevice) -> Option<bool> {
+    static GET_STATE: Real = Real::new();
+    let address = LIBCUDA.cached(&GET_STATE, c"cuDevicePrimaryCtxGetState");
+    if address == 0 {
+        return None;
+    }
+    let (mut flags, mut active) = (0, 0);
+    // SAFETY: cuDevicePrimaryCtxGetState(CUdevice, unsigned*, int*).
+    let result = unsafe { as_fn::<PrimaryGetStateFn>(address)(ordinal, &mut flags, &mut active) };
+    (result == CUDA_SUCCESS).then_some(active != 0)
+}
+
+/// Makes a context with `call`, charging what it took. A context that does
+/// not fit under the cap is destroyed with `undo` and refused, as the
+/// driver itself would refuse one on a full GPU.
+fn create(
+    shim: &Shim,
+    dev: usize,
+    ordinal: CUdevice,
+    primary: bool,
+    call: impl FnOnce() -> CUresult,
+    handle: impl FnOnce() -> Option<usize>,
+    undo: impl FnOnce(),
+) -> CUresult {
+    let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
+    if primary && primary_active(ordinal) == Some(true) {
+        // Retaining a live primary context takes no memory.
+        shim.claim_slot(dev);
+        return call();
+    }
+    // A slot from the first context on, even with nothing charged: its
+    // record lock is how the node daemon finds this process in NVML.
+    shim.claim_slot(dev);
+    let uuid = shim.uuid(dev);
+    // Refuse up front if even the plugin's estimate does not fit.
+    let hint = shim.context_hint(dev);
+    if let Err(refusal) = shim.charge(dev, hint) {
+        return refused(refusal);
+    }
+    let before = nvml::own_usage(&uuid);
+    let charged_before = shim.own_charges(dev);
+    let result = call();
+    if result != CUDA_SUCCESS {
+        shim.uncharge(dev, hint);
+        return result;
+    }
+    let after = nvml::own_usage(&uuid);
+    // This process's other threads may have allocated meanwhile (on other
+    // contexts of the device): that is charged already.
+    let meanwhile = shim.own_charges(dev).saturating_sub(charged_before);
+    let bytes = match (before, after) {
+        (Some(before), Some(after)) if after > 0 => {
+            after.saturating_sub(before).saturating_sub(meanwhile)
+        }
+        _ => hint,
+    };
+    log::debug(|| {
+        format!(
+            "context on device {ordinal}: {} MiB ({})",
+            bytes >> 20,
+            if bytes == hint && after.is_none_or(|a| a == 0) {
+                "plugin's estimate: NVML did not answer for this process"
+            } else {
+                "measured"
+            }
+        )
+    });
+    if let Err(refusal) = shim.settle(dev, hint, bytes) {
+        shim.uncharge(dev, hint);
+        undo();
+        return refused(refusal);
+    }
+    if let Some(handle) = handle() {
+        made().push(Made {
+            handle,
+            ordinal,
+            dev,
+            bytes,
+            primary,
+        });
+    }
+    result
+}
+
+/// A context is gone: give back its memory and what died with it.
+fn destroyed(shim: &Shim, context: Made) {
+    shim.uncharge(context.dev, context.bytes);
+    cuda::drop_allocations(shim, context.handle);
+    array::drop_arrays(shim, context.handle);
+    devices::forget_context(context.handle);
+}
+
+type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
+type PrimaryCtxReleaseFn = unsafe extern "C" fn(CUdevice) -> CUresult;
+type CtxCreateV2Fn = unsafe extern "C" fn(*mut CUcontext, c_uint, CUdevice) -> CUresult;
+type CtxCreateV3Fn =
+    unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice) -> CUresult;
+type CtxCreateV4Fn =
+    unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_uint, CUdevice) -> CUresult;
+type CtxDestroyFn = unsafe extern "C" fn(CUcontext) -> CUresult;
+
+/// Releases the primary context just retained (undoing a refused one).
+fn release_primary(ordinal: CUdevice) {
+    let hooked = Hooked::PrimaryCtxRelease;
+    let address = hooked.real().get_or_next(hooked.name());
+    if address != 0 {
+        // SAFETY: the driver's cuDevicePrimaryCtxRelease_v2(CUdevice).
+        unsafe { as_fn::<PrimaryCtxReleaseFn>(address)(ordinal) };
+    }
+}
+
+/// Destroys a context just created (undoing a refused one).
+fn destroy_now(ctx: CUcontext) {
+    let hooked = Hooked::CtxDestroy;
+    let address = hooked.real().get_or_next(hooked.name());
+    if address != 0 && !ctx.is_null() {
+        // SAFETY: the driver's cuCtxDestroy_v2, on a context it just made.
+        unsafe { as_fn::<CtxDestroyFn>(address)(ctx) };
+    }
+}
+
+/// A context creation on `ordinal`, measured when the device is capped.
+fn creation(
+    ordinal: CUdevice,
+    primary: bool,
+    pctx: *mut CUcontext,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let Some((shim, dev)) = devices::at(ordinal) else {
+        return call();
+    };
+    let handle = || written(pctx).map(|c| c as usize);
+    if primary {
+        create(shim, dev, ordinal, true, call, handle, || {
+            release_primary(ordinal)
+        })
+    } else {
+        create(shim, dev, ordinal, false, call, handle, || {
+            destroy_now(written(pctx).unwrap_or(std::ptr::null_mut()))
+        })
+    }
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    let real = real!(
+        Hooked::PrimaryCtxRetain,
+        PrimaryCtxRetainFn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(pctx, dev) };
+    guarded(call, || creation(dev, true, pctx, call))
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v2(
+    pctx: *mut CUcontext,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    let real = real!(
+        Hooked::CtxCreateV2,
+        CtxCreateV2Fn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(pctx, flags, dev) };
+    guarded(call, || creation(dev, false, pctx, call))
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v3(
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    num_params: c_int,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    let real = real!(
+        Hooked::CtxCreateV3,
+        CtxCreateV3Fn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(pctx, params, num_params, flags, dev) };
+    guarded(call, || creation(dev, false, pctx, call))
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v4(
+    pctx: *mut CUcontext,
+    params: *mut c_void,
+    flags: c_uint,
+    dev: CUdevice,
+) -> CUresult {
+    let real = real!(
+        Hooked::CtxCreateV4,
+        CtxCreateV4Fn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(pctx, params, flags, dev) };
+    guarded(call, || creation(dev, false, pctx, call))
+}
+
+/// After a primary context release or reset: if the device's primary
+/// context is gone, so is what it held.
+fn primary_gone(ordinal: CUdevice) {
+    if primary_active(ordinal) != Some(false) {
+        return;
+    }
+    let Some((shim, _)) = devices::at(ordinal) else {
+        return;
+    };
+    let gone: Vec<Made> = {
+        let mut made = made();
+        let gone = made
+            .iter()
+            .filter(|c| c.primary && c.ordinal == ordinal)
+            .copied()
+            .collect();
+        made.retain(|c| !(c.primary && c.ordinal == ordinal));
+        gone
+    };
+    for context in gone {
+        destroyed(shim, context);
+    }
+}
+
+macro_rules! primary_end {
+    ($name:ident, $hooked:expr) => {
+        #[cfg_attr(not(test), no_mangle)]
+        pub unsafe extern "C" fn $name(dev: CUdevice) -> CUresult {
+            let real = real!($hooked, PrimaryCtxReleaseFn, CUDA_ERROR_NOT_INITIALIZED);
+            // SAFETY: forwards the caller's arguments unchanged.
+            let result = unsafe { real(dev) };
+            if result == CUDA_SUCCESS {
+                guarded(|| (), || primary_gone(dev));
+            }
+            result
+        }
+    };
+}
+primary_end!(cuDevicePrimaryCtxRelease_v2, Hooked::PrimaryCtxRelease);
+primary_end!(cuDevicePrimaryCtxReset_v2, Hooked::PrimaryCtxReset);
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
+    let real = real!(Hooked::CtxDestroy, CtxDestroyFn, CUDA_ERROR_NOT_INITIALIZED);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(ctx) };
+    if result == CUDA_SUCCESS {
+        guarded(
+            || (),
+            || {
+                let gone = {
+                    let mut made = made();
+                    let at = made.iter().position(|c| c.handle == ctx as usize);
+                    at.map(|i| made.remove(i))
+                };
+                let shim = crate::ops::cuda_shim();
+                match (gone, shim) {
+                    (Some(context), Some(shim)) => destroyed(shim, context),
+                    // Not one we charged, but its allocations die all the same.
+                    (None, Some(shim)) => {
+                        cuda::drop_allocations(shim, ctx as usize);
+                        array::drop_arrays(shim, ctx as usize);
+                        devices::forget_context(ctx as usize);
+                    }
+                    _ => {}
+                }
+            },
+        );
+    }
+    result
+}

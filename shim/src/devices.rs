@@ -1,0 +1,142 @@
+//! Which capped device a CUDA call is about: devices are matched by UUID,
+//! never by ordinal, and the current context's device is cached per context
+//! handle so the allocation path makes one cheap driver call.
+
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+
+use crate::cuda::{CUcontext, CUdevice, CUresult, CUDA_SUCCESS};
+use crate::dlsym::LIBCUDA;
+use crate::hook::{as_fn, Real};
+use crate::ops::{self, Shim};
+
+/// Cache codes: 0 unknown, 1 not capped, 2 + position in the file.
+const UNKNOWN: u8 = 0;
+const NOT_CAPPED: u8 = 1;
+
+/// CUDA ordinal → code. Filled once per ordinal.
+static ORDINALS: [AtomicU8; 64] = [const { AtomicU8::new(UNKNOWN) }; 64];
+
+/// Context handle → code, for the contexts this process uses. Cleared for
+/// a context when it is destroyed (its handle may come back for another).
+const CONTEXTS: usize = 32;
+static CONTEXT_CODES: [(AtomicUsize, AtomicU8); CONTEXTS] =
+    [const { (AtomicUsize::new(0), AtomicU8::new(UNKNOWN)) }; CONTEXTS];
+
+type CtxGetCurrentFn = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
+type CtxGetDeviceFn = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
+type DeviceGetUuidFn = unsafe extern "C" fn(*mut [u8; 16], CUdevice) -> CUresult;
+
+fn decode(code: u8) -> Option<usize> {
+    (code >= 2).then(|| usize::from(code - 2))
+}
+
+fn encode(dev: Option<usize>) -> u8 {
+    dev.map_or(NOT_CAPPED, |d| d as u8 + 2)
+}
+
+/// The UUID the driver reports for an ordinal.
+pub fn uuid_of(ordinal: CUdevice) -> Option<[u8; 16]> {
+    let mut uuid = [0u8; 16];
+    // Once per ordinal: no need to cache the function.
+    let address = [c"cuDeviceGetUuid_v2", c"cuDeviceGetUuid"]
+        .into_iter()
+        .map(|name| LIBCUDA.symbol(name) as usize)
+        .find(|&a| a != 0)?;
+    // SAFETY: both variants take (CUuuid*, CUdevice) and fill 16 bytes.
+    let result = unsafe { as_fn::<DeviceGetUuidFn>(address)(&mut uuid, ordinal) };
+    (result == CUDA_SUCCESS).then_some(uuid)
+}
+
+/// The capped device an ordinal stands for.
+pub fn at_ordinal(shim: &Shim, ordinal: CUdevice) -> Option<usize> {
+    let cache = usize::try_from(ordinal).ok().and_then(|o| ORDINALS.get(o));
+    let cached = cache.map_or(UNKNOWN, |c| c.load(Ordering::Relaxed));
+    if cached != UNKNOWN {
+        return decode(cached);
+    }
+    let dev = shim.device_of(&uuid_of(ordinal)?);
+    if let Some(c) = cache {
+        c.store(encode(dev), Ordering::Relaxed);
+    }
+    dev
+}
+
+/// The calling thread's current context, or null.
+pub fn current_context() -> CUcontext {
+    static GET_CURRENT: Real = Real::new();
+    let address = LIBCUDA.cached(&GET_CURRENT, c"cuCtxGetCurrent");
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: cuCtxGetCurrent(CUcontext*) from the loaded driver.
+    if address == 0 || unsafe { as_fn::<CtxGetCurrentFn>(address)(&mut ctx) } != CUDA_SUCCESS {
+        return std::ptr::null_mut();
+    }
+    ctx
+}
+
+/// The capped device of context `ctx`, which must be current.
+fn of_current_context(shim: &Shim, ctx: usize) -> Option<usize> {
+    for (handle, code) in &CONTEXT_CODES {
+        if handle.load(Ordering::Acquire) == ctx {
+            let code = code.load(Ordering::Acquire);
+            if code != UNKNOWN {
+                return decode(code);
+            }
+        }
+    }
+    static GET_DEVICE: Real = Real::new();
+    let address = LIBCUDA.cached(&GET_DEVICE, c"cuCtxGetDevice");
+    let mut ordinal: CUdevice = -1;
+    // SAFETY: cuCtxGetDevice(CUdevice*) from the loaded driver.
+    if address == 0 || unsafe { as_fn::<CtxGetDeviceFn>(address)(&mut ordinal) } != CUDA_SUCCESS {
+        return None;
+    }
+    let dev = at_ordinal(shim, ordinal);
+    for (handle, code) in &CONTEXT_CODES {
+        if handle
+            .compare_exchange(0, ctx, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            code.store(encode(dev), Ordering::Release);
+            break;
+        }
+    }
+    dev
+}
+
+/// Forgets a destroyed context's device.
+pub fn forget_context(ctx: usize) {
+    for (handle, code) in &CONTEXT_CODES {
+        if handle.load(Ordering::Acquire) == ctx {
+            code.store(UNKNOWN, Ordering::Release);
+            let _ = handle.compare_exchange(ctx, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+}
+
+/// A capped device and the context a call runs in.
+#[derive(Clone, Copy)]
+pub struct Site {
+    pub shim: &'static Shim,
+    pub dev: usize,
+    pub ctx: usize,
+}
+
+/// The shim and the capped device of the current context, if any.
+pub fn current() -> Option<Site> {
+    let shim = ops::cuda_shim()?;
+    let ctx = current_context() as usize;
+    if ctx == 0 {
+        return None;
+    }
+    Some(Site {
+        shim,
+        dev: of_current_context(shim, ctx)?,
+        ctx,
+    })
+}
+
+/// The shim and the capped device behind a CUDA ordinal, if any.
+pub fn at(ordinal: CUdevice) -> Option<(&'static Shim, usize)> {
+    let shim = ops::cuda_shim()?;
+    Some((shim, at_ordinal(shim, ordinal)?))
+}

@@ -1,0 +1,142 @@
+//! Stream-ordered memory pools: an allocation from a pool is on the pool's
+//! device, whatever the current context is. The driver cannot be asked a
+//! pool's location, so it is remembered where pools are created or handed
+//! out. What a pool reserves beyond its live allocations (it grows in 32 MiB
+//! steps on the H100, and keeps freed memory up to its release threshold)
+//! is left to reconciliation.
+
+#![allow(non_snake_case)]
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use crate::cuda::{
+    CUdevice, CUmemAllocationProp, CUmemoryPool, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
+};
+use crate::devices::{self, Site};
+use crate::hook::{guarded, real};
+use crate::table::Hooked;
+
+/// Where a pool's memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Location {
+    Device(CUdevice),
+    Host,
+}
+
+static POOLS: Mutex<BTreeMap<usize, Location>> = Mutex::new(BTreeMap::new());
+
+fn remember(pool: CUmemoryPool, location: Location) {
+    POOLS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(pool as usize, location);
+}
+
+/// Where an allocation from `pool` is charged: the pool's device; the
+/// current context's for a pool the shim never saw made; nowhere for a
+/// host pool.
+pub fn site(pool: CUmemoryPool) -> Option<Site> {
+    let location = POOLS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(pool as usize))
+        .copied();
+    match location {
+        Some(Location::Host) => None,
+        Some(Location::Device(ordinal)) => {
+            let (shim, dev) = devices::at(ordinal)?;
+            Some(Site {
+                shim,
+                dev,
+                ctx: devices::current_context() as usize,
+            })
+        }
+        None => devices::current(),
+    }
+}
+
+type PoolCreateFn = unsafe extern "C" fn(*mut CUmemoryPool, *const CUmemAllocationProp) -> CUresult;
+type DevicePoolFn = unsafe extern "C" fn(*mut CUmemoryPool, CUdevice) -> CUresult;
+type PoolDestroyFn = unsafe extern "C" fn(CUmemoryPool) -> CUresult;
+
+/// Reads the pool the driver just wrote.
+fn made(pool: *mut CUmemoryPool) -> Option<CUmemoryPool> {
+    crate::cuda::written(pool).filter(|p| !p.is_null())
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemPoolCreate(
+    pool: *mut CUmemoryPool,
+    props: *const CUmemAllocationProp,
+) -> CUresult {
+    let real = real!(
+        Hooked::MemPoolCreate,
+        PoolCreateFn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(pool, props) };
+    if result == CUDA_SUCCESS {
+        guarded(
+            || (),
+            || {
+                if let Some(made) = made(pool) {
+                    // CUmemPoolProps starts like CUmemAllocationProp.
+                    let location =
+                        CUmemAllocationProp::device(props).map_or(Location::Host, Location::Device);
+                    remember(made, location);
+                }
+            },
+        );
+    }
+    result
+}
+
+macro_rules! device_pool {
+    ($name:ident, $hooked:expr) => {
+        #[cfg_attr(not(test), no_mangle)]
+        pub unsafe extern "C" fn $name(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+            let real = real!($hooked, DevicePoolFn, CUDA_ERROR_NOT_INITIALIZED);
+            // SAFETY: forwards the caller's arguments unchanged.
+            let result = unsafe { real(pool, dev) };
+            if result == CUDA_SUCCESS {
+                guarded(
+                    || (),
+                    || {
+                        if let Some(made) = made(pool) {
+                            remember(made, Location::Device(dev));
+                        }
+                    },
+                );
+            }
+            result
+        }
+    };
+}
+device_pool!(cuDeviceGetDefaultMemPool, Hooked::DeviceGetDefaultMemPool);
+device_pool!(cuDeviceGetMemPool, Hooked::DeviceGetMemPool);
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
+    let real = real!(
+        Hooked::MemPoolDestroy,
+        PoolDestroyFn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(pool) };
+    if result == CUDA_SUCCESS {
+        guarded(
+            || (),
+            || {
+                // Its handle may come back for another pool.
+                POOLS
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&(pool as usize));
+            },
+        );
+    }
+    result
+}

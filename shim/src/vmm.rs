@@ -1,0 +1,281 @@
+//! Virtual memory management: physical memory made by `cuMemCreate` lives
+//! while any handle reference or any mapping of it does. `cuMemRelease` of a
+//! mapped handle frees nothing until the last `cuMemUnmap` (the CUDA guide's
+//! create-map-release pattern; seen on the H100), so the charge follows the
+//! memory, not the handle. Handles imported from another process are that
+//! process's memory and never charged here.
+
+#![allow(non_snake_case)]
+
+use std::collections::BTreeMap;
+use std::ffi::{c_int, c_ulonglong, c_void};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::cuda::{
+    refused, written, CUdeviceptr, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult,
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
+};
+use crate::devices;
+use crate::hook::{guarded, real};
+use crate::ops;
+use crate::table::Hooked;
+
+/// One `cuMemCreate` allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Physical {
+    dev: usize,
+    bytes: u64,
+    /// Handle references: the creation, retains and imports, less releases.
+    refs: u32,
+    mappings: u32,
+}
+
+impl Physical {
+    fn gone(&self) -> bool {
+        self.refs == 0 && self.mappings == 0
+    }
+}
+
+#[derive(Default)]
+struct Vmm {
+    handles: BTreeMap<u64, Physical>,
+    /// Mapped ranges by start address: (length, handle).
+    mappings: BTreeMap<u64, (u64, u64)>,
+}
+
+static VMM: Mutex<Vmm> = Mutex::new(Vmm {
+    handles: BTreeMap::new(),
+    mappings: BTreeMap::new(),
+});
+
+fn vmm() -> MutexGuard<'static, Vmm> {
+    VMM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Gives back memory that is gone from the device.
+fn uncharge(physical: &Physical) {
+    if let Some(shim) = ops::shim() {
+        shim.uncharge(physical.dev, physical.bytes);
+    }
+}
+
+type MemCreateFn = unsafe extern "C" fn(
+    *mut CUmemGenericAllocationHandle,
+    usize,
+    *const CUmemAllocationProp,
+    c_ulonglong,
+) -> CUresult;
+type MemReleaseFn = unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult;
+type MemMapFn = unsafe extern "C" fn(
+    CUdeviceptr,
+    usize,
+    usize,
+    CUmemGenericAllocationHandle,
+    c_ulonglong,
+) -> CUresult;
+type MemUnmapFn = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+type RetainHandleFn =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void) -> CUresult;
+type ImportFn =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void, c_int) -> CUresult;
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: c_ulonglong,
+) -> CUresult {
+    let real = real!(Hooked::MemCreate, MemCreateFn, CUDA_ERROR_NOT_INITIALIZED);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(handle, size, prop, flags) };
+    guarded(call, || {
+        // Host and host-NUMA locations (NCCL, ggml) are not device memory.
+        let Some((shim, dev)) = CUmemAllocationProp::device(prop).and_then(devices::at) else {
+            return call();
+        };
+        // Sizes are granularity multiples already: the charge is exact.
+        let bytes = size as u64;
+        if let Err(refusal) = shim.charge(dev, bytes) {
+            return refused(refusal);
+        }
+        let result = call();
+        match (result, written(handle)) {
+            (CUDA_SUCCESS, Some(made)) => {
+                let physical = Physical {
+                    dev,
+                    bytes,
+                    refs: 1,
+                    mappings: 0,
+                };
+                vmm().handles.insert(made, physical);
+            }
+            _ => shim.uncharge(dev, bytes),
+        }
+        result
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    let real = real!(Hooked::MemRelease, MemReleaseFn, CUDA_ERROR_NOT_INITIALIZED);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(handle) };
+    guarded(call, || {
+        let mut table = vmm();
+        let Some(physical) = table.handles.get_mut(&handle) else {
+            // Not ours (imported, or made before the shim saw it).
+            drop(table);
+            return call();
+        };
+        if physical.refs > 1 || physical.mappings > 0 {
+            // Nothing is freed: the memory stays, and so does its charge.
+            let result = call();
+            if result == CUDA_SUCCESS {
+                physical.refs = physical.refs.saturating_sub(1);
+            }
+            return result;
+        }
+        // The last reference of unmapped memory: forget it before the
+        // driver can hand the handle out again.
+        let Some(last) = table.handles.remove(&handle) else {
+            return call();
+        };
+        drop(table);
+        let result = call();
+        if result == CUDA_SUCCESS {
+            uncharge(&last);
+        } else {
+            vmm().handles.insert(handle, last);
+        }
+        result
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: c_ulonglong,
+) -> CUresult {
+    let real = real!(Hooked::MemMap, MemMapFn, CUDA_ERROR_NOT_INITIALIZED);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(ptr, size, offset, handle, flags) };
+    guarded(call, || {
+        let result = call();
+        if result == CUDA_SUCCESS {
+            let mut table = vmm();
+            if let Some(physical) = table.handles.get_mut(&handle) {
+                physical.mappings += 1;
+                table.mappings.insert(ptr, (size as u64, handle));
+            }
+        }
+        result
+    })
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    let real = real!(Hooked::MemUnmap, MemUnmapFn, CUDA_ERROR_NOT_INITIALIZED);
+    // SAFETY: forwards the caller's arguments unchanged.
+    let call = || unsafe { real(ptr, size) };
+    guarded(call, || {
+        // One range may cover several whole mappings; a range that cuts one
+        // is refused by the driver and changes nothing.
+        let end = ptr.saturating_add(size as u64);
+        let mut table = vmm();
+        let unmapped: Vec<(u64, (u64, u64))> = table
+            .mappings
+            .range(ptr..end)
+            .map(|(&at, &mapping)| (at, mapping))
+            .collect();
+        if unmapped.is_empty() {
+            drop(table);
+            return call();
+        }
+        for (at, _) in &unmapped {
+            table.mappings.remove(at);
+        }
+        // Memory whose last mapping goes, with no reference left, goes
+        // with it: forget it before the driver can reuse the handle.
+        let mut freed = Vec::new();
+        for (_, (_, handle)) in &unmapped {
+            if let Some(physical) = table.handles.get_mut(handle) {
+                physical.mappings = physical.mappings.saturating_sub(1);
+                if physical.gone() {
+                    freed.extend(table.handles.remove(handle).map(|p| (*handle, p)));
+                }
+            }
+        }
+        drop(table);
+        let result = call();
+        if result == CUDA_SUCCESS {
+            for (_, physical) in &freed {
+                uncharge(physical);
+            }
+            return result;
+        }
+        let mut table = vmm();
+        for (handle, physical) in freed {
+            table.handles.insert(handle, physical);
+        }
+        for (at, (length, handle)) in unmapped {
+            if let Some(physical) = table.handles.get_mut(&handle) {
+                physical.mappings += 1;
+            }
+            table.mappings.insert(at, (length, handle));
+        }
+        result
+    })
+}
+
+/// A new reference to memory we track (the driver returns the same handle
+/// value, as seen on the H100): its release must not free the charge.
+fn referenced(result: CUresult, handle: *mut CUmemGenericAllocationHandle) {
+    if result != CUDA_SUCCESS {
+        return;
+    }
+    let Some(handle) = written(handle) else {
+        return;
+    };
+    if let Some(physical) = vmm().handles.get_mut(&handle) {
+        physical.refs += 1;
+    }
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut c_void,
+) -> CUresult {
+    let real = real!(
+        Hooked::MemRetainAllocationHandle,
+        RetainHandleFn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(handle, addr) };
+    guarded(|| (), || referenced(result, handle));
+    result
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    kind: c_int,
+) -> CUresult {
+    let real = real!(
+        Hooked::MemImportFromShareableHandle,
+        ImportFn,
+        CUDA_ERROR_NOT_INITIALIZED
+    );
+    // SAFETY: forwards the caller's arguments unchanged.
+    let result = unsafe { real(handle, os_handle, kind) };
+    // Another process's memory is not ours to charge; our own, imported
+    // back, is one more reference to it.
+    guarded(|| (), || referenced(result, handle));
+    result
+}

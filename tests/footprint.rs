@@ -1,0 +1,262 @@
+//! A container is held to its whole footprint as the driver counts it:
+//! contexts from the moment they are made, the driver's 2 MiB chunks, VMM
+//! memory for as long as it is mapped, arrays, pools on their own device.
+//! Each test runs the shim in real processes against the fake driver, which
+//! takes memory the way the H100 does, and where it matters reads the
+//! footprint from outside, as nvidia-smi would.
+
+mod common;
+
+use std::process::Stdio;
+
+use common::{capped_dir, field, run_lines, shim_kit, MIB, T4_UUID};
+
+const CAP: u64 = 4308 * MIB;
+/// What a context takes on the fake driver (FAKEGPU_CONTEXT_MIB's default).
+const CONTEXT: u64 = 300 * MIB;
+
+fn probe(dir: &std::path::Path, args: &[&str]) -> Vec<String> {
+    let (ok, lines, stderr) = run_lines(shim_kit().probe(Some(dir)).args(args));
+    assert!(ok, "probe {args:?} failed: {stderr}");
+    lines
+}
+
+/// The `n`th line starting with `prefix`.
+fn nth<'a>(lines: &'a [String], prefix: &str, n: usize) -> &'a str {
+    lines
+        .iter()
+        .filter(|l| l.starts_with(prefix))
+        .nth(n)
+        .unwrap_or_else(|| panic!("no line {n} starting {prefix:?} in {lines:?}"))
+}
+
+fn free_at(lines: &[String], n: usize) -> u64 {
+    field(nth(lines, "info 0", n), "free")
+}
+
+#[test]
+fn a_context_is_charged_what_the_driver_took_when_it_is_made() {
+    let dir = capped_dir(4308);
+    let lines = probe(dir.path(), &["info", "nvml", "alloc:4008", "allocb:1"]);
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT, "before any allocation");
+    assert_eq!(field(nth(&lines, "nvml 0", 0), "used"), CONTEXT);
+    assert!(lines.contains(&"alloc:4008 0 #0".into()), "{lines:?}");
+    assert!(lines.contains(&"allocb:1 2 #1".into()), "{lines:?}");
+}
+
+#[test]
+fn a_process_that_fills_at_once_is_held_to_the_cap_from_outside() {
+    let dir = capped_dir(4308);
+    let node = tempfile::tempdir().unwrap();
+    let node_file = node.path().join("node");
+    // Fill in 256 MiB steps right after the context, as PyTorch does.
+    let mut steps: Vec<String> = (0..20).map(|_| "alloc:256".to_owned()).collect();
+    steps.push("hold".into());
+    let mut filler = shim_kit()
+        .probe(Some(dir.path()))
+        .env("FAKEGPU_NODE_FILE", &node_file)
+        .args(&steps)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen = common::wait_for_line(&mut filler, "holding");
+    let granted = seen.lines().filter(|l| l.contains(" 0 #")).count() as u64;
+    assert_eq!(granted, (4308 - 300) / 256, "{seen}");
+
+    // What the driver shows from outside (no shim), as nvidia-smi would.
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(None)
+            .env("FAKEGPU_NODE_FILE", &node_file)
+            .arg("nvmlprocs"),
+    );
+    assert!(ok, "{stderr}");
+    let outside = field(nth(&lines, "procs dev=0", 0), "sum");
+    assert_eq!(outside, CONTEXT + granted * 256 * MIB);
+    assert!(outside <= CAP, "{outside} > {CAP}");
+    filler.kill().unwrap();
+    filler.wait().unwrap();
+}
+
+#[test]
+fn destroying_a_context_gives_back_it_and_its_allocations() {
+    let dir = capped_dir(4308);
+    let lines = probe(
+        dir.path(),
+        &[
+            "alloc:1000",
+            "ctxcreate:0",
+            "alloc:1000",
+            "info",
+            "ctxdestroy:1",
+            "ctx:0",
+            "info",
+            // The primary context, retained twice, released twice: it goes
+            // with its 1000 MiB; retaining it again makes a new one.
+            "ctxrelease:0",
+            "ctxrelease:0",
+            "ctx:0",
+            "info",
+        ],
+    );
+    assert_eq!(free_at(&lines, 0), CAP - 2 * CONTEXT - 2000 * MIB);
+    assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 1000 * MIB);
+    assert_eq!(free_at(&lines, 2), CAP - CONTEXT);
+}
+
+#[test]
+fn small_allocations_are_charged_the_chunks_the_driver_takes() {
+    let dir = capped_dir(4308);
+    let lines = probe(
+        dir.path(),
+        &[
+            "info",
+            "allocb:1048576",
+            "info",
+            "allocb:1048576",
+            "info",
+            "allocb:1048576",
+            "info",
+            "free:0",
+            "info",
+            "free:1",
+            "free:2",
+            "info",
+        ],
+    );
+    let base = free_at(&lines, 0);
+    let charged: Vec<u64> = (1..6).map(|n| (base - free_at(&lines, n)) / MIB).collect();
+    // 1 MiB opens a 2 MiB chunk, the next shares it, the third opens
+    // another; the chunk stays while anything is in it.
+    assert_eq!(charged, [2, 2, 4, 4, 0], "{lines:?}");
+}
+
+#[test]
+fn vmm_memory_stays_charged_while_it_is_mapped() {
+    let dir = capped_dir(4308);
+    // The documented pattern: create, map, release the handle; the mapping
+    // keeps the memory. 4 × 1000 MiB fit beside the context, not 5.
+    let mut steps = Vec::new();
+    for i in 0..4 {
+        steps.extend([
+            "create:1000".to_owned(),
+            format!("map:{}", 2 * i),
+            format!("release:{}", 2 * i),
+        ]);
+    }
+    // The fifth does not fit; unmapping the first frees it, and then it does.
+    steps.extend(["create:1000".into(), "unmap:1".into(), "create:1000".into()]);
+    let args: Vec<&str> = steps.iter().map(String::as_str).collect();
+    let lines = probe(dir.path(), &args);
+    let created: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("create:1000"))
+        .map(|l| l.split(' ').nth(1).unwrap())
+        .collect();
+    assert_eq!(created, ["0", "0", "0", "0", "2", "0"], "{lines:?}");
+    assert!(lines.contains(&"unmap:1 0".to_owned()), "{lines:?}");
+}
+
+#[test]
+fn retained_and_imported_handles_keep_vmm_memory_charged() {
+    let dir = capped_dir(4308);
+    let lines = probe(
+        dir.path(),
+        &[
+            "create:2000",
+            "map:0",
+            "retainh:1",
+            "import:0",
+            "release:0",
+            "unmap:1",
+            "release:2",
+            // One reference (the import) is left: still charged.
+            "info",
+            "release:3",
+            "info",
+        ],
+    );
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("re") || l.starts_with("import") || l.starts_with("unmap"))
+            .all(|l| l.split(' ').nth(1) == Some("0")),
+        "{lines:?}"
+    );
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 2000 * MIB);
+    assert_eq!(free_at(&lines, 1), CAP - CONTEXT);
+}
+
+#[test]
+fn arrays_are_charged_until_destroyed() {
+    let dir = capped_dir(4308);
+    // 8192 × 8192 float4: 1 GiB each; three fit beside the context.
+    let lines = probe(
+        dir.path(),
+        &[
+            "array:8192:8192:0x20:4",
+            "array:8192:8192:0x20:4",
+            "array:8192:8192:0x20:4",
+            "array:8192:8192:0x20:4",
+            "adestroy:0",
+            "array:8192:8192:0x20:4",
+            "info",
+            "mipmap:4096:4096:0:0x20:4:13",
+            "info",
+            "mdestroy:5",
+            "info",
+        ],
+    );
+    let results: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("array:"))
+        .map(|l| l.split(' ').nth(1).unwrap())
+        .collect();
+    assert_eq!(results, ["0", "0", "0", "2", "0"], "{lines:?}");
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 3 * 1024 * MIB);
+    // What the H100 took for a 4096² float4 chain of 13 levels.
+    assert_eq!(free_at(&lines, 0) - free_at(&lines, 1), 342 * MIB);
+    assert_eq!(free_at(&lines, 2), free_at(&lines, 0));
+}
+
+#[test]
+fn pool_allocations_are_charged_on_the_pools_device() {
+    const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
+    let dir = tempfile::tempdir().unwrap();
+    gpumem::accounting::prepare(
+        dir.path(),
+        &[T4_UUID, SECOND].map(|uuid| gpumem::accounting::Cap {
+            uuid: uuid.into(),
+            cap_mib: 4308,
+            context_charge_mib: 0,
+        }),
+    )
+    .unwrap();
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND}"))
+            .args([
+                "ctx:1",
+                "ctx:0",
+                "poolcreate:1",
+                "poolalloc:0:3000",
+                "poolalloc:0:1100",
+                "info",
+                "ctx:1",
+                "info",
+            ]),
+    );
+    assert!(ok, "{stderr}");
+    // The current context is on device 0; the pool's memory is on device 1.
+    assert!(
+        lines.contains(&"poolalloc:0:3000 0 #1".to_owned()),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&"poolalloc:0:1100 2 #2".to_owned()),
+        "{lines:?}"
+    );
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT);
+    assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB);
+}
