@@ -60,12 +60,13 @@ fake_bench() {
 train() {
     # Training-step overhead: plain and under the shim (a cap far above the
     # model's needs), alternated so drift hits both alike; then the worst
-    # case, every tensor a cuMemAlloc.
-    local model uncached round
+    # case, every tensor a cuMemAlloc. TRAIN_ROUNDS and TRAIN_WORST=0 trim it.
+    local model uncached round worst=PYTORCH_NO_CUDA_MEMORY_CACHING=1
+    [ "${TRAIN_WORST:-1}" = 0 ] && worst=
     for model in transformer resnet; do
         # Set only for the worst case: some PyTorch versions read any value as "on".
-        for uncached in "" PYTORCH_NO_CUDA_MEMORY_CACHING=1; do
-            for round in 1 2 3; do
+        for uncached in "" $worst; do
+            for round in $(seq "${TRAIN_ROUNDS:-3}"); do
                 step env $uncached python3 benches/train_step.py --model $model
                 step env $uncached "$G" exec "$S" --mem 60GiB -- python3 benches/train_step.py --model $model
             done

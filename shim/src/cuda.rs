@@ -97,9 +97,7 @@ fn allocate(
     match shim.settle(dev, upfront, taken) {
         Ok(()) => result,
         Err(refusal) => {
-            if let Some(allocation) = ALLOCATIONS.remove(ptr) {
-                ALLOCATIONS.released(&allocation);
-            }
+            ALLOCATIONS.take(ptr);
             shim.uncharge(dev, upfront);
             undo(ptr);
             refused(refusal)
@@ -111,16 +109,15 @@ fn allocate(
 /// allocation is not dropped), give back what the driver got back only on
 /// success.
 fn free(ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let Some(allocation) = ALLOCATIONS.remove(ptr) else {
+    let Some((allocation, back)) = ALLOCATIONS.take(ptr) else {
         // Not ours (allocated before the shim saw it): just forward.
         return call();
     };
     let result = call();
     if result != CUDA_SUCCESS {
-        ALLOCATIONS.restore(allocation);
+        ALLOCATIONS.untake(allocation);
         return result;
     }
-    let back = ALLOCATIONS.released(&allocation);
     if let Some(shim) = ops::shim() {
         shim.uncharge(allocation.dev, back);
     }
@@ -130,9 +127,7 @@ fn free(ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
 /// Gives back what a destroyed context's allocations held: the driver
 /// freed them with it.
 pub fn drop_allocations(shim: &Shim, ctx: usize) {
-    for allocation in ALLOCATIONS.drain_context(ctx) {
-        shim.uncharge(allocation.dev, ALLOCATIONS.released(&allocation));
-    }
+    ALLOCATIONS.drain_context(ctx, |allocation, back| shim.uncharge(allocation.dev, back));
 }
 
 type MemAllocFn = unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult;

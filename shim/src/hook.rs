@@ -21,24 +21,25 @@ pub fn guarded<R>(real: impl FnOnce() -> R, logic: impl FnOnce() -> R) -> R {
     if crate::fork::passing_through() {
         return real();
     }
-    let entered = INSIDE
-        .try_with(|inside| !inside.replace(true))
-        .unwrap_or(false);
-    if !entered {
-        return real();
-    }
-    let outcome = catch_unwind(AssertUnwindSafe(logic));
-    let _ = INSIDE.try_with(|inside| inside.set(false));
-    match outcome {
-        Ok(result) => result,
-        Err(_) => {
-            log::warn_once(
-                &log::PANICKED,
-                "internal error in a hook; passing calls through",
-            );
-            real()
+    // One thread-local lookup per call (each costs a `__tls_get_addr` in a
+    // shared library): the flag is read, set and cleared through it.
+    INSIDE.with(|inside| {
+        if inside.replace(true) {
+            return real();
         }
-    }
+        let outcome = catch_unwind(AssertUnwindSafe(logic));
+        inside.set(false);
+        match outcome {
+            Ok(result) => result,
+            Err(_) => {
+                log::warn_once(
+                    &log::PANICKED,
+                    "internal error in a hook; passing calls through",
+                );
+                real()
+            }
+        }
+    })
 }
 
 /// Address of the real function behind one hook, filled by whichever path

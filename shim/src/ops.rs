@@ -268,11 +268,13 @@ impl Shim {
     /// Moves a charge of `charged` bytes to `actual`: more is charged
     /// against the cap, less is given back.
     pub fn settle(&self, dev: usize, charged: u64, actual: u64) -> Result<(), Refusal> {
-        if actual > charged {
-            self.charge(dev, actual - charged)
-        } else {
-            self.uncharge(dev, charged - actual);
-            Ok(())
+        match actual.cmp(&charged) {
+            std::cmp::Ordering::Greater => self.charge(dev, actual - charged),
+            std::cmp::Ordering::Less => {
+                self.uncharge(dev, charged - actual);
+                Ok(())
+            }
+            std::cmp::Ordering::Equal => Ok(()),
         }
     }
 

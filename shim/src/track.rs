@@ -21,35 +21,36 @@ pub struct Allocation {
     pub size: u64,
 }
 
+/// The chunks an allocation covers: whole ones are its alone, partial ones
+/// (at most the first and the last) may be shared.
+struct Span {
+    whole: u64,
+    partial: [Option<u64>; 2],
+}
+
 impl Allocation {
     fn first_chunk(&self) -> u64 {
         self.ptr / CHUNK
     }
 
-    fn last_chunk(&self) -> u64 {
-        (self.ptr.saturating_add(self.size.max(1)) - 1) / CHUNK
-    }
-
-    fn covers_whole(&self, chunk: u64) -> bool {
-        let start = chunk * CHUNK;
-        self.ptr <= start && start.saturating_add(CHUNK) <= self.ptr.saturating_add(self.size)
-    }
-
-    /// The chunks it only partly covers (shared with others): at most two.
-    fn partial_chunks(&self) -> impl Iterator<Item = u64> + '_ {
-        let (first, last) = (self.first_chunk(), self.last_chunk());
-        [first, last]
-            .into_iter()
-            .enumerate()
-            .filter(move |&(i, c)| (i == 0 || c != first) && !self.covers_whole(c))
-            .map(|(_, c)| c)
-    }
-
-    /// Bytes of the chunks it covers whole: nobody else's.
-    fn whole_bytes(&self) -> u64 {
-        let chunks = self.last_chunk() - self.first_chunk() + 1;
-        let partial = self.partial_chunks().count() as u64;
-        (chunks - partial) * CHUNK
+    fn span(&self) -> Span {
+        let (start, end) = (self.ptr, self.ptr.saturating_add(self.size.max(1)));
+        let (first, last) = (start / CHUNK, (end - 1) / CHUNK);
+        let first_whole = start % CHUNK == 0 && end >= (first + 1) * CHUNK;
+        let last_whole = end % CHUNK == 0;
+        let partial = if first == last {
+            [(!first_whole).then_some(first), None]
+        } else {
+            [
+                (!first_whole).then_some(first),
+                (!last_whole).then_some(last),
+            ]
+        };
+        let shared = partial.iter().flatten().count() as u64;
+        Span {
+            whole: (last - first + 1 - shared) * CHUNK,
+            partial,
+        }
     }
 }
 
@@ -59,15 +60,50 @@ pub fn upper_bound(size: u64) -> u64 {
     size.div_ceil(CHUNK).saturating_mul(CHUNK)
 }
 
-#[derive(Default)]
 struct Shard {
     /// By pointer, in the shard of the allocation's first chunk.
     records: BTreeMap<u64, Allocation>,
-    /// Live allocations per partly used chunk, in the chunk's shard.
-    occupancy: BTreeMap<u64, u32>,
+    /// Live allocations per partly used chunk, in the chunk's shard: a few
+    /// per shard at most (chunks being filled by small allocations), so a
+    /// short list, which keeps its room and never allocates once warm.
+    occupancy: Vec<(u64, u32)>,
+}
+
+impl Shard {
+    /// One more user of `chunk`; whether it is the first.
+    fn enter(&mut self, chunk: u64) -> bool {
+        match self.occupancy.iter_mut().find(|(c, _)| *c == chunk) {
+            Some((_, users)) => {
+                *users += 1;
+                false
+            }
+            None => {
+                self.occupancy.push((chunk, 1));
+                true
+            }
+        }
+    }
+
+    /// One user fewer of `chunk`; whether it was the last.
+    fn leave(&mut self, chunk: u64) -> bool {
+        let Some(at) = self.occupancy.iter().position(|(c, _)| *c == chunk) else {
+            return false;
+        };
+        let users = &mut self.occupancy[at].1;
+        *users -= 1;
+        if *users > 0 {
+            return false;
+        }
+        self.occupancy.swap_remove(at);
+        true
+    }
 }
 
 const SHARDS: usize = 64;
+
+fn shard_of(chunk: u64) -> usize {
+    ((chunk ^ (chunk >> 6)) as usize) % SHARDS
+}
 
 pub struct Allocations {
     shards: [Mutex<Shard>; SHARDS],
@@ -79,79 +115,102 @@ impl Allocations {
             shards: [const {
                 Mutex::new(Shard {
                     records: BTreeMap::new(),
-                    occupancy: BTreeMap::new(),
+                    occupancy: Vec::new(),
                 })
             }; SHARDS],
         }
     }
 
-    fn shard(&self, chunk: u64) -> MutexGuard<'_, Shard> {
-        let shard = &self.shards[((chunk ^ (chunk >> 6)) as usize) % SHARDS];
+    fn lock(&self, shard: usize) -> MutexGuard<'_, Shard> {
         // A panic while holding a shard cannot leave a half-written entry.
-        shard.lock().unwrap_or_else(|e| e.into_inner())
+        self.shards[shard].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `each` on the shard of every partial chunk of `allocation`,
+    /// reusing `home` (the locked shard of its first chunk) where it can:
+    /// a small allocation takes one lock.
+    fn partials(
+        &self,
+        span: &Span,
+        first: u64,
+        home: &mut MutexGuard<'_, Shard>,
+        mut each: impl FnMut(&mut Shard, u64),
+    ) {
+        for chunk in span.partial.into_iter().flatten() {
+            if shard_of(chunk) == shard_of(first) {
+                each(home, chunk);
+            } else {
+                each(&mut self.lock(shard_of(chunk)), chunk);
+            }
+        }
     }
 
     /// Records a new allocation; returns the bytes it newly takes: its whole
     /// chunks, and each partial chunk no other live allocation was using.
     pub fn insert(&self, allocation: Allocation) -> u64 {
-        let first = allocation.first_chunk();
-        self.shard(first).records.insert(allocation.ptr, allocation);
-        let mut taken = allocation.whole_bytes();
-        for chunk in allocation.partial_chunks() {
-            let mut shard = self.shard(chunk);
-            let users = shard.occupancy.entry(chunk).or_insert(0);
-            *users += 1;
-            if *users == 1 {
+        let (span, first) = (allocation.span(), allocation.first_chunk());
+        let mut home = self.lock(shard_of(first));
+        home.records.insert(allocation.ptr, allocation);
+        let mut taken = span.whole;
+        self.partials(&span, first, &mut home, |shard, chunk| {
+            if shard.enter(chunk) {
                 taken += CHUNK;
             }
-        }
+        });
         taken
     }
 
-    /// Takes the record of `ptr` out before it is freed, so an address the
-    /// driver hands out again meanwhile is not mistaken for it.
-    pub fn remove(&self, ptr: u64) -> Option<Allocation> {
-        self.shard(ptr / CHUNK).records.remove(&ptr)
-    }
-
-    /// Puts back a record whose free failed.
-    pub fn restore(&self, allocation: Allocation) {
-        self.shard(allocation.first_chunk())
-            .records
-            .insert(allocation.ptr, allocation);
-    }
-
-    /// Accounts for a freed allocation; returns the bytes the driver got
-    /// back: its whole chunks, and each partial chunk it was the last in.
-    pub fn released(&self, allocation: &Allocation) -> u64 {
-        let mut back = allocation.whole_bytes();
-        for chunk in allocation.partial_chunks() {
-            let mut shard = self.shard(chunk);
-            if let Some(users) = shard.occupancy.get_mut(&chunk) {
-                *users -= 1;
-                if *users == 0 {
-                    shard.occupancy.remove(&chunk);
-                    back += CHUNK;
-                }
+    /// Takes the allocation at `ptr` out before it is freed, so an address
+    /// the driver hands out again meanwhile is not mistaken for it; returns
+    /// it and the bytes the driver gets back (its whole chunks, and each
+    /// partial chunk it is the last in). A chunk given up here that another
+    /// allocation enters before the free completes is charged to that one.
+    pub fn take(&self, ptr: u64) -> Option<(Allocation, u64)> {
+        let first = ptr / CHUNK;
+        let mut home = self.lock(shard_of(first));
+        let allocation = home.records.remove(&ptr)?;
+        let span = allocation.span();
+        let mut back = span.whole;
+        self.partials(&span, first, &mut home, |shard, chunk| {
+            if shard.leave(chunk) {
+                back += CHUNK;
             }
-        }
-        back
+        });
+        Some((allocation, back))
+    }
+
+    /// Puts back an allocation whose free failed.
+    pub fn untake(&self, allocation: Allocation) {
+        let (span, first) = (allocation.span(), allocation.first_chunk());
+        let mut home = self.lock(shard_of(first));
+        home.records.insert(allocation.ptr, allocation);
+        self.partials(&span, first, &mut home, |shard, chunk| {
+            shard.enter(chunk);
+        });
     }
 
     /// Takes out every allocation of a destroyed context (the driver freed
-    /// them with it); pass each to `released`.
-    pub fn drain_context(&self, ctx: usize) -> Vec<Allocation> {
-        let mut gone = Vec::new();
-        for shard in &self.shards {
-            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
-            shard.records.retain(|_, a| {
+    /// them with it), passing each and the bytes it gave back to `gone`.
+    pub fn drain_context(&self, ctx: usize, mut gone: impl FnMut(&Allocation, u64)) {
+        let mut dead = Vec::new();
+        for shard in 0..SHARDS {
+            self.lock(shard).records.retain(|_, a| {
                 if a.ctx == ctx {
-                    gone.push(*a);
+                    dead.push(*a);
                 }
                 a.ctx != ctx
             });
         }
-        gone
+        for allocation in dead {
+            let span = allocation.span();
+            let mut back = span.whole;
+            for chunk in span.partial.into_iter().flatten() {
+                if self.lock(shard_of(chunk)).leave(chunk) {
+                    back += CHUNK;
+                }
+            }
+            gone(&allocation, back);
+        }
     }
 }
 
@@ -177,11 +236,11 @@ mod tests {
         let (a, b) = (at(BASE, MIB), at(BASE + MIB, MIB));
         assert_eq!(t.insert(a), 2 * MIB, "the first takes the chunk");
         assert_eq!(t.insert(b), 0, "the second shares it");
-        assert_eq!(t.remove(a.ptr), Some(a));
-        assert_eq!(t.released(&a), 0, "still in use");
-        assert_eq!(t.remove(b.ptr), Some(b));
-        assert_eq!(t.released(&b), 2 * MIB);
-        assert_eq!(t.remove(b.ptr), None);
+        assert_eq!(t.take(a.ptr), Some((a, 0)), "still in use");
+        t.untake(a);
+        assert_eq!(t.take(a.ptr), Some((a, 0)), "a failed free changes nothing");
+        assert_eq!(t.take(b.ptr), Some((b, 2 * MIB)));
+        assert_eq!(t.take(b.ptr), None);
     }
 
     #[test]
@@ -192,11 +251,11 @@ mod tests {
         assert_eq!(t.insert(big), 66 * MIB);
         let tail = at(BASE + 64 * MIB + 4096, 4096);
         assert_eq!(t.insert(tail), 0, "in the big one's last chunk");
-        assert_eq!(t.released(&big), 64 * MIB);
-        assert_eq!(t.released(&tail), 2 * MIB);
+        assert_eq!(t.take(big.ptr), Some((big, 64 * MIB)));
+        assert_eq!(t.take(tail.ptr), Some((tail, 2 * MIB)));
         let exact = at(BASE + 128 * MIB, 4 * MIB);
         assert_eq!(t.insert(exact), 4 * MIB);
-        assert_eq!(t.released(&exact), 4 * MIB);
+        assert_eq!(t.take(exact.ptr), Some((exact, 4 * MIB)));
     }
 
     #[test]
@@ -204,7 +263,7 @@ mod tests {
         let t = Allocations::new();
         let across = at(BASE + MIB, 2 * MIB);
         assert_eq!(t.insert(across), 4 * MIB);
-        assert_eq!(t.released(&across), 4 * MIB);
+        assert_eq!(t.take(across.ptr), Some((across, 4 * MIB)));
     }
 
     #[test]
@@ -214,8 +273,9 @@ mod tests {
         other.ctx = 2;
         t.insert(at(BASE, MIB));
         t.insert(other);
-        let gone = t.drain_context(1);
-        assert_eq!(gone, [at(BASE, MIB)]);
-        assert_eq!(t.remove(other.ptr), Some(other));
+        let mut gone = Vec::new();
+        t.drain_context(1, |a, back| gone.push((*a, back)));
+        assert_eq!(gone, [(at(BASE, MIB), 2 * MIB)]);
+        assert_eq!(t.take(other.ptr), Some((other, 2 * MIB)));
     }
 }
