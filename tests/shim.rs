@@ -328,15 +328,15 @@ fn many_processes_and_threads_never_exceed_the_cap() {
         refused += field(stress, "refused");
     }
     assert_eq!(ok + refused, 4 * 16 * 200);
-    assert!(
-        ok > 0 && refused > 0,
-        "the cap was contended: ok={ok} refused={refused}"
-    );
+    // Near the cap, a charge that does not fit retries in turn for a few
+    // milliseconds: pieces held for an instant are mostly waited for, not
+    // refused. The cap was contended all the same: it was full.
     let bytes = std::fs::read(&counter).unwrap();
     let most = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
     assert!(
-        (1..=4).contains(&most),
-        "at most 4 × 1000 MiB held at once, saw {most}"
+        (3..=4).contains(&most),
+        "3 × 1000 MiB fit beside 4 contexts (4 before all exist); never more: saw {most}, \
+         ok={ok} refused={refused}"
     );
 
     let usage = gpumem::accounting::usage(&dir.path().join("accounting")).unwrap();
