@@ -6,7 +6,8 @@
 //! nothing). Charging chunks, not requested bytes, makes a container pay
 //! what the driver takes. Sharded by chunk so threads rarely contend.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Mutex, MutexGuard};
 
 pub const CHUNK: u64 = 2 << 20;
@@ -60,9 +61,32 @@ pub fn upper_bound(size: u64) -> u64 {
     size.div_ceil(CHUNK).saturating_mul(CHUNK)
 }
 
+/// Device addresses are spread already: a multiply is hash enough, and
+/// needs no random state, so the maps can be built in a `const`.
+#[derive(Default)]
+struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, key: u64) {
+        self.0 = (key ^ (key >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 struct Shard {
-    /// By pointer, in the shard of the allocation's first chunk.
-    records: BTreeMap<u64, Allocation>,
+    /// By pointer, in the shard of the allocation's first chunk. A hash map
+    /// keeps its room when emptied, so a steady alloc/free loop does not
+    /// allocate (a B-tree would, for every first entry of a shard).
+    records: HashMap<u64, Allocation, BuildHasherDefault<AddressHasher>>,
     /// Live allocations per partly used chunk, in the chunk's shard: a few
     /// per shard at most (chunks being filled by small allocations), so a
     /// short list, which keeps its room and never allocates once warm.
@@ -114,7 +138,7 @@ impl Allocations {
         Allocations {
             shards: [const {
                 Mutex::new(Shard {
-                    records: BTreeMap::new(),
+                    records: HashMap::with_hasher(BuildHasherDefault::new()),
                     occupancy: Vec::new(),
                 })
             }; SHARDS],
