@@ -23,6 +23,59 @@ fn probe(dir: &std::path::Path, args: &[&str]) -> Vec<String> {
     lines
 }
 
+/// Runs `n` probes at once under the shim, each with `step`, and returns
+/// their outputs once all have exited successfully.
+fn together(dir: &std::path::Path, step: &str, n: usize) -> Vec<std::process::Output> {
+    let children: Vec<_> = (0..n)
+        .map(|_| {
+            shim_kit()
+                .probe(Some(dir))
+                .arg(step)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|child| {
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            out
+        })
+        .collect()
+}
+
+/// Compiles C `source` in `dir` into a shared library (`lib<name>.so`) or a
+/// program (`<name>`), and returns its path.
+fn compile_c(dir: &std::path::Path, name: &str, source: &str, shared: bool) -> std::path::PathBuf {
+    let src = dir.join(format!("{name}.c"));
+    std::fs::write(&src, source).unwrap();
+    let out = dir.join(if shared {
+        format!("lib{name}.so")
+    } else {
+        name.to_owned()
+    });
+    let mut cc = std::process::Command::new("cc");
+    if shared {
+        cc.args(["-shared", "-fPIC"]);
+    }
+    let status = cc
+        .arg("-o")
+        .arg(&out)
+        .arg(&src)
+        .arg("-ldl")
+        .status()
+        .expect("a C compiler (cc) is needed");
+    assert!(status.success(), "compiling {name}");
+    out
+}
+
 fn line<'a>(lines: &'a [String], prefix: &str) -> &'a str {
     lines
         .iter()
@@ -303,25 +356,8 @@ fn many_processes_and_threads_never_exceed_the_cap() {
     // 1000 MiB pieces under a 4308 MiB cap (less the contexts): at most 4
     // may be held at once.
     let step = format!("stress:16:200:1000:{}", counter.display());
-    let children: Vec<_> = (0..4)
-        .map(|_| {
-            shim_kit()
-                .probe(Some(dir.path()))
-                .arg(&step)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
     let (mut ok, mut refused) = (0, 0);
-    for child in children {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    for out in together(dir.path(), &step, 4) {
         let text = String::from_utf8_lossy(&out.stdout);
         let stress = text.lines().find(|l| l.starts_with("stress")).unwrap();
         ok += field(stress, "ok");
@@ -431,44 +467,23 @@ fn rtld_next_lookups_keep_their_meaning() {
     // would find the wrapper itself and recurse.
     let kit = shim_kit();
     let dir = tempfile::tempdir().unwrap();
-    let wrap_c = dir.path().join("wrap.c");
-    std::fs::write(
-        &wrap_c,
+    let wrap = compile_c(
+        dir.path(),
+        "wrap",
         "#define _GNU_SOURCE\n#include <dlfcn.h>\n#include <unistd.h>\n\
          static int depth;\n\
          pid_t getpid(void) {\n\
            pid_t (*next)(void) = (pid_t (*)(void))dlsym(RTLD_NEXT, \"getpid\");\n\
            if (depth++ > 0 || !next) _exit(3);\n\
            pid_t p = next(); depth--; return p;\n}\n",
-    )
-    .unwrap();
-    let main_c = dir.path().join("main.c");
-    std::fs::write(&main_c, "#include <stdio.h>\n#include <unistd.h>\nint main(void) { printf(\"%d\\n\", (int)getpid()); return 0; }\n").unwrap();
-    let wrap = dir.path().join("libwrap.so");
-    let main = dir.path().join("main");
-    for (args, what) in [
-        (
-            vec![
-                "-shared",
-                "-fPIC",
-                "-o",
-                wrap.to_str().unwrap(),
-                wrap_c.to_str().unwrap(),
-                "-ldl",
-            ],
-            "wrapper",
-        ),
-        (
-            vec!["-o", main.to_str().unwrap(), main_c.to_str().unwrap()],
-            "program",
-        ),
-    ] {
-        let status = std::process::Command::new("cc")
-            .args(&args)
-            .status()
-            .expect("a C compiler (cc) is needed");
-        assert!(status.success(), "compiling the {what}");
-    }
+        true,
+    );
+    let main = compile_c(
+        dir.path(),
+        "main",
+        "#include <stdio.h>\n#include <unistd.h>\nint main(void) { printf(\"%d\\n\", (int)getpid()); return 0; }\n",
+        false,
+    );
     let preload = format!("{}:{}", kit.shim.display(), wrap.display());
     let out = std::process::Command::new(&main)
         .env("LD_PRELOAD", preload)
@@ -620,26 +635,11 @@ fn racers_for_the_last_bytes_are_never_all_refused() {
     let file = dir.path().join("race");
     // Two processes of 4 threads each: every round they all ask for 3000
     // MiB at once, and exactly one of them fits.
-    let step = format!("race:4:{rounds}:3000:{}:8", file.display());
-    let racers: Vec<_> = (0..2)
-        .map(|_| {
-            shim_kit()
-                .probe(Some(dir.path()))
-                .arg(&step)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for racer in racers {
-        let out = racer.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    together(
+        dir.path(),
+        &format!("race:4:{rounds}:3000:{}:8", file.display()),
+        2,
+    );
     let bytes = std::fs::read(&file).unwrap();
     let wins: Vec<u64> = (0..rounds)
         .map(|r| u64::from_le_bytes(bytes[8 * (1 + r)..8 * (2 + r)].try_into().unwrap()))
@@ -704,10 +704,10 @@ fn an_interposer_after_the_shim_reaches_the_driver_not_itself() {
     let kit = shim_kit();
     let dir = capped_dir(4308);
     let build = tempfile::tempdir().unwrap();
-    let wrap_c = build.path().join("wrap.c");
-    std::fs::write(
-        &wrap_c,
-        r#"#define _GNU_SOURCE
+    let wrap = compile_c(
+        build.path(),
+        "wrap",
+        r##"#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
 typedef int (*alloc_fn)(unsigned long long *, size_t);
@@ -719,13 +719,13 @@ int cuMemAlloc_v2(unsigned long long *p, size_t n) {
     calls--;
     return r;
 }
-"#,
-    )
-    .unwrap();
-    let main_c = build.path().join("main.c");
-    std::fs::write(
-        &main_c,
-        r#"#define _GNU_SOURCE
+"##,
+        true,
+    );
+    let main = compile_c(
+        build.path(),
+        "main",
+        r##"#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
 typedef int (*fn)();
@@ -741,39 +741,9 @@ int main(void) {
     printf("over %d\n", alloc(&p, (size_t)5000 << 20));
     return 0;
 }
-"#,
-    )
-    .unwrap();
-    let wrap = build.path().join("libwrap.so");
-    let main = build.path().join("main");
-    for (args, what) in [
-        (
-            vec![
-                "-shared",
-                "-fPIC",
-                "-o",
-                wrap.to_str().unwrap(),
-                wrap_c.to_str().unwrap(),
-                "-ldl",
-            ],
-            "interposer",
-        ),
-        (
-            vec![
-                "-o",
-                main.to_str().unwrap(),
-                main_c.to_str().unwrap(),
-                "-ldl",
-            ],
-            "program",
-        ),
-    ] {
-        let status = std::process::Command::new("cc")
-            .args(&args)
-            .status()
-            .expect("a C compiler (cc) is needed");
-        assert!(status.success(), "compiling the {what}");
-    }
+"##,
+        false,
+    );
     let out = std::process::Command::new(&main)
         .env("LD_LIBRARY_PATH", &kit.driver_dir)
         .env(

@@ -105,6 +105,27 @@ fn allocate(
     }
 }
 
+/// An allocation of `bytesize` at `site` (none: not capped), written to
+/// `dptr` by the driver.
+fn sized(
+    site: Option<Site>,
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    call: impl FnOnce() -> CUresult,
+    undo: impl FnOnce(u64) -> CUresult,
+) -> CUresult {
+    match site {
+        Some(site) => allocate(
+            site,
+            bytesize as u64,
+            call,
+            || Some((written(dptr)?, bytesize as u64)),
+            undo,
+        ),
+        None => call(),
+    }
+}
+
 /// A free: forget the record first (so an address reused by a racing
 /// allocation is not dropped), give back what the driver got back only on
 /// success.
@@ -157,15 +178,8 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
     let real = real!(Hooked::MemAlloc, MemAllocFn, CUDA_ERROR_NOT_INITIALIZED);
     // SAFETY: forwards the caller's arguments unchanged.
     let call = || unsafe { real(dptr, bytesize) };
-    guarded(call, || match devices::current() {
-        Some(site) => allocate(
-            site,
-            bytesize as u64,
-            call,
-            || Some((written(dptr)?, bytesize as u64)),
-            free_now,
-        ),
-        None => call(),
+    guarded(call, || {
+        sized(devices::current(), dptr, bytesize, call, free_now)
     })
 }
 
@@ -184,15 +198,8 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     let call = || unsafe { real(dptr, bytesize, flags) };
     // Charged in full, though managed memory may live on the host: a
     // container must not be able to page its neighbours out.
-    guarded(call, || match devices::current() {
-        Some(site) => allocate(
-            site,
-            bytesize as u64,
-            call,
-            || Some((written(dptr)?, bytesize as u64)),
-            free_now,
-        ),
-        None => call(),
+    guarded(call, || {
+        sized(devices::current(), dptr, bytesize, call, free_now)
     })
 }
 
@@ -254,16 +261,10 @@ macro_rules! alloc_async {
             let real = real!($hooked, MemAllocAsyncFn, CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: forwards the caller's arguments unchanged.
             let call = || unsafe { real(dptr, bytesize, stream) };
-            guarded(call, || match devices::current() {
-                Some(site) => allocate(
-                    site,
-                    bytesize as u64,
-                    call,
-                    || Some((written(dptr)?, bytesize as u64)),
-                    // SAFETY: frees the allocation just made, on its stream.
-                    |ptr| unsafe { $free(ptr, stream) },
-                ),
-                None => call(),
+            // SAFETY: frees the allocation just made, on its stream.
+            let undo = |ptr| unsafe { $free(ptr, stream) };
+            guarded(call, || {
+                sized(devices::current(), dptr, bytesize, call, undo)
             })
         }
     };
@@ -289,17 +290,9 @@ macro_rules! alloc_from_pool {
             let real = real!($hooked, MemAllocFromPoolAsyncFn, CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: forwards the caller's arguments unchanged.
             let call = || unsafe { real(dptr, bytesize, pool, stream) };
-            guarded(call, || match pool::site(pool) {
-                Some(site) => allocate(
-                    site,
-                    bytesize as u64,
-                    call,
-                    || Some((written(dptr)?, bytesize as u64)),
-                    // SAFETY: frees the allocation just made, on its stream.
-                    |ptr| unsafe { $free(ptr, stream) },
-                ),
-                None => call(),
-            })
+            // SAFETY: frees the allocation just made, on its stream.
+            let undo = |ptr| unsafe { $free(ptr, stream) };
+            guarded(call, || sized(pool::site(pool), dptr, bytesize, call, undo))
         }
     };
 }
