@@ -9,26 +9,11 @@ mod common;
 
 use std::process::Stdio;
 
-use common::{capped_dir, field, run_lines, shim_kit, MIB, T4_UUID};
+use common::{
+    capped_dir, field, nth, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB, T4_UUID,
+};
 
 const CAP: u64 = 4308 * MIB;
-/// What a context takes on the fake driver (FAKEGPU_CONTEXT_MIB's default).
-const CONTEXT: u64 = 300 * MIB;
-
-fn probe(dir: &std::path::Path, args: &[&str]) -> Vec<String> {
-    let (ok, lines, stderr) = run_lines(shim_kit().probe(Some(dir)).args(args));
-    assert!(ok, "probe {args:?} failed: {stderr}");
-    lines
-}
-
-/// The `n`th line starting with `prefix`.
-fn nth<'a>(lines: &'a [String], prefix: &str, n: usize) -> &'a str {
-    lines
-        .iter()
-        .filter(|l| l.starts_with(prefix))
-        .nth(n)
-        .unwrap_or_else(|| panic!("no line {n} starting {prefix:?} in {lines:?}"))
-}
 
 fn free_at(lines: &[String], n: usize) -> u64 {
     field(nth(lines, "info 0", n), "free")

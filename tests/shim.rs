@@ -5,23 +5,10 @@ mod common;
 
 use std::process::Stdio;
 
-use common::{capped_dir, field, run_lines, shim_kit, MIB};
+use common::{capped_dir, field, line, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB};
 
 const CAP: u64 = 4308 * MIB;
 const FULL: u64 = 15079 * MIB;
-/// What a context takes on the fake driver (FAKEGPU_CONTEXT_MIB's default).
-const CONTEXT: u64 = 300 * MIB;
-
-/// Runs the probe under the shim with `steps`, asserting it exits cleanly.
-fn probe(dir: &std::path::Path, args: &[&str]) -> Vec<String> {
-    let (ok, lines, stderr) = run_lines(shim_kit().probe(Some(dir)).args(args));
-    assert!(ok, "probe {args:?} failed: {stderr}");
-    assert!(
-        !stderr.contains("gpumem-shim"),
-        "unexpected shim message: {stderr}"
-    );
-    lines
-}
 
 /// Runs `n` probes at once under the shim, each with `step`, and returns
 /// their outputs once all have exited successfully.
@@ -74,13 +61,6 @@ fn compile_c(dir: &std::path::Path, name: &str, source: &str, shared: bool) -> s
         .expect("a C compiler (cc) is needed");
     assert!(status.success(), "compiling {name}");
     out
-}
-
-fn line<'a>(lines: &'a [String], prefix: &str) -> &'a str {
-    lines
-        .iter()
-        .find(|l| l.starts_with(prefix))
-        .unwrap_or_else(|| panic!("no line starting {prefix:?} in {lines:?}"))
 }
 
 #[test]

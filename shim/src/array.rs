@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::cuda::{refused, written, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
 use crate::devices::{self, Site};
@@ -98,6 +98,10 @@ struct Held {
 
 static ARRAYS: Mutex<BTreeMap<usize, Held>> = Mutex::new(BTreeMap::new());
 
+fn arrays() -> MutexGuard<'static, BTreeMap<usize, Held>> {
+    ARRAYS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Charges `bytes` on the current device, creates, and remembers the array.
 fn create(
     bytes: u64,
@@ -113,10 +117,7 @@ fn create(
     let result = call();
     match (result, made()) {
         (CUDA_SUCCESS, Some(array)) => {
-            ARRAYS
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(array, Held { dev, ctx, bytes });
+            arrays().insert(array, Held { dev, ctx, bytes });
         }
         _ => shim.uncharge(dev, bytes),
     }
@@ -126,10 +127,7 @@ fn create(
 /// Destroys an array: forget it first (its handle may be reused at once),
 /// give back its memory once the driver did.
 fn destroy(array: usize, call: impl FnOnce() -> CUresult) -> CUresult {
-    let held = ARRAYS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&array);
+    let held = arrays().remove(&array);
     let result = call();
     match (result, held) {
         (CUDA_SUCCESS, Some(held)) => {
@@ -138,10 +136,7 @@ fn destroy(array: usize, call: impl FnOnce() -> CUresult) -> CUresult {
             }
         }
         (_, Some(held)) => {
-            ARRAYS
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(array, held);
+            arrays().insert(array, held);
         }
         _ => {}
     }
@@ -150,7 +145,7 @@ fn destroy(array: usize, call: impl FnOnce() -> CUresult) -> CUresult {
 
 /// Gives back what a destroyed context's arrays held.
 pub fn drop_arrays(shim: &Shim, ctx: usize) {
-    let mut arrays = ARRAYS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut arrays = arrays();
     arrays.retain(|_, held| {
         if held.ctx == ctx {
             shim.uncharge(held.dev, held.bytes);

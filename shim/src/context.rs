@@ -69,14 +69,13 @@ fn create(
     undo: impl FnOnce(),
 ) -> CUresult {
     let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
-    if primary && primary_active(ordinal) == Some(true) {
-        // Retaining a live primary context takes no memory.
-        shim.claim_slot(dev);
-        return call();
-    }
     // A slot from the first context on, even with nothing charged: its
     // record lock is how the node daemon finds this process in NVML.
     shim.claim_slot(dev);
+    if primary && primary_active(ordinal) == Some(true) {
+        // Retaining a live primary context takes no memory.
+        return call();
+    }
     let uuid = shim.uuid(dev);
     // Refuse up front if even the plugin's estimate does not fit.
     let hint = shim.context_hint(dev);
@@ -94,20 +93,21 @@ fn create(
     // This process's other threads may have allocated meanwhile (on other
     // contexts of the device): that is charged already.
     let meanwhile = shim.own_charges(dev).saturating_sub(charged_before);
-    let bytes = match (before, after) {
+    let measured = match (before, after) {
         (Some(before), Some(after)) if after > 0 => {
-            after.saturating_sub(before).saturating_sub(meanwhile)
+            Some(after.saturating_sub(before).saturating_sub(meanwhile))
         }
-        _ => hint,
+        _ => None,
     };
+    let bytes = measured.unwrap_or(hint);
     log::debug(|| {
         format!(
             "context on device {ordinal}: {} MiB ({})",
             bytes >> 20,
-            if bytes == hint && after.is_none_or(|a| a == 0) {
-                "plugin's estimate: NVML did not answer for this process"
-            } else {
+            if measured.is_some() {
                 "measured"
+            } else {
+                "plugin's estimate: NVML did not answer for this process"
             }
         )
     });
@@ -128,12 +128,15 @@ fn create(
     result
 }
 
-/// A context is gone: give back its memory and what died with it.
-fn destroyed(shim: &Shim, context: Made) {
-    shim.uncharge(context.dev, context.bytes);
-    cuda::drop_allocations(shim, context.handle);
-    array::drop_arrays(shim, context.handle);
-    devices::forget_context(context.handle);
+/// Context `handle` is gone: give back its own memory if this process made
+/// and charged it, and what died with it in any case.
+fn destroyed(shim: &Shim, handle: usize, made: Option<Made>) {
+    if let Some(made) = made {
+        shim.uncharge(made.dev, made.bytes);
+    }
+    cuda::drop_allocations(shim, handle);
+    array::drop_arrays(shim, handle);
+    devices::forget_context(handle);
 }
 
 type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
@@ -147,8 +150,7 @@ type CtxDestroyFn = unsafe extern "C" fn(CUcontext) -> CUresult;
 
 /// Releases the primary context just retained (undoing a refused one).
 fn release_primary(ordinal: CUdevice) {
-    let hooked = Hooked::PrimaryCtxRelease;
-    let address = hooked.real().get_or_next(hooked.name());
+    let address = Hooked::PrimaryCtxRelease.address();
     if address != 0 {
         // SAFETY: the driver's cuDevicePrimaryCtxRelease_v2(CUdevice).
         unsafe { as_fn::<PrimaryCtxReleaseFn>(address)(ordinal) };
@@ -157,8 +159,7 @@ fn release_primary(ordinal: CUdevice) {
 
 /// Destroys a context just created (undoing a refused one).
 fn destroy_now(ctx: CUcontext) {
-    let hooked = Hooked::CtxDestroy;
-    let address = hooked.real().get_or_next(hooked.name());
+    let address = Hooked::CtxDestroy.address();
     if address != 0 && !ctx.is_null() {
         // SAFETY: the driver's cuCtxDestroy_v2, on a context it just made.
         unsafe { as_fn::<CtxDestroyFn>(address)(ctx) };
@@ -270,7 +271,7 @@ fn primary_gone(ordinal: CUdevice) {
         gone
     };
     for context in gone {
-        destroyed(shim, context);
+        destroyed(shim, context.handle, Some(context));
     }
 }
 
@@ -305,16 +306,8 @@ pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
                     let at = made.iter().position(|c| c.handle == ctx as usize);
                     at.map(|i| made.remove(i))
                 };
-                let shim = crate::ops::cuda_shim();
-                match (gone, shim) {
-                    (Some(context), Some(shim)) => destroyed(shim, context),
-                    // Not one we charged, but its allocations die all the same.
-                    (None, Some(shim)) => {
-                        cuda::drop_allocations(shim, ctx as usize);
-                        array::drop_arrays(shim, ctx as usize);
-                        devices::forget_context(ctx as usize);
-                    }
-                    _ => {}
+                if let Some(shim) = crate::ops::cuda_shim() {
+                    destroyed(shim, ctx as usize, gone);
                 }
             },
         );

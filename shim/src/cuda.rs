@@ -165,7 +165,7 @@ type DeviceTotalMemFn = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
 
 /// Frees `ptr` with the real `cuMemFree_v2` (undoing an allocation).
 fn free_now(ptr: u64) -> CUresult {
-    let address = Hooked::MemFree.real().get_or_next(Hooked::MemFree.name());
+    let address = Hooked::MemFree.address();
     if address == 0 {
         return CUDA_ERROR_NOT_INITIALIZED;
     }

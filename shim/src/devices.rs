@@ -16,11 +16,56 @@ const NOT_CAPPED: u8 = 1;
 /// CUDA ordinal → code. Filled once per ordinal.
 static ORDINALS: [AtomicU8; 64] = [const { AtomicU8::new(UNKNOWN) }; 64];
 
-/// Context handle → code, for the contexts this process uses. Cleared for
-/// a context when it is destroyed (its handle may come back for another).
-const CONTEXTS: usize = 32;
-static CONTEXT_CODES: [(AtomicUsize, AtomicU8); CONTEXTS] =
-    [const { (AtomicUsize::new(0), AtomicU8::new(UNKNOWN)) }; CONTEXTS];
+/// A handle (context, NVML device) → the capped device it stands for:
+/// a few entries, read without a lock on every call that needs them. A full
+/// cache only means the driver is asked again.
+pub struct HandleCache<const N: usize> {
+    entries: [(AtomicUsize, AtomicU8); N],
+}
+
+impl<const N: usize> HandleCache<N> {
+    pub const fn new() -> Self {
+        HandleCache {
+            entries: [const { (AtomicUsize::new(0), AtomicU8::new(UNKNOWN)) }; N],
+        }
+    }
+
+    /// What `handle` stands for: `None` if not known yet, else the capped
+    /// device or `Some(None)` for a device that is not capped.
+    pub fn get(&self, handle: usize) -> Option<Option<usize>> {
+        self.entries
+            .iter()
+            .find(|(h, code)| {
+                h.load(Ordering::Acquire) == handle && code.load(Ordering::Acquire) != UNKNOWN
+            })
+            .map(|(_, code)| decode(code.load(Ordering::Acquire)))
+    }
+
+    pub fn put(&self, handle: usize, dev: Option<usize>) {
+        for (h, code) in &self.entries {
+            if h.compare_exchange(0, handle, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                code.store(encode(dev), Ordering::Release);
+                return;
+            }
+        }
+    }
+
+    /// Forgets a handle that may come back for another device.
+    pub fn forget(&self, handle: usize) {
+        for (h, code) in &self.entries {
+            if h.load(Ordering::Acquire) == handle {
+                code.store(UNKNOWN, Ordering::Release);
+                let _ = h.compare_exchange(handle, 0, Ordering::AcqRel, Ordering::Acquire);
+            }
+        }
+    }
+}
+
+/// The contexts this process uses. A context is forgotten when it is
+/// destroyed (its handle may come back for another).
+static CONTEXTS: HandleCache<32> = HandleCache::new();
 
 type CtxGetCurrentFn = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 type CtxGetDeviceFn = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
@@ -75,13 +120,8 @@ pub fn current_context() -> CUcontext {
 
 /// The capped device of context `ctx`, which must be current.
 fn of_current_context(shim: &Shim, ctx: usize) -> Option<usize> {
-    for (handle, code) in &CONTEXT_CODES {
-        if handle.load(Ordering::Acquire) == ctx {
-            let code = code.load(Ordering::Acquire);
-            if code != UNKNOWN {
-                return decode(code);
-            }
-        }
+    if let Some(dev) = CONTEXTS.get(ctx) {
+        return dev;
     }
     static GET_DEVICE: Real = Real::new();
     let address = LIBCUDA.cached(&GET_DEVICE, c"cuCtxGetDevice");
@@ -91,26 +131,13 @@ fn of_current_context(shim: &Shim, ctx: usize) -> Option<usize> {
         return None;
     }
     let dev = at_ordinal(shim, ordinal);
-    for (handle, code) in &CONTEXT_CODES {
-        if handle
-            .compare_exchange(0, ctx, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            code.store(encode(dev), Ordering::Release);
-            break;
-        }
-    }
+    CONTEXTS.put(ctx, dev);
     dev
 }
 
 /// Forgets a destroyed context's device.
 pub fn forget_context(ctx: usize) {
-    for (handle, code) in &CONTEXT_CODES {
-        if handle.load(Ordering::Acquire) == ctx {
-            code.store(UNKNOWN, Ordering::Release);
-            let _ = handle.compare_exchange(ctx, 0, Ordering::AcqRel, Ordering::Acquire);
-        }
-    }
+    CONTEXTS.forget(ctx);
 }
 
 /// A capped device and the context a call runs in.

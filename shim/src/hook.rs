@@ -89,7 +89,7 @@ pub unsafe fn as_fn<F: Copy>(address: usize) -> F {
 /// hook when no path has supplied it and it cannot be found.
 macro_rules! real {
     ($hooked:expr, $ty:ty, $missing:expr) => {{
-        let address = $hooked.real().get_or_next($hooked.name());
+        let address = $hooked.address();
         if address == 0 {
             return $missing;
         }

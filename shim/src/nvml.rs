@@ -5,9 +5,9 @@
 #![allow(non_snake_case, non_camel_case_types)]
 
 use std::ffi::{c_char, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+use crate::devices::HandleCache;
 use crate::dlsym::LIBNVML;
 use crate::hook::{self, guarded, real};
 use crate::ops::{self, Shim};
@@ -39,22 +39,14 @@ type MemoryInfoFn = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_t) -> nvm
 type MemoryInfoV2Fn = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_v2_t) -> nvmlReturn_t;
 type GetUuidFn = unsafe extern "C" fn(nvmlDevice_t, *mut c_char, c_uint) -> nvmlReturn_t;
 
-/// Device handles seen so far and their position in the accounting file
-/// (0 unknown, 1 not capped, 2 + position). Handles are stable for the
-/// life of NVML, so each is resolved once.
-const HANDLES: usize = 64;
-static SEEN: [(AtomicUsize, AtomicU8); HANDLES] =
-    [const { (AtomicUsize::new(0), AtomicU8::new(0)) }; HANDLES];
+/// Device handles seen so far. Handles are stable for the life of NVML, so
+/// each is resolved once.
+static SEEN: HandleCache<64> = HandleCache::new();
 
 fn device_of(shim: &Shim, handle: nvmlDevice_t) -> Option<usize> {
     let key = handle as usize;
-    for (h, dev) in &SEEN {
-        if h.load(Ordering::Acquire) == key {
-            let d = dev.load(Ordering::Acquire);
-            if d != 0 {
-                return (d >= 2).then(|| usize::from(d - 2));
-            }
-        }
+    if let Some(dev) = SEEN.get(key) {
+        return dev;
     }
     let get_uuid = LIBNVML.symbol(c"nvmlDeviceGetUUID") as usize;
     if get_uuid == 0 {
@@ -70,15 +62,7 @@ fn device_of(shim: &Shim, handle: nvmlDevice_t) -> Option<usize> {
     // SAFETY: NVML NUL-terminates on success; the buffer ends in zeroes anyway.
     let text = unsafe { CStr::from_ptr(text.as_ptr()) }.to_str().ok()?;
     let dev = gpumem_layout::parse_uuid(text).and_then(|uuid| shim.device_of(&uuid));
-    let code = dev.map_or(1, |d| d as u8 + 2);
-    for (h, d) in &SEEN {
-        if h.compare_exchange(0, key, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            d.store(code, Ordering::Release);
-            break;
-        }
-    }
+    SEEN.put(key, dev);
     dev
 }
 

@@ -8,7 +8,7 @@
 #![allow(non_snake_case)]
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::cuda::{
     CUdevice, CUmemAllocationProp, CUmemoryPool, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
@@ -26,22 +26,19 @@ enum Location {
 
 static POOLS: Mutex<BTreeMap<usize, Location>> = Mutex::new(BTreeMap::new());
 
+fn pools() -> MutexGuard<'static, BTreeMap<usize, Location>> {
+    POOLS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn remember(pool: CUmemoryPool, location: Location) {
-    POOLS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(pool as usize, location);
+    pools().insert(pool as usize, location);
 }
 
 /// Where an allocation from `pool` is charged: the pool's device; the
 /// current context's for a pool the shim never saw made; nowhere for a
 /// host pool.
 pub fn site(pool: CUmemoryPool) -> Option<Site> {
-    let location = POOLS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&(pool as usize))
-        .copied();
+    let location = pools().get(&(pool as usize)).copied();
     match location {
         Some(Location::Host) => None,
         Some(Location::Device(ordinal)) => {
@@ -131,10 +128,7 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
             || (),
             || {
                 // Its handle may come back for another pool.
-                POOLS
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&(pool as usize));
+                pools().remove(&(pool as usize));
             },
         );
     }

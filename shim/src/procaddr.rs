@@ -82,9 +82,7 @@ pub unsafe extern "C" fn cuGetProcAddress(
     cuda_version: c_int,
     flags: u64,
 ) -> CUresult {
-    let address = Hooked::GetProcAddress
-        .real()
-        .get_or_next(Hooked::GetProcAddress.name());
+    let address = Hooked::GetProcAddress.address();
     if address == 0 {
         return CUDA_ERROR_NOT_INITIALIZED;
     }
@@ -106,9 +104,7 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     flags: u64,
     symbol_status: *mut c_int,
 ) -> CUresult {
-    let address = Hooked::GetProcAddressV2
-        .real()
-        .get_or_next(Hooked::GetProcAddressV2.name());
+    let address = Hooked::GetProcAddressV2.address();
     if address == 0 {
         return CUDA_ERROR_NOT_INITIALIZED;
     }

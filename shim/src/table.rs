@@ -111,6 +111,12 @@ impl Hooked {
         &REALS[self as usize]
     }
 
+    /// The real function of this variant, found after this library if no
+    /// path has supplied it yet; 0 when there is none.
+    pub fn address(self) -> usize {
+        self.real().get_or_next(self.name())
+    }
+
     /// Variants `cuGetProcAddress` may return for a requested name.
     pub fn candidates(symbol: &[u8]) -> impl Iterator<Item = Hooked> + '_ {
         Hooked::ALL

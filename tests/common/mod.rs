@@ -252,6 +252,35 @@ pub fn run_lines(cmd: &mut std::process::Command) -> (bool, Vec<String>, String)
     )
 }
 
+/// What a context takes on the fake driver (FAKEGPU_CONTEXT_MIB's default).
+pub const FAKE_CONTEXT: u64 = 300 * MIB;
+
+/// Runs the probe under the shim with `steps`, asserting it exits cleanly
+/// and the shim had nothing to say.
+pub fn probe(dir: &Path, args: &[&str]) -> Vec<String> {
+    let (ok, lines, stderr) = run_lines(shim_kit().probe(Some(dir)).args(args));
+    assert!(ok, "probe {args:?} failed: {stderr}");
+    assert!(
+        !stderr.contains("gpumem-shim"),
+        "unexpected shim message: {stderr}"
+    );
+    lines
+}
+
+/// The `n`th line starting with `prefix`.
+pub fn nth<'a>(lines: &'a [String], prefix: &str, n: usize) -> &'a str {
+    lines
+        .iter()
+        .filter(|l| l.starts_with(prefix))
+        .nth(n)
+        .unwrap_or_else(|| panic!("no line {n} starting {prefix:?} in {lines:?}"))
+}
+
+/// The first line starting with `prefix`.
+pub fn line<'a>(lines: &'a [String], prefix: &str) -> &'a str {
+    nth(lines, prefix, 0)
+}
+
 /// The value of `key=` in a probe line.
 pub fn field(line: &str, key: &str) -> u64 {
     line.split_whitespace()
