@@ -30,6 +30,7 @@ mod pool;
 mod procaddr;
 mod region;
 mod sigbus;
+mod spin;
 mod table;
 mod track;
 #[cfg_attr(test, allow(dead_code))]

@@ -8,7 +8,8 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::{Mutex, MutexGuard};
+
+use crate::spin::{SpinGuard, SpinLock};
 
 pub const CHUNK: u64 = 2 << 20;
 
@@ -130,14 +131,14 @@ fn shard_of(chunk: u64) -> usize {
 }
 
 pub struct Allocations {
-    shards: [Mutex<Shard>; SHARDS],
+    shards: [SpinLock<Shard>; SHARDS],
 }
 
 impl Allocations {
     pub const fn new() -> Self {
         Allocations {
             shards: [const {
-                Mutex::new(Shard {
+                SpinLock::new(Shard {
                     records: HashMap::with_hasher(BuildHasherDefault::new()),
                     occupancy: Vec::new(),
                 })
@@ -145,9 +146,8 @@ impl Allocations {
         }
     }
 
-    fn lock(&self, shard: usize) -> MutexGuard<'_, Shard> {
-        // A panic while holding a shard cannot leave a half-written entry.
-        self.shards[shard].lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self, shard: usize) -> SpinGuard<'_, Shard> {
+        self.shards[shard].lock()
     }
 
     /// Runs `each` on the shard of every partial chunk of `allocation`,
@@ -157,7 +157,7 @@ impl Allocations {
         &self,
         span: &Span,
         first: u64,
-        home: &mut MutexGuard<'_, Shard>,
+        home: &mut SpinGuard<'_, Shard>,
         mut each: impl FnMut(&mut Shard, u64),
     ) {
         for chunk in span.partial.into_iter().flatten() {
