@@ -1,5 +1,7 @@
 //! `gpumem demo`: the real plugin against the in-process kubelet on a fake
-//! node, replaying the gpushare notebook scenario and printing the result.
+//! node, replaying the gpushare notebook scenario and printing the result;
+//! where the shim and the fake driver are built, one process per admitted
+//! container runs under the shim and shows its cap holding.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -10,7 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::gpu::{FakeGpus, GpuError, GpuSource};
-use crate::inject::Isolation;
+use crate::inject::{env, Isolation, ShimConfig, SHIM_LIBRARY};
 use crate::inventory::{Inventory, InventoryError};
 use crate::placement::Policy;
 use crate::plugin::{Plugin, PluginConfig, PluginError};
@@ -37,7 +39,8 @@ const PODS: [&str; 4] = [
     "tf-notebook-3",
     "tf-notebook-4",
 ];
-const UNITS_PER_POD: usize = 4;
+/// Each pod asks for 4 GiB, in the advertised unit.
+const GIB_PER_POD: u64 = 4;
 const STARTUP: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Default)]
@@ -47,6 +50,44 @@ pub struct DemoConfig {
     pub unit: MemoryUnit,
     pub policy: Policy,
     pub resource_name: ResourceName,
+    /// Where the shim, the fake driver and the probe are: a process runs in
+    /// each admitted container when all three are there.
+    pub tenant_dir: Option<PathBuf>,
+}
+
+/// What a container's process needs, as `cargo build --release --workspace`
+/// leaves it in `target/release`.
+const FAKE_DRIVER: &str = "libgpumem_fakegpu.so";
+const PROBE: &str = "gpumem-probe";
+/// What a CUDA context costs on the fake driver (an H100 takes ~518 MiB).
+const FAKE_CONTEXT_MIB: u64 = 300;
+/// Each container's process fills its cap in steps of this size.
+const STEP_MIB: u64 = 256;
+
+/// The shim, the fake driver and the probe, when all are in `dir`.
+struct TenantKit {
+    shim: PathBuf,
+    driver: PathBuf,
+    probe: PathBuf,
+}
+
+impl TenantKit {
+    fn find(dir: &Path) -> Option<TenantKit> {
+        let kit = TenantKit {
+            shim: dir.join(SHIM_LIBRARY),
+            driver: dir.join(FAKE_DRIVER),
+            probe: dir.join(PROBE),
+        };
+        [&kit.shim, &kit.driver, &kit.probe]
+            .iter()
+            .all(|p| p.is_file())
+            .then_some(kit)
+    }
+
+    /// The directory beside the running `gpumem`.
+    fn default_dir() -> Option<PathBuf> {
+        std::env::current_exe().ok()?.parent().map(Path::to_owned)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +102,10 @@ pub enum DemoError {
     Io(#[from] std::io::Error),
     #[error("the plugin did not register and advertise devices within {0:?}")]
     NotRegistered(Duration),
+    #[error("--tenant-dir {dir}: {missing} not found there (build it with `cargo build --release --workspace`)")]
+    TenantKitMissing { dir: PathBuf, missing: String },
+    #[error(transparent)]
+    Install(#[from] crate::install::InstallError),
 }
 
 /// Runs the scenario and returns the report to print.
@@ -71,31 +116,53 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
     };
     let inventory = Arc::new(Inventory::new(source.discover()?, config.unit)?);
     let dir = tempfile::Builder::new().prefix("gpumem-demo-").tempdir()?;
-    let kubelet = KubeletSim::start(dir.path())?;
+    let kit = tenant_kit(config.tenant_dir.as_deref())?;
+    let isolation = match &kit {
+        // The node's side of shim isolation, as the DaemonSet sets it up.
+        Some(kit) => {
+            let host_dir = dir.path().join("shim");
+            crate::install::install(&kit.shim, &host_dir)?;
+            Isolation::Shim(ShimConfig {
+                host_dir,
+                state_dir: dir.path().join("state"),
+                context_charge_mib: 0,
+            })
+        }
+        None => Isolation::None,
+    };
+    let kubelet_dir = dir.path().join("kubelet");
+    std::fs::create_dir_all(&kubelet_dir)?;
+    let kubelet = KubeletSim::start(&kubelet_dir)?;
 
     let shutdown = CancellationToken::new();
     let (_keep_inventory, inventory_rx) = watch::channel(inventory.clone());
     let plugin = Plugin::new(PluginConfig {
-        kubelet_dir: dir.path().to_owned(),
+        kubelet_dir,
         resource_name: config.resource_name.clone(),
         policy: config.policy,
-        // No shim is installed in the demo's temp dir: show the placement
-        // and env; `gpumem exec` shows enforcement.
-        isolation: Isolation::None,
+        isolation,
     });
     let plugin_task = tokio::spawn(plugin.run(inventory_rx, shutdown.clone()));
 
     let resource = config.resource_name.as_str();
+    let per_pod = units_per_pod(inventory.unit());
     let outcome = match kubelet.wait_for_devices(resource, 1, STARTUP).await {
         Some(devices) => {
             let mut admitted = Vec::new();
             for pod in PODS {
-                admitted.push((
-                    pod,
-                    kubelet.admit(pod, CONTAINER, resource, UNITS_PER_POD).await,
-                ));
+                admitted.push((pod, kubelet.admit(pod, CONTAINER, resource, per_pod).await));
             }
-            Ok(report(&config, &inventory, devices.len(), &admitted))
+            let mut out = report(&config, &inventory, devices.len(), &admitted);
+            match &kit {
+                Some(kit) => run_tenants(kit, &inventory, &admitted, &mut out).await,
+                None => out.push_str(
+                    "\n(Build the shim and the fake driver too, with `cargo build --release \
+                     --workspace`, and the demo runs a process in each admitted container, \
+                     held to its cap.)\n",
+                ),
+            }
+            env_given(&admitted, &mut out);
+            Ok(out)
         }
         None => Err(DemoError::NotRegistered(STARTUP)),
     };
@@ -107,6 +174,146 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         return Err(err.into());
     }
     outcome
+}
+
+/// Pods ask for 4 GiB whatever the unit, so the story is the same in MiB.
+fn units_per_pod(unit: MemoryUnit) -> usize {
+    usize::try_from(GIB_PER_POD * 1024 / unit.mib()).unwrap_or(usize::MAX)
+}
+
+/// The kit in `explicit` (an error if incomplete), else beside `gpumem`
+/// (none if incomplete: the demo then shows placement only).
+fn tenant_kit(explicit: Option<&Path>) -> Result<Option<TenantKit>, DemoError> {
+    let Some(dir) = explicit else {
+        return Ok(TenantKit::default_dir().and_then(|d| TenantKit::find(&d)));
+    };
+    TenantKit::find(dir).map(Some).ok_or_else(|| {
+        let missing = [SHIM_LIBRARY, FAKE_DRIVER, PROBE]
+            .into_iter()
+            .filter(|name| !dir.join(name).is_file())
+            .collect::<Vec<_>>()
+            .join(", ");
+        DemoError::TenantKitMissing {
+            dir: dir.to_owned(),
+            missing,
+        }
+    })
+}
+
+/// Runs one process in each admitted container, as the container runtime
+/// would start it: only the env Allocate gave, the shim preloaded from its
+/// mount, the accounting directory at its mount's host path, and the fake
+/// driver standing in for the GPU the container was given.
+async fn run_tenants(
+    kit: &TenantKit,
+    inv: &Inventory,
+    admitted: &[(&str, Result<Allocation, AdmissionError>)],
+    out: &mut String,
+) {
+    let _ = writeln!(
+        out,
+        "\nOne process in each admitted container, under the shim, on the fake CUDA driver \
+         ({FAKE_CONTEXT_MIB} MiB per CUDA context):"
+    );
+    let driver_dir = match driver_dir(kit) {
+        Ok(dir) => dir,
+        Err(err) => {
+            let _ = writeln!(out, "  cannot set up the fake driver: {err}");
+            return;
+        }
+    };
+    for (pod, result) in admitted {
+        let Ok(allocation) = result else { continue };
+        let line = match run_tenant(kit, driver_dir.path(), inv, allocation).await {
+            Ok(line) => line,
+            Err(err) => format!("could not run: {err}"),
+        };
+        let _ = writeln!(out, "  {pod:<14} {line}");
+    }
+}
+
+/// `libcuda.so.1` and `libnvidia-ml.so.1`, both the fake driver.
+fn driver_dir(kit: &TenantKit) -> std::io::Result<tempfile::TempDir> {
+    let dir = tempfile::Builder::new()
+        .prefix("gpumem-demo-driver-")
+        .tempdir()?;
+    for name in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+        std::os::unix::fs::symlink(&kit.driver, dir.path().join(name))?;
+    }
+    Ok(dir)
+}
+
+async fn run_tenant(
+    kit: &TenantKit,
+    driver_dir: &Path,
+    inv: &Inventory,
+    allocation: &Allocation,
+) -> Result<String, String> {
+    let response = &allocation.response;
+    let state = response
+        .mounts
+        .iter()
+        .find(|m| m.container_path == gpumem_layout::CONTAINER_DIR)
+        .ok_or("Allocate mounted no accounting directory")?;
+    let gpu = allocation
+        .device_ids
+        .first()
+        .and_then(|id| inv.resolve(id))
+        .map(|(_, position)| &inv.gpus()[position])
+        .ok_or("admitted with unknown devices")?;
+    let cap: u64 = response
+        .envs
+        .get(env::LIMIT_MIB)
+        .and_then(|v| v.parse().ok())
+        .ok_or("Allocate gave no cap")?;
+    let steps = cap / STEP_MIB + 1;
+    let mut cmd = tokio::process::Command::new(&kit.probe);
+    cmd.env_clear()
+        .envs(&response.envs)
+        .env(env::STATE_DIR, &state.host_path)
+        .env("LD_PRELOAD", &kit.shim)
+        .env("LD_LIBRARY_PATH", driver_dir)
+        // The one GPU the runtime would expose, as the fake driver's only one.
+        .env("FAKEGPU_UUIDS", &gpu.gpu.uuid)
+        .env("FAKEGPU_MEMORY_MIB", gpu.gpu.memory_mib.to_string())
+        .env("FAKEGPU_CONTEXT_MIB", FAKE_CONTEXT_MIB.to_string())
+        .arg("nvml")
+        .args((0..steps).map(|_| format!("alloc:{STEP_MIB}")))
+        .kill_on_drop(true);
+    let output = cmd.output().await.map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    tenant_line(&text, cap).ok_or_else(|| {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        format!("unexpected output: {} {}", text.trim(), stderr.trim())
+    })
+}
+
+/// What a container's process saw, from the probe's lines: NVML's view as
+/// nvidia-smi prints it, then how far it filled before the first refusal.
+fn tenant_line(probe: &str, cap: u64) -> Option<String> {
+    const MIB: u64 = 1 << 20;
+    let field = |line: &str, key: &str| -> Option<u64> {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key)?.parse().ok())
+    };
+    let nvml = probe.lines().find(|l| l.starts_with("nvml "))?;
+    let (used, total) = (field(nvml, "used=")? / MIB, field(nvml, "total=")? / MIB);
+    let results: Vec<i64> = probe
+        .lines()
+        .filter(|l| l.starts_with("alloc:"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .collect();
+    let granted = results.iter().take_while(|&&r| r == 0).count() as u64;
+    let refusal = match results.get(granted as usize) {
+        Some(2) => "refused: CUDA_ERROR_OUT_OF_MEMORY".to_owned(),
+        Some(other) => format!("failed with CUDA error {other}"),
+        None => format!("granted too: NOT capped at {cap} MiB"),
+    };
+    Some(format!(
+        "nvidia-smi: {used}MiB / {total}MiB; {} MiB allocated in {STEP_MIB} MiB steps \
+         beside its context, the next {STEP_MIB} MiB {refusal}",
+        granted * STEP_MIB
+    ))
 }
 
 fn report(
@@ -138,7 +345,8 @@ fn report(
 
     let _ = writeln!(
         out,
-        "Admitting pods, each asking for {resource}: {UNITS_PER_POD}"
+        "Admitting pods, each asking for {resource}: {}",
+        units_per_pod(unit)
     );
     // Units held per (pod, GPU position).
     let mut held: Vec<(&str, usize, u32, u64)> = Vec::new();
@@ -216,6 +424,10 @@ fn report(
         );
     }
 
+    out
+}
+
+fn env_given(admitted: &[(&str, Result<Allocation, AdmissionError>)], out: &mut String) {
     let _ = writeln!(out, "\nEnv given to each admitted container:");
     for (pod, result) in admitted {
         if let Ok(allocation) = result {
@@ -227,5 +439,4 @@ fn report(
             }
         }
     }
-    out
 }

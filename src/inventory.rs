@@ -107,6 +107,27 @@ pub enum InventoryError {
         bytes: usize,
         limit: usize,
     },
+    #[error(
+        "{} smaller than one 1 {unit} unit, so there is nothing to advertise; use \
+         --memory-unit MiB",
+        describe_small(.gpus)
+    )]
+    SmallerThanOneUnit {
+        /// UUID and memory of each GPU.
+        gpus: Vec<(String, u64)>,
+        unit: MemoryUnit,
+    },
+}
+
+fn describe_small(gpus: &[(String, u64)]) -> String {
+    let each: Vec<String> = gpus
+        .iter()
+        .map(|(uuid, mib)| format!("{uuid} ({mib} MiB)"))
+        .collect();
+    match each.as_slice() {
+        [one] => format!("GPU {one} is"),
+        _ => format!("GPUs {} are", each.join(", ")),
+    }
 }
 
 /// What the plugin advertises. Immutable; a health change builds a new one.
@@ -138,6 +159,20 @@ impl Inventory {
                 key,
                 gpu,
             });
+        }
+        let small: Vec<(String, u64)> = split
+            .iter()
+            .filter(|g| g.units == 0)
+            .map(|g| (g.gpu.uuid.clone(), g.gpu.memory_mib))
+            .collect();
+        if !small.is_empty() && small.len() == split.len() {
+            return Err(InventoryError::SmallerThanOneUnit { gpus: small, unit });
+        }
+        for (uuid, mib) in &small {
+            tracing::warn!(
+                "GPU {uuid} ({mib} MiB) is smaller than one 1 {unit} unit and is not advertised; \
+                 --memory-unit MiB would advertise it"
+            );
         }
         let inventory = Inventory {
             unit,
@@ -292,6 +327,25 @@ mod tests {
         let err = Inventory::new(eight.clone(), MemoryUnit::MiB).unwrap_err();
         assert!(err.to_string().contains("--memory-unit GiB"), "{err}");
         assert!(Inventory::new(eight, MemoryUnit::GiB).is_ok());
+    }
+
+    #[test]
+    fn a_gpu_smaller_than_one_unit_is_named_with_the_fix() {
+        let err = Inventory::new(vec![gpu(0, "GPU-tiny", 500)], MemoryUnit::GiB).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "GPU GPU-tiny (500 MiB) is smaller than one 1 GiB unit, so there is nothing to \
+             advertise; use --memory-unit MiB"
+        );
+        let inv = Inventory::new(vec![gpu(0, "GPU-tiny", 500)], MemoryUnit::MiB).unwrap();
+        assert_eq!(inv.device_count(), 500);
+        // Beside a real GPU, the small one is left out with a warning.
+        let mixed = Inventory::new(
+            vec![gpu(0, "GPU-tiny", 500), gpu(1, "GPU-b", 2048)],
+            MemoryUnit::GiB,
+        )
+        .unwrap();
+        assert_eq!(mixed.device_count(), 2);
     }
 
     #[test]

@@ -224,6 +224,13 @@ struct DemoArgs {
 
     #[command(flatten)]
     placement: PlacementArgs,
+
+    /// Directory with libgpumem_shim.so, the fake driver libgpumem_fakegpu.so
+    /// and gpumem-probe: each admitted container then runs a process held to
+    /// its cap (default: beside gpumem, where `cargo build --release
+    /// --workspace` puts them; skipped if they are not there).
+    #[arg(long, env = "GPUMEM_DEMO_TENANT_DIR", value_name = "DIR")]
+    tenant_dir: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -330,6 +337,7 @@ fn main() -> ExitCode {
                             unit: args.resource.memory_unit,
                             policy: args.placement.placement,
                             resource_name: args.resource.resource_name,
+                            tenant_dir: args.tenant_dir,
                         })
                         .await?;
                         print!("{report}");

@@ -1,0 +1,129 @@
+//! `gpumem demo` as a newcomer runs it: the capped process in each admitted
+//! container, the request in either unit, and a node it cannot split.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn gpumem() -> Command {
+    gpumem_at(Path::new(env!("CARGO_BIN_EXE_gpumem")))
+}
+
+fn gpumem_at(binary: &Path) -> Command {
+    let mut cmd = Command::new(binary);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("GPUMEM_") || key.starts_with("FAKEGPU_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+fn run(cmd: &mut Command) -> (Output, String, String) {
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stdout, stderr)
+}
+
+/// target/<profile>, where the shim, fake driver and probe are built.
+fn kit_dir() -> &'static Path {
+    common::shim_kit().probe.parent().unwrap()
+}
+
+#[test]
+fn each_admitted_container_runs_a_process_held_to_its_cap() {
+    let (out, stdout, stderr) = run(gpumem().args(["demo", "--tenant-dir"]).arg(kit_dir()));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    // Cap 4308 MiB, a 300 MiB context: 15 steps of 256 fit, a 16th does not.
+    let held = "nvidia-smi: 0MiB / 4308MiB; 3840 MiB allocated in 256 MiB steps beside its \
+                context, the next 256 MiB refused: CUDA_ERROR_OUT_OF_MEMORY";
+    for pod in ["tf-notebook-1", "tf-notebook-2", "tf-notebook-3"] {
+        assert!(stdout.contains(&format!("  {pod}  {held}")), "{stdout}");
+    }
+    assert!(!stdout.contains("  tf-notebook-4  nvidia-smi"), "{stdout}");
+}
+
+#[test]
+fn without_the_shim_built_the_demo_says_how_to_see_it() {
+    // A copy of gpumem in a directory with nothing beside it.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let alone = dir.path().join("gpumem");
+    std::fs::copy(env!("CARGO_BIN_EXE_gpumem"), &alone).unwrap();
+    let (out, stdout, stderr) = run(gpumem_at(&alone).arg("demo"));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("cargo build --release --workspace"),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("nvidia-smi:"), "{stdout}");
+
+    let (out, _, stderr) = run(gpumem_at(&alone)
+        .args(["demo", "--tenant-dir"])
+        .arg(dir.path()));
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("libgpumem_shim.so, libgpumem_fakegpu.so, gpumem-probe not found"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn pods_ask_for_4_gib_in_mib_units_too() {
+    let (out, stdout, stderr) = run(gpumem()
+        .args(["demo", "--memory-unit", "MiB", "--tenant-dir"])
+        .arg(kit_dir()));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("tf-notebook-1  admitted: GPU0, 4096 units, cap 4096 MiB"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("tf-notebook-4  NOT admitted: Insufficient aliyun.com/gpu-mem: requested 4096, 2791 available"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("nvidia-smi: 0MiB / 4096MiB; 3584 MiB allocated"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn a_gpu_smaller_than_one_unit_is_named_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = dir.path().join("tiny.toml");
+    std::fs::write(
+        &tiny,
+        "[[gpu]]\nuuid = \"GPU-tiny\"\nname = \"Tiny\"\nmemory_mib = 500\n",
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let (out, stdout, stderr) = run(gpumem().args(["demo", "--fake-gpus"]).arg(&tiny));
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stderr.contains(
+            "GPU GPU-tiny (500 MiB) is smaller than one 1 GiB unit, so there is nothing to \
+             advertise; use --memory-unit MiB"
+        ),
+        "{stderr}"
+    );
+    // Named at once, not after waiting for a registration that cannot come.
+    assert!(started.elapsed() < std::time::Duration::from_secs(5));
+
+    // The plugin says the same before it serves anything.
+    let kubelet = tempfile::tempdir().unwrap();
+    let (out, _, stderr) = run(gpumem()
+        .args(["plugin", "--isolation", "none", "--kubelet-dir"])
+        .arg(kubelet.path())
+        .arg("--fake-gpus")
+        .arg(&tiny));
+    assert!(!out.status.success());
+    assert!(stderr.contains("use --memory-unit MiB"), "{stderr}");
+
+    let (out, stdout, stderr) = run(gpumem()
+        .args(["demo", "--memory-unit", "MiB", "--fake-gpus"])
+        .arg(&tiny));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("500 devices advertised"), "{stdout}");
+}
