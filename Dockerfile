@@ -6,9 +6,16 @@
 # go back to glibc 2.17 (CentOS 7): it is linked against glibc 2.17 with
 # cargo-zigbuild and checked with shim/check-abi, as CI does.
 
+# The builder's Rust is the workspace's rust-version, the declared minimum
+# (.ci/check-msrv.py keeps the two equal).
 FROM rust:1.88-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends python3-pip binutils \
-    && pip3 install --break-system-packages 'ziglang==0.13.0' \
+# ziglang goes into a virtual environment of its own, not into Debian's
+# externally managed Python; cargo-zigbuild runs `python -m ziglang` with the
+# Python CARGO_ZIGBUILD_PYTHON_PATH names.
+ENV CARGO_ZIGBUILD_PYTHON_PATH=/opt/zig/bin/python
+RUN apt-get update && apt-get install -y --no-install-recommends python3-venv binutils \
+    && python3 -m venv /opt/zig \
+    && /opt/zig/bin/python -m pip install --no-cache-dir 'ziglang==0.13.0' \
     && cargo install --locked cargo-zigbuild@0.24.1
 WORKDIR /src
 COPY . .
@@ -22,5 +29,9 @@ RUN cargo build --locked --release -p gpumem \
 # by the NVIDIA container runtime), nothing else.
 FROM gcr.io/distroless/cc-debian12
 COPY --from=build /out/gpumem /out/libgpumem_shim.so /opt/gpumem/
+# `gpumem` by name, as in `kubectl -n kube-system exec ds/gpumem -- gpumem
+# inspect -d`; the rest is the usual PATH. The manifests name
+# /opt/gpumem/gpumem in full (.ci/validate-manifests.py resolves both).
+ENV PATH=/opt/gpumem:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 ENTRYPOINT ["/opt/gpumem/gpumem"]
 CMD ["plugin"]

@@ -2,16 +2,18 @@
 //!
 //! Runs the probe against the fake driver (release builds) with and without
 //! the shim preloaded, through dlsym and through cuGetProcAddress, on one
-//! thread and on 16 at once, and prints the time per cuMemAlloc(1 MiB) +
-//! cuMemFree pair and per cuMemGetInfo, and what the shim adds. The fake
+//! thread, on two and on 16 at once, and prints the thread CPU time per
+//! cuMemAlloc(1 MiB) + cuMemFree pair and per cuMemGetInfo, and what the
+//! shim adds, with its spread over alternated rounds. The fake
 //! driver's own calls cost tens of nanoseconds (and serialise on one lock,
 //! as the real driver's do), so the difference is the shim's.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Pairs per thread, and threads.
-const RUNS: [(u64, u32); 2] = [(500_000, 1), (100_000, 16)];
+/// Pairs per thread, and threads: one, one per CPU of a 2-CPU machine, and
+/// more threads than most machines have CPUs.
+const RUNS: [(u64, u32); 3] = [(500_000, 1), (500_000, 2), (100_000, 16)];
 
 fn build() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -84,35 +86,61 @@ fn main() {
     .unwrap();
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "# shim overhead on the fake driver, {cpus} CPUs, best of 5 runs each; \
-         per operation and thread: wall ns / thread CPU ns"
+        "# shim overhead on the fake driver; {} ({cpus} CPUs); {ROUNDS} rounds, bare and shimmed \
+         alternated; thread CPU ns per operation and thread: median of each, and what the shim \
+         adds: median [min, max] over the rounds",
+        cpu_model()
     );
     for (pairs, threads) in RUNS {
         for via in ["dlsym", "gpa"] {
-            let best = |state: Option<&Path>| {
-                (0..5)
-                    .map(|_| run(&out, state, via, pairs, threads))
-                    .fold([f64::MAX; 4], |a, b| {
-                        std::array::from_fn(|i| a[i].min(b[i]))
-                    })
+            let rounds: Vec<([f64; 4], [f64; 4])> = (0..ROUNDS)
+                .map(|_| {
+                    let bare = run(&out, None, via, pairs, threads);
+                    (bare, run(&out, Some(state.path()), via, pairs, threads))
+                })
+                .collect();
+            let column = |f: &dyn Fn(&([f64; 4], [f64; 4])) -> f64| -> Vec<f64> {
+                let mut v: Vec<f64> = rounds.iter().map(f).collect();
+                v.sort_by(f64::total_cmp);
+                v
             };
-            let bare = best(None);
-            let shim = best(Some(state.path()));
+            let pair_added = column(&|(b, s)| s[1] - b[1]);
+            let info_added = column(&|(b, s)| s[3] - b[3]);
             println!(
-                "{threads:>2} thread(s) × {pairs:<6} via {via:<5} alloc+free pair: bare {:6.1}/{:6.1}, \
-                 shimmed {:6.1}/{:6.1}, +{:5.1} ns CPU; cuMemGetInfo: bare {:5.1}/{:5.1}, \
-                 shimmed {:5.1}/{:5.1}, +{:5.1} ns CPU",
-                bare[0],
-                bare[1],
-                shim[0],
-                shim[1],
-                shim[1] - bare[1],
-                bare[2],
-                bare[3],
-                shim[2],
-                shim[3],
-                shim[3] - bare[3],
+                "{threads:>2} thread(s) × {pairs:<6} via {via:<5} alloc+free pair: bare {:6.1}, \
+                 shimmed {:6.1}, added {:+6.1} [{:+6.1}, {:+6.1}]; cuMemGetInfo: bare {:5.1}, \
+                 shimmed {:5.1}, added {:+5.1} [{:+5.1}, {:+5.1}]",
+                median(&column(&|(b, _)| b[1])),
+                median(&column(&|(_, s)| s[1])),
+                median(&pair_added),
+                pair_added[0],
+                pair_added[pair_added.len() - 1],
+                median(&column(&|(b, _)| b[3])),
+                median(&column(&|(_, s)| s[3])),
+                median(&info_added),
+                info_added[0],
+                info_added[info_added.len() - 1],
             );
         }
     }
+}
+
+/// Rounds per configuration.
+const ROUNDS: usize = 7;
+
+fn median(sorted: &[f64]) -> f64 {
+    sorted[sorted.len() / 2]
+}
+
+/// The CPU's name, so a figure can be compared with one from another machine.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, name)| name.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/GPU_VERIFICATION.md in one run, for the device
-# machine (one device call). Build here first:
+# The GPU checks of docs/GPU_VERIFICATION.md in one run, by hand on a host
+# with an NVIDIA GPU. Build on a Rust machine first:
 #   cargo build --release -p gpumem -p gpumem-shim -p gpumem-probe -p gpumem-fakegpu
 #   mkdir -p carry/fake && cp target/release/{gpumem,libgpumem_shim.so,gpumem-probe} carry/
 #   for l in libcuda.so.1 libnvidia-ml.so.1; do cp target/release/libgpumem_fakegpu.so carry/fake/$l; done
-# then on the GPU machine (carry: ["carry"]):
-#   bash shim/gpu-check.sh carry "$OUT" [checks|footprint|train|fakebench|all]...
-# (`checks footprint` fits one 10-minute device call, `train` another).
-# Every command and its output go to $OUT/gpu-check.log; paste the results
+# then on the GPU host, in a checkout with carry/ copied in:
+#   bash shim/gpu-check.sh carry LOGDIR [checks|footprint|train|fakebench|all]...
+# (`checks footprint` takes under ten minutes on an H100, `train` about as long).
+# Every command and its output go to LOGDIR/gpu-check.log; paste the results
 # into docs/GPU_VERIFICATION.md and docs/BENCHMARKS.md.
 set -u
 usage="usage: shim/gpu-check.sh CARRY_DIR OUT_DIR [checks|footprint|train|fakebench|all]..."
@@ -18,7 +18,7 @@ parts=" ${*:-all} "
 wants() { [[ $parts == *" $1 "* || $parts == *" all "* ]]; }
 mkdir -p "$out"
 log="$out/gpu-check.log"
-# Scratch files stay out of $OUT (only a few files come back from there).
+# Scratch files go to a temporary directory, so LOGDIR holds only the log.
 work=$(mktemp -d)
 G="$bin/gpumem"
 S="--shim=$bin/libgpumem_shim.so"

@@ -1,8 +1,8 @@
 //! An in-process kubelet for `gpumem demo` and the tests: a real Registration
 //! server on a real unix socket, driving plugins the way kubelet does.
 //!
-//! It follows the real kubelet where a plugin can tell the difference
-//! (../shared/KUBELET_CONTRACT.md): Register is synchronous (dial back, then
+//! It follows the real kubelet (pkg/kubelet/cm/devicemanager) where a plugin
+//! can tell the difference: Register is synchronous (dial back, then
 //! GetDevicePluginOptions), one ListAndWatch per connection, devices picked
 //! from `healthy − allocated` with GetPreferredAllocation, one Allocate per
 //! container, 4 MiB receive limit, and a restart that deletes every socket.
