@@ -93,13 +93,13 @@ fn main() {
     );
     for (pairs, threads) in RUNS {
         for via in ["dlsym", "gpa"] {
-            let rounds: Vec<([f64; 4], [f64; 4])> = (0..ROUNDS)
+            let rounds: Vec<Round> = (0..ROUNDS)
                 .map(|_| {
                     let bare = run(&out, None, via, pairs, threads);
                     (bare, run(&out, Some(state.path()), via, pairs, threads))
                 })
                 .collect();
-            let column = |f: &dyn Fn(&([f64; 4], [f64; 4])) -> f64| -> Vec<f64> {
+            let column = |f: &dyn Fn(&Round) -> f64| -> Vec<f64> {
                 let mut v: Vec<f64> = rounds.iter().map(f).collect();
                 v.sort_by(f64::total_cmp);
                 v
@@ -124,6 +124,9 @@ fn main() {
         }
     }
 }
+
+/// One round's bare and shimmed figures (see `run`).
+type Round = ([f64; 4], [f64; 4]);
 
 /// Rounds per configuration.
 const ROUNDS: usize = 7;

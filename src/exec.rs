@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use crate::accounting::{self, AccountingError, Cap};
 use crate::gpu::Gpu;
 use crate::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
+use crate::install::{self, ShimError};
 use crate::reconcile::{self, ProcessUsage, Reconciler};
 
 pub struct ExecConfig {
@@ -39,21 +40,66 @@ pub enum ExecError {
     NoSuchGpu(String),
     #[error(
         "shim library not found (looked for {}); build it with `cargo build --release -p gpumem-shim` \
-         and pass --shim PATH",
-        .0.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+         and pass {flag} PATH",
+        .looked.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     )]
-    NoShim(Vec<PathBuf>),
+    NoShim {
+        looked: Vec<PathBuf>,
+        /// The flag that names the shim in the command at hand.
+        flag: &'static str,
+    },
+    #[error("{flag}: {error}")]
+    NotShim {
+        flag: &'static str,
+        error: ShimError,
+    },
     #[error("no command given: gpumem exec --mem 4308MiB -- COMMAND [ARGS...]")]
     NoCommand,
     #[error(transparent)]
     Accounting(#[from] AccountingError),
     #[error("cannot create a temporary state directory: {0}")]
     TempDir(std::io::Error),
-    #[error("cannot run {command:?}: {source}")]
-    Spawn {
+    #[error("cannot run {command:?}: {why}")]
+    NotFound {
+        command: OsString,
+        why: &'static str,
+    },
+    #[error("cannot run {command:?}: not executable: {source}")]
+    NotExecutable {
         command: OsString,
         source: std::io::Error,
     },
+    #[error("lost track of {command:?}: {source}")]
+    Wait {
+        command: OsString,
+        source: std::io::Error,
+    },
+}
+
+impl ExecError {
+    /// The status a shell gives a command it cannot start: 127 when it is
+    /// not found, 126 when it is there but cannot be executed. Scripts
+    /// (and `gpumem exec` inside them) tell the two from the command's own
+    /// failures by these.
+    pub fn exit_code(&self) -> Option<u8> {
+        match self {
+            ExecError::NotFound { .. } => Some(127),
+            ExecError::NotExecutable { .. } => Some(126),
+            _ => None,
+        }
+    }
+}
+
+/// Why spawning `command` found nothing: the kernel says ENOENT both for a
+/// missing file and for a file whose interpreter is missing.
+fn not_found(command: &OsString) -> &'static str {
+    if !command.as_encoded_bytes().contains(&b'/') {
+        "command not found in PATH"
+    } else if Path::new(command).exists() {
+        "its #! interpreter or ELF loader is missing"
+    } else {
+        "no such file"
+    }
 }
 
 /// Keeps the GPUs named by `selectors` (indices or UUIDs); all when empty.
@@ -72,9 +118,16 @@ pub fn select(gpus: Vec<Gpu>, selectors: &[String]) -> Result<Vec<Gpu>, ExecErro
         .collect()
 }
 
-/// The shim to preload: `explicit`, else next to this executable, else
-/// where the DaemonSet installs it.
-pub fn find_shim(explicit: Option<PathBuf>) -> Result<PathBuf, ExecError> {
+/// GPUs with less memory than `mem_mib`: the cap never binds on them, the
+/// card runs out first.
+pub fn smaller_than_cap(gpus: &[Gpu], mem_mib: u64) -> impl Iterator<Item = &Gpu> {
+    gpus.iter().filter(move |g| g.memory_mib < mem_mib)
+}
+
+/// The shim to preload: `explicit` (given with `flag`), else next to this
+/// executable, else where the DaemonSet installs it. What is found must be
+/// the shim: anything else would leave the command uncapped.
+pub fn find_shim(explicit: Option<PathBuf>, flag: &'static str) -> Result<PathBuf, ExecError> {
     let mut candidates = Vec::new();
     match explicit {
         Some(path) => candidates.push(path),
@@ -88,10 +141,14 @@ pub fn find_shim(explicit: Option<PathBuf>) -> Result<PathBuf, ExecError> {
             candidates.push(Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY));
         }
     }
-    match candidates.iter().find(|p| p.is_file()) {
-        Some(found) => Ok(std::path::absolute(found).unwrap_or_else(|_| found.clone())),
-        None => Err(ExecError::NoShim(candidates)),
-    }
+    let Some(found) = candidates.iter().find(|p| p.is_file()) else {
+        return Err(ExecError::NoShim {
+            looked: candidates,
+            flag,
+        });
+    };
+    install::check_shim(found).map_err(|error| ExecError::NotShim { flag, error })?;
+    Ok(std::path::absolute(found).unwrap_or_else(|_| found.clone()))
 }
 
 /// How the command ended, and what it wanted of its cap.
@@ -99,7 +156,8 @@ pub fn find_shim(explicit: Option<PathBuf>) -> Result<PathBuf, ExecError> {
 pub struct Finished {
     pub status: ExitStatus,
     /// Allocations refused for the cap while the command ran (with a shared
-    /// state directory: by any command sharing it).
+    /// state directory: by any command sharing it, as the file counts
+    /// refusals per GPU, not per process).
     pub refusals: u64,
     /// Highest usage of the accounting file's life, MiB.
     pub peak_mib: u64,
@@ -157,9 +215,16 @@ pub async fn run(config: ExecConfig) -> Result<Finished, ExecError> {
         let uuids: Vec<&str> = config.gpus.iter().map(|g| g.uuid.as_str()).collect();
         command.env("CUDA_VISIBLE_DEVICES", uuids.join(","));
     }
-    let mut child = command.spawn().map_err(|source| ExecError::Spawn {
-        command: program.clone(),
-        source,
+    let mut child = command.spawn().map_err(|source| {
+        let command = program.clone();
+        // What a shell calls "not found" (also a missing `#!` interpreter);
+        // anything else found but not runnable.
+        if source.kind() == std::io::ErrorKind::NotFound {
+            let why = not_found(&command);
+            ExecError::NotFound { command, why }
+        } else {
+            ExecError::NotExecutable { command, source }
+        }
     })?;
     let pid = child
         .id()
@@ -184,7 +249,7 @@ pub async fn run(config: ExecConfig) -> Result<Finished, ExecError> {
     loop {
         tokio::select! {
             status = child.wait() => {
-                let status = status.map_err(|source| ExecError::Spawn { command: program.clone(), source })?;
+                let status = status.map_err(|source| ExecError::Wait { command: program.clone(), source })?;
                 let (refused, peak) = totals();
                 return Ok(Finished {
                     status,

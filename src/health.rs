@@ -19,6 +19,54 @@ use crate::inventory::Inventory;
 /// (context switch timeout) is most often a hung kernel, too.
 pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 
+/// `--ignore-xids`: XIDs separated by commas and/or spaces. Empty is a
+/// list too (every XID counts), so an operator can turn the default off.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XidList(pub Vec<u64>);
+
+impl Default for XidList {
+    fn default() -> Self {
+        XidList(APPLICATION_XIDS.to_vec())
+    }
+}
+
+/// A token of an `--ignore-xids` value that is not an XID. clap names the
+/// flag and the whole value around this message.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{token:?} is not an XID; give XID numbers separated by commas or spaces (e.g. 13,31,43), \
+     or an empty value for none"
+)]
+pub struct BadXidList {
+    pub token: String,
+}
+
+impl std::str::FromStr for XidList {
+    type Err = BadXidList;
+
+    fn from_str(value: &str) -> Result<Self, Self::Err> {
+        value
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|token| !token.is_empty())
+            .map(|token| {
+                token.parse().map_err(|_| BadXidList {
+                    token: token.to_owned(),
+                })
+            })
+            .collect::<Result<_, _>>()
+            .map(XidList)
+    }
+}
+
+/// Comma-separated: the form `--help` shows as the default, and one that
+/// parses back unchanged, quoted or not.
+impl std::fmt::Display for XidList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let each: Vec<String> = self.0.iter().map(u64::to_string).collect();
+        f.write_str(&each.join(","))
+    }
+}
+
 /// How often health is looked at: a change reaches kubelet within a second.
 const TICK: Duration = Duration::from_millis(250);
 
@@ -264,6 +312,22 @@ pub fn watch_for(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn xid_lists_take_commas_spaces_and_nothing() {
+        let parse = |s: &str| s.parse::<XidList>().map(|l| l.0);
+        let default = XidList::default().to_string();
+        assert_eq!(default, "13,31,43,45,68,109");
+        assert_eq!(parse(&default).unwrap(), APPLICATION_XIDS);
+        // What older --help output showed, and mixtures.
+        assert_eq!(parse("13 31 43 45 68 109").unwrap(), APPLICATION_XIDS);
+        assert_eq!(parse(" 13, 31,,43\t45 ").unwrap(), [13, 31, 43, 45]);
+        assert_eq!(parse("").unwrap(), Vec::<u64>::new());
+        assert_eq!(parse(" , ").unwrap(), Vec::<u64>::new());
+        let err = parse("13,x1,43").unwrap_err().to_string();
+        assert!(err.contains("\"x1\"") && err.contains("commas"), "{err}");
+        assert!(parse("-13").is_err());
+    }
 
     #[test]
     fn fake_file_edits_become_changes() {

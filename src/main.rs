@@ -13,7 +13,7 @@ use gpumem::daemon::{self, DaemonConfig};
 use gpumem::demo::{self, DemoConfig};
 use gpumem::exec::{self, ExecConfig};
 use gpumem::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
-use gpumem::health::{self, APPLICATION_XIDS};
+use gpumem::health::{self, XidList};
 use gpumem::inject::{Isolation, ShimConfig};
 use gpumem::inspect;
 use gpumem::inventory::Inventory;
@@ -28,7 +28,10 @@ use gpumem::units::{MemorySize, MemoryUnit};
 
 /// Share NVIDIA GPUs between Kubernetes pods by memory.
 ///
-/// Every flag can also be set through the environment variable shown with it.
+/// Every flag can also be set through the environment variable shown with
+/// it: GPUMEM_<FLAG>, or GPUMEM_<COMMAND>_<FLAG> where the short name means
+/// something else elsewhere (exec's --state-dir is GPUMEM_EXEC_STATE_DIR:
+/// the shim reads GPUMEM_STATE_DIR).
 #[derive(Parser)]
 #[command(name = "gpumem", version, propagate_version = true)]
 struct Cli {
@@ -197,9 +200,15 @@ struct PluginArgs {
     #[arg(long, env = "GPUMEM_METRICS_ADDR", default_value = ":9400")]
     metrics_addr: String,
 
-    /// XIDs that do not make a GPU unhealthy (application errors), comma-separated.
-    #[arg(long, env = "GPUMEM_IGNORE_XIDS", value_delimiter = ',', default_values_t = APPLICATION_XIDS)]
-    ignore_xids: Vec<u64>,
+    /// XIDs that do not make a GPU unhealthy (application errors): numbers
+    /// separated by commas and/or spaces. Empty: every XID makes it unhealthy.
+    #[arg(
+        long,
+        env = "GPUMEM_IGNORE_XIDS",
+        value_name = "XIDS",
+        default_value_t = XidList::default()
+    )]
+    ignore_xids: XidList,
 
     /// Seconds an unhealthy GPU must answer NVML without new errors before it is Healthy again.
     #[arg(long, env = "GPUMEM_HEALTH_RECOVERY_SECS", default_value_t = 60)]
@@ -235,18 +244,26 @@ struct DemoArgs {
 
 #[derive(Args)]
 struct ExecArgs {
-    /// Memory cap per GPU: 4308MiB, 4GiB, or a number of MiB.
-    #[arg(long, env = "GPUMEM_MEM")]
+    /// Memory cap per GPU, greater than 0: 4308MiB, 4GiB, or a number of
+    /// MiB. A GPU with less memory than this is not limited by it (gpumem
+    /// warns).
+    #[arg(long, env = "GPUMEM_MEM", value_name = "SIZE")]
     mem: MemorySize,
 
-    /// GPU to cap, by index or UUID (repeatable; default: every GPU). Also
-    /// limits CUDA to the chosen GPUs.
-    #[arg(long = "gpu", value_name = "INDEX|UUID")]
+    /// GPU to cap, by index or UUID (repeatable or comma-separated;
+    /// default: every GPU). Also limits CUDA to the chosen GPUs.
+    #[arg(
+        long = "gpu",
+        env = "GPUMEM_GPU",
+        value_name = "INDEX|UUID",
+        value_delimiter = ','
+    )]
     gpus: Vec<String>,
 
     /// Accounting directory to share between commands (each `gpumem exec`
     /// with the same one shares one cap); default: a private temporary one.
-    #[arg(long, env = "GPUMEM_EXEC_STATE_DIR")]
+    /// (Not GPUMEM_STATE_DIR: the shim reads that in the capped command.)
+    #[arg(long, env = "GPUMEM_EXEC_STATE_DIR", value_name = "DIR")]
     state_dir: Option<PathBuf>,
 
     /// The shim library (default: libgpumem_shim.so next to gpumem, then
@@ -264,21 +281,30 @@ struct ExecArgs {
     #[command(flatten)]
     reconcile: ReconcileArgs,
 
-    /// The command and its arguments.
-    #[arg(last = true, required = true, value_name = "COMMAND")]
+    /// The command and its arguments: everything from the first word that
+    /// is not a gpumem flag. `--` before it is optional (needed for a
+    /// command that starts with `-`).
+    #[arg(
+        trailing_var_arg = true,
+        required = true,
+        num_args = 1..,
+        value_name = "COMMAND"
+    )]
     command: Vec<std::ffi::OsString>,
 }
 
 #[derive(Args)]
 struct InstallArgs {
     /// The shim to install (default: libgpumem_shim.so next to gpumem).
-    #[arg(long, env = "GPUMEM_SHIM", value_name = "FILE")]
+    /// Refused unless it is the shim, built for this machine.
+    #[arg(long, env = "GPUMEM_INSTALL_SHIM_FROM", value_name = "FILE")]
     from: Option<PathBuf>,
 
     /// Host directory to install into (the plugin's --shim-host-dir).
     #[arg(
         long,
-        env = "GPUMEM_SHIM_HOST_DIR",
+        env = "GPUMEM_INSTALL_SHIM_TO",
+        value_name = "DIR",
         default_value = "/usr/local/gpumem"
     )]
     to: PathBuf,
@@ -286,12 +312,24 @@ struct InstallArgs {
 
 #[derive(Args)]
 struct InspectArgs {
-    /// Show each pod and container with its units, cap and usage.
-    #[arg(short = 'd', long)]
+    /// Show each pod and container with its units, cap and usage
+    /// (GPUMEM_INSPECT_DETAILS: true or false).
+    #[arg(
+        short = 'd',
+        long,
+        env = "GPUMEM_INSPECT_DETAILS",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
     details: bool,
 
     /// Output format.
-    #[arg(short = 'o', long, default_value = "table")]
+    #[arg(
+        short = 'o',
+        long,
+        env = "GPUMEM_INSPECT_OUTPUT",
+        default_value = "table",
+        value_name = "table|json"
+    )]
     output: OutputFormat,
 
     /// The running plugin's --metrics-addr; without an answer there, the
@@ -348,7 +386,7 @@ fn main() -> ExitCode {
                     Command::InstallShim(args) => {
                         let from = match args.from {
                             Some(path) => path,
-                            None => exec::find_shim(None)?,
+                            None => exec::find_shim(None, "--from")?,
                         };
                         let installed = gpumem::install::install(&from, &args.to)?;
                         info!(shim = %installed.display(), "installed");
@@ -360,10 +398,29 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("gpumem: error: {err:#}");
+            eprintln!("gpumem: error: {}", one_line(err.as_ref()));
             ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, each said once. gpumem's errors put
+/// their cause in their own message, so they read whole wherever they are
+/// shown; anyhow's `{:#}` would then print the cause a second time.
+fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut outer = String::new();
+    for cause in std::iter::successors(Some(err), |e| e.source()) {
+        let text = cause.to_string();
+        if !outer.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+        outer = text;
+    }
+    line
 }
 
 /// GPUs from a fake file, or from NVML.
@@ -412,10 +469,16 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     };
     let health = health::watch_for(
         args.node.fake_gpus.as_deref(),
-        &args.ignore_xids,
+        &args.ignore_xids.0,
         Duration::from_secs(args.health_recovery_secs),
     );
-    info!(%unit, placement = %args.placement.placement, metrics = %args.metrics_addr, "starting");
+    info!(
+        %unit,
+        placement = %args.placement.placement,
+        metrics = %args.metrics_addr,
+        ignore_xids = ?args.ignore_xids.0,
+        "starting"
+    );
 
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
@@ -443,21 +506,50 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     let only_selected = !args.gpus.is_empty();
     let gpus = exec::select(discover(args.fake_gpus.as_deref())?, &args.gpus)?;
     let mem_mib = args.mem.mib;
-    let finished = exec::run(ExecConfig {
+    // Most likely a typo or the wrong node; still run, as one cap for
+    // mixed GPUs is legitimate.
+    for gpu in exec::smaller_than_cap(&gpus, mem_mib) {
+        eprintln!(
+            "gpumem: warning: --mem {mem_mib} MiB is more than GPU {} ({}) has, {} MiB, so it \
+             does not limit the command there",
+            gpu.index, gpu.name, gpu.memory_mib
+        );
+    }
+    let shared = args.state_dir.clone();
+    let run = exec::run(ExecConfig {
         mem_mib: args.mem.mib,
         gpus,
         state_dir: args.state_dir,
-        shim: exec::find_shim(args.shim)?,
+        shim: exec::find_shim(args.shim, "--shim")?,
         context_charge_mib: args.context.context_charge_mib,
         only_selected,
         reconcile: args.reconcile.source(args.fake_gpus.as_deref()),
         command: args.command,
     })
-    .await?;
+    .await;
+    let finished = match run {
+        Ok(finished) => finished,
+        Err(err) => match err.exit_code() {
+            // A shell's status for a command it cannot start.
+            Some(code) => {
+                eprintln!("gpumem: error: {}", one_line(&err));
+                return Ok(ExitCode::from(code));
+            }
+            None => return Err(err.into()),
+        },
+    };
     if finished.refusals > 0 {
-        // Why the command may have failed with out-of-memory.
+        // Why the command may have failed with out-of-memory. The file
+        // counts refusals per GPU, not per process.
+        let whose = match shared {
+            Some(dir) => format!(
+                " while the command ran, by it or another command sharing --state-dir {}",
+                dir.display()
+            ),
+            None => String::new(),
+        };
         eprintln!(
-            "gpumem: {} GPU allocation(s) refused at the {mem_mib} MiB cap (peak use {} MiB)",
+            "gpumem: {} GPU allocation(s) refused at the {mem_mib} MiB cap{whose} (peak use {} MiB)",
             finished.refusals, finished.peak_mib
         );
     }

@@ -69,25 +69,39 @@ pub struct MemorySize {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("invalid memory size {0:?}: expected a number of MiB with an optional MiB or GiB suffix, e.g. 4308MiB or 4GiB")]
-pub struct BadMemorySize(pub String);
+pub enum BadMemorySize {
+    #[error("invalid memory size {0:?}: expected a number of MiB with an optional MiB or GiB suffix, e.g. 4308MiB or 4GiB")]
+    Malformed(String),
+    #[error("memory size {0:?} is zero: a cap must be greater than 0")]
+    Zero(String),
+    #[error("memory size {0:?} is too large to count in MiB")]
+    TooLarge(String),
+}
 
 impl FromStr for MemorySize {
     type Err = BadMemorySize;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || BadMemorySize(s.to_owned());
         let lower = s.trim().to_ascii_lowercase();
         let (digits, unit) = if let Some(d) = lower.strip_suffix("gib") {
             (d, MemoryUnit::GiB)
         } else {
             (lower.strip_suffix("mib").unwrap_or(&lower), MemoryUnit::MiB)
         };
-        let n: u64 = digits.trim().parse().map_err(|_| bad())?;
+        let digits = digits.trim();
+        // Digits only: `parse` alone would take "+4".
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(BadMemorySize::Malformed(s.to_owned()));
+        }
+        let n: u64 = digits
+            .parse()
+            .map_err(|_| BadMemorySize::TooLarge(s.to_owned()))?;
+        if n == 0 {
+            return Err(BadMemorySize::Zero(s.to_owned()));
+        }
         let mib = n
             .checked_mul(unit.mib())
-            .filter(|&m| m > 0)
-            .ok_or_else(bad)?;
+            .ok_or_else(|| BadMemorySize::TooLarge(s.to_owned()))?;
         Ok(MemorySize { mib })
     }
 }
@@ -161,16 +175,18 @@ mod tests {
         assert_eq!(mib("4GiB"), Some(4096));
         assert_eq!(mib("4308"), Some(4308));
         assert_eq!(mib(" 2 gib "), Some(2048));
-        for bad in [
-            "",
-            "0",
-            "4GB",
-            "-1MiB",
-            "1.5GiB",
-            "MiB",
-            "99999999999999999999GiB",
-        ] {
-            assert_eq!(mib(bad), None, "{bad}");
+        for bad in ["", "4GB", "-1MiB", "+4MiB", "1.5GiB", "MiB"] {
+            let err = bad.parse::<MemorySize>().unwrap_err();
+            assert!(matches!(err, BadMemorySize::Malformed(_)), "{bad}: {err}");
+        }
+        // 0 is a number of MiB: the message says what is wrong with it.
+        for zero in ["0", "0GiB", "00MiB"] {
+            let err = zero.parse::<MemorySize>().unwrap_err();
+            assert!(err.to_string().contains("greater than 0"), "{err}");
+        }
+        for huge in ["99999999999999999999", "18014398509481984GiB"] {
+            let err = huge.parse::<MemorySize>().unwrap_err();
+            assert!(err.to_string().contains("too large"), "{huge}: {err}");
         }
     }
 

@@ -267,6 +267,7 @@ fn exec_commands_sharing_a_state_dir_share_the_cap() {
         .arg(&kit.probe)
         .args(["alloc:3000", "hold"])
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     common::wait_for_line(&mut holder, "holding");
@@ -282,10 +283,23 @@ fn exec_commands_sharing_a_state_dir_share_the_cap() {
         text.contains("alloc:2000 2 #0") && text.contains("alloc:400 0 #1"),
         "{text}"
     );
+    // The file counts refusals per GPU, not per command: each report says
+    // that a command sharing the directory may have had them.
+    let shared = format!(
+        "gpumem: 1 GPU allocation(s) refused at the 4096 MiB cap while the command ran, by it \
+         or another command sharing --state-dir {}",
+        state.path().display()
+    );
+    assert!(text.contains(&shared), "{text}");
     // SIGTERM to gpumem reaches the command; gpumem reports how it ended.
     kill(Pid::from_raw(holder.id() as i32), Signal::SIGTERM).unwrap();
-    let status = holder.wait().unwrap();
-    assert_eq!(status.code(), Some(128 + 15));
+    let out = holder.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(128 + 15));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&shared),
+        "the holder had no refusal of its own: {stderr}"
+    );
 }
 
 #[test]
@@ -421,4 +435,296 @@ async fn the_nvml_backend_advertises_what_nvml_reports() {
     assert_eq!(env["GPUMEM_LIMIT_MIB"], "4308");
     assert!(status.success());
     kubelet.stop().await;
+}
+
+/// Everything from the command line to the plugin's "starting" log line,
+/// as JSON; the plugin is then stopped.
+fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = gpumem();
+    cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
+        .args(["--metrics-addr", ""])
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(fixture("t4"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    configure(&mut cmd);
+    let mut child = cmd.spawn().unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    let mut starting = None;
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        let Ok(log) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if log["fields"]["message"] == "starting" {
+            starting = Some(log);
+            break;
+        }
+    }
+    let _ = child.kill();
+    child.wait().unwrap();
+    starting.unwrap_or_else(|| panic!("plugin did not start: {seen}"))
+}
+
+#[test]
+fn ignore_xids_takes_what_help_shows_and_an_empty_list() {
+    let (out, help) = run(gpumem().args(["plugin", "--help"]));
+    assert!(out.status.success());
+    let entry = help
+        .split("--ignore-xids")
+        .nth(1)
+        .and_then(|rest| rest.split("\n      --").next())
+        .unwrap();
+    assert!(
+        entry.contains("commas") && entry.contains("[default: 13,31,43,45,68,109]"),
+        "{entry}"
+    );
+    let ignored = |configure: &dyn Fn(&mut Command)| {
+        plugin_start(|cmd| configure(cmd))["fields"]["ignore_xids"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let default = "[13, 31, 43, 45, 68, 109]";
+    assert_eq!(ignored(&|_| ()), default);
+    // The default as --help shows it, and as older versions showed it.
+    for shown in ["13,31,43,45,68,109", "13 31 43 45 68 109"] {
+        assert_eq!(
+            ignored(&|cmd| {
+                cmd.args(["--ignore-xids", shown]);
+            }),
+            default
+        );
+    }
+    assert_eq!(
+        ignored(&|cmd| {
+            cmd.env("GPUMEM_IGNORE_XIDS", "13, 79");
+        }),
+        "[13, 79]"
+    );
+    // Empty: every XID counts.
+    assert_eq!(
+        ignored(&|cmd| {
+            cmd.args(["--ignore-xids", ""]);
+        }),
+        "[]"
+    );
+    assert_eq!(
+        ignored(&|cmd| {
+            cmd.env("GPUMEM_IGNORE_XIDS", "");
+        }),
+        "[]"
+    );
+
+    for bad in [
+        gpumem().args(["plugin", "--ignore-xids", "13,x1"]),
+        gpumem().arg("plugin").env("GPUMEM_IGNORE_XIDS", "13;x1"),
+    ] {
+        let (out, text) = run(bad);
+        assert!(!out.status.success());
+        assert!(
+            text.contains("--ignore-xids")
+                && text.contains("x1\" is not an XID")
+                && text.contains("commas"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn exec_and_install_refuse_a_file_that_is_not_the_shim() {
+    let kit = common::shim_kit();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    // Not ELF; a CUDA driver (the fake one), which exports the same hooks;
+    // a program.
+    let cases = [
+        (std::path::PathBuf::from("/etc/passwd"), "not an ELF file"),
+        (
+            kit.driver_dir.join("libcuda.so.1"),
+            "does not export gpumem_shim_version",
+        ),
+        (kit.probe.clone(), "does not export"),
+    ];
+    for (file, why) in &cases {
+        let (out, text) = run(gpumem()
+            .args(["exec", "--mem", "1GiB", "--fake-gpus"])
+            .arg(fixture("t4"))
+            .arg("--shim")
+            .arg(file)
+            .arg("--")
+            .arg("touch")
+            .arg(&marker));
+        assert!(!out.status.success());
+        assert!(
+            text.contains(&format!(
+                "--shim: {} is not the gpumem shim",
+                file.display()
+            )) && text.contains(why)
+                && text.contains("uncapped"),
+            "{text}"
+        );
+        assert!(!marker.exists(), "the command ran uncapped: {text}");
+
+        let to = dir.path().join("host");
+        let (out, text) = run(gpumem()
+            .args(["install-shim", "--from"])
+            .arg(file)
+            .arg("--to")
+            .arg(&to));
+        assert!(!out.status.success());
+        assert!(
+            text.contains(&format!(
+                "--from: {} is not the gpumem shim",
+                file.display()
+            )) && text.contains(why),
+            "{text}"
+        );
+        assert!(!to.exists(), "installed anyway");
+    }
+
+    // The shim itself passes both.
+    let to = dir.path().join("host");
+    let (out, text) = run(gpumem()
+        .args(["install-shim", "--from"])
+        .arg(&kit.shim)
+        .arg("--to")
+        .arg(&to));
+    assert!(out.status.success(), "{text}");
+    assert!(to.join("libgpumem_shim.so").is_file());
+    let (out, text) = run(exec().args(["--mem", "1GiB", "--", "touch"]).arg(&marker));
+    assert!(out.status.success() && marker.exists(), "{text}");
+}
+
+#[test]
+fn exec_says_what_is_wrong_with_its_input() {
+    let kit = common::shim_kit();
+    // No `--` needed; the command's own flags stay its own.
+    let (out, text) = run(exec()
+        .args(["--mem", "4308MiB"])
+        .arg(&kit.probe)
+        .args(["info", "nvml"]));
+    assert!(out.status.success(), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("info")), "{text}");
+    let (out, text) = run(exec().args(["--mem", "1GiB", "sh", "-c", "exit 3"]));
+    assert_eq!(out.status.code(), Some(3), "{text}");
+
+    // 0 is a number of MiB; what is wrong with it is that it is 0.
+    let (out, text) = run(exec().args(["--mem", "0", "--", "true"]));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("--mem")
+            && text.contains("greater than 0")
+            && !text.contains("expected a number"),
+        "{text}"
+    );
+
+    // A cap beyond the card: runs, with a word naming the GPU and its memory.
+    let (out, text) = run(exec()
+        .args(["--mem", "20GiB", "--fake-gpus"])
+        .arg(fixture("t4"))
+        .args(["--", "true"]));
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("warning: --mem 20480 MiB is more than GPU 0 (Tesla T4) has, 15079 MiB"),
+        "{text}"
+    );
+    let (_, text) = run(exec()
+        .args(["--mem", "15079MiB", "--fake-gpus"])
+        .arg(fixture("t4"))
+        .args(["--", "true"]));
+    assert!(!text.contains("warning"), "{text}");
+
+    // A shell's statuses: 127 not found, 126 not executable.
+    let (out, text) = run(exec().args(["--mem", "1GiB", "--", "gpumem-no-such-command"]));
+    assert_eq!(out.status.code(), Some(127), "{text}");
+    assert!(
+        text.contains("cannot run \"gpumem-no-such-command\": command not found"),
+        "{text}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.sh");
+    std::fs::write(&script, "#!/bin/sh\nexit 0\n").unwrap();
+    let (out, text) = run(exec().args(["--mem", "1GiB", "--"]).arg(&script));
+    assert_eq!(out.status.code(), Some(126), "{text}");
+    assert!(
+        text.contains(&format!("cannot run {:?}: not executable", script)),
+        "{text}"
+    );
+}
+
+#[test]
+fn os_errors_are_printed_once_and_name_the_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, text) = run(gpumem()
+        .args([
+            "install-shim",
+            "--from",
+            "/nonexistent/libgpumem_shim.so",
+            "--to",
+        ])
+        .arg(dir.path()));
+    assert!(!out.status.success());
+    assert!(
+        text.contains("--from: cannot read the shim /nonexistent/libgpumem_shim.so"),
+        "{text}"
+    );
+    assert_eq!(text.matches("os error 2").count(), 1, "{text}");
+
+    let (out, text) = run(gpumem().args(["demo", "--fake-gpus", "/nonexistent/node.toml"]));
+    assert!(!out.status.success());
+    assert_eq!(text.matches("os error 2").count(), 1, "{text}");
+}
+
+/// Every flag of every command can be set through the environment, under
+/// GPUMEM_<FLAG> or, where that would clash, GPUMEM_<COMMAND>_<FLAG>.
+#[test]
+fn every_flag_has_an_env_var_named_after_it() {
+    for command in ["plugin", "demo", "exec", "inspect", "install-shim"] {
+        let (out, help) = run(gpumem().args([command, "--help"]));
+        assert!(out.status.success(), "{help}");
+        let options = help.split("\nOptions:\n").nth(1).unwrap();
+        // Entries start at a flag; clap's long help continues them indented.
+        let mut entries: Vec<String> = Vec::new();
+        for line in options.lines() {
+            if line.starts_with("  -") || line.starts_with("      --") {
+                entries.push(line.trim().to_owned());
+            } else if let Some(last) = entries.last_mut() {
+                last.push(' ');
+                last.push_str(line.trim());
+            }
+        }
+        let mut flags = 0;
+        for entry in &entries {
+            let flag = entry
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("--"))
+                .unwrap()
+                .trim_end_matches(',');
+            if flag == "help" || flag == "version" {
+                continue;
+            }
+            flags += 1;
+            let env = entry
+                .split("[env: ")
+                .nth(1)
+                .and_then(|rest| rest.split('=').next())
+                .unwrap_or_else(|| panic!("{command} --{flag} has no env var: {entry}"));
+            let name = |s: &str| s.to_uppercase().replace('-', "_");
+            let plain = format!("GPUMEM_{}", name(flag));
+            let prefixed = format!("GPUMEM_{}_{}", name(command), name(flag));
+            assert!(
+                env == plain || env == prefixed,
+                "{command} --{flag}: {env}, not {plain} or {prefixed}"
+            );
+        }
+        assert!(flags >= 2, "{command}: {help}");
+    }
 }

@@ -35,3 +35,12 @@ mod table;
 mod track;
 #[cfg_attr(test, allow(dead_code))]
 mod vmm;
+
+/// Marks this library as gpumem's shim: `gpumem exec`, `install-shim` and
+/// the plugin look for this export before anything preloads a file, since
+/// the loader skips a wrong one with at most a warning and the process then
+/// runs uncapped. Returns the version, NUL-terminated.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn gpumem_shim_version() -> *const std::ffi::c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
