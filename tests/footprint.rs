@@ -2,7 +2,7 @@
 //! contexts from the moment they are made, the driver's 2 MiB chunks, VMM
 //! memory for as long as it is mapped, arrays, pools on their own device.
 //! Each test runs the shim in real processes against the fake driver, which
-//! takes memory the way the H100 does, and where it matters reads the
+//! takes memory the way an H100 did in docs/GPU_VERIFICATION.md, and where it matters reads the
 //! footprint from outside, as nvidia-smi would.
 
 mod common;
@@ -199,7 +199,7 @@ fn arrays_are_charged_until_destroyed() {
         .collect();
     assert_eq!(results, ["0", "0", "0", "2", "0"], "{lines:?}");
     assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 3 * 1024 * MIB);
-    // What the H100 took for a 4096² float4 chain of 13 levels.
+    // What an H100 took for a 4096² float4 chain of 13 levels (docs/GPU_VERIFICATION.md).
     assert_eq!(free_at(&lines, 0) - free_at(&lines, 1), 342 * MIB);
     assert_eq!(free_at(&lines, 2), free_at(&lines, 0));
 }
