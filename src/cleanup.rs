@@ -3,7 +3,6 @@
 //! after it has been unused for the whole grace period.
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,11 +11,14 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::accounting;
-use crate::inject::{container_dir_name, ShimConfig};
+use crate::containers::{ContainerName, Containers};
+use crate::inject::ShimConfig;
 use crate::inventory::Inventory;
 use crate::placement;
 use crate::podresources::PodResources;
+
+/// Since when each directory has been unused.
+type UnusedSince = HashMap<ContainerName, Instant>;
 
 /// Sweeps `<state-dir>/containers` until `shutdown`.
 pub async fn run(
@@ -27,7 +29,8 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let every = (grace / 4).clamp(Duration::from_millis(200), Duration::from_secs(30));
-    let mut unused_since: HashMap<String, Instant> = HashMap::new();
+    let containers = Arc::new(shim.containers());
+    let mut unused_since = UnusedSince::new();
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -42,54 +45,62 @@ pub async fn run(
             }
         };
         let inv = inventory.borrow().clone();
-        let live: HashSet<String> = holdings
+        let live: HashSet<ContainerName> = holdings
             .iter()
             .filter_map(|h| {
                 let assignment = placement::assign(&inv, &h.device_ids).ok()?;
-                Some(container_dir_name(&inv, assignment, &h.device_ids))
+                Some(ContainerName::of(&inv, assignment, &h.device_ids))
             })
             .collect();
-        sweep(&shim.containers_dir(), &live, grace, &mut unused_since);
+        // Reading and removing directories blocks: off the async workers.
+        let containers = containers.clone();
+        match tokio::task::spawn_blocking(move || {
+            sweep(&containers, &live, grace, &mut unused_since);
+            unused_since
+        })
+        .await
+        {
+            Ok(kept) => unused_since = kept,
+            Err(err) => {
+                warn!(%err, "state clean-up stopped");
+                return;
+            }
+        }
     }
 }
 
 fn sweep(
-    dir: &Path,
-    live: &HashSet<String>,
+    containers: &Containers,
+    live: &HashSet<ContainerName>,
     grace: Duration,
-    unused_since: &mut HashMap<String, Instant>,
+    unused_since: &mut UnusedSince,
 ) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let mut present = HashSet::new();
-    for entry in entries.flatten() {
-        let Ok(name) = entry.file_name().into_string() else {
-            continue;
-        };
-        present.insert(name.clone());
-        let path = entry.path();
-        let in_use = live.contains(&name)
-            || accounting::has_live_process(&path.join(gpumem_layout::FILE_NAME)).unwrap_or(false);
+    let present = containers.list();
+    for dir in &present {
+        let in_use = live.contains(&dir.name)
+            || dir
+                .accounting()
+                .is_ok_and(|processes| !processes.live.is_empty());
         if in_use {
-            unused_since.remove(&name);
+            unused_since.remove(&dir.name);
             continue;
         }
         let since = *unused_since
-            .entry(name.clone())
+            .entry(dir.name.clone())
             .or_insert_with(Instant::now);
         if since.elapsed() < grace {
             continue;
         }
-        match std::fs::remove_dir_all(&path) {
+        match dir.remove() {
             Ok(()) => {
-                info!(dir = %path.display(), "removed the accounting state of a finished container");
-                unused_since.remove(&name);
+                info!(dir = %dir.path.display(), "removed the accounting state of a finished container");
+                unused_since.remove(&dir.name);
             }
             Err(err) => {
-                warn!(dir = %path.display(), %err, "cannot remove finished container state")
+                warn!(dir = %dir.path.display(), %err, "cannot remove finished container state")
             }
         }
     }
+    let present: HashSet<&ContainerName> = present.iter().map(|dir| &dir.name).collect();
     unused_since.retain(|name, _| present.contains(name));
 }

@@ -71,10 +71,10 @@ pub async fn run(
         tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
     }
     if let (Isolation::Shim(shim), Some((reconciler, every))) = (&*isolation, reconciler) {
-        let containers = shim.containers_dir();
+        let containers = shim.containers();
         tasks.spawn(reconcile::run(
             reconciler,
-            move || reconcile::container_files(&containers),
+            move || containers.accounting_files(),
             every,
             stop.clone(),
         ));

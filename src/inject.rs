@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::accounting::{self, AccountingError, Cap};
+use crate::accounting::{AccountingError, Cap};
 use crate::api::deviceplugin::{ContainerAllocateResponse, Mount};
+use crate::containers::{ContainerName, Containers};
 use crate::inventory::Inventory;
 use crate::placement::Assignment;
 
@@ -63,9 +64,14 @@ impl ShimConfig {
         self.host_dir.join(PRELOAD_LIST)
     }
 
+    /// The per-container accounting directories.
+    pub fn containers(&self) -> Containers {
+        Containers::in_state_dir(&self.state_dir)
+    }
+
     /// Parent of the per-container directories.
     pub fn containers_dir(&self) -> PathBuf {
-        self.state_dir.join("containers")
+        self.containers().root().to_owned()
     }
 }
 
@@ -81,25 +87,9 @@ pub enum InjectError {
     Accounting(#[from] AccountingError),
 }
 
-/// Names a container's accounting directory after the devices it holds:
-/// kubelet never gives the same units to two live containers, and the name
-/// is the same if kubelet calls Allocate again for the same container.
-pub fn container_dir_name(inv: &Inventory, assignment: Assignment, ids: &[String]) -> String {
-    let mut sorted: Vec<&str> = ids.iter().map(String::as_str).collect();
-    sorted.sort_unstable();
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in sorted.join(",").bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!(
-        "{}-{}u-{hash:016x}",
-        inv.gpus()[assignment.gpu].key,
-        assignment.units
-    )
-}
-
 /// The response for one container holding `assignment` (the devices `ids`).
+/// With shim isolation this creates and syncs files: call it off the async
+/// workers.
 pub fn container_response(
     inv: &Inventory,
     assignment: Assignment,
@@ -129,16 +119,13 @@ pub fn container_response(
             }
         }
         let dir = shim
-            .containers_dir()
-            .join(container_dir_name(inv, assignment, ids));
-        accounting::prepare(
-            &dir,
-            &[Cap {
-                uuid: gpu.gpu.uuid.clone(),
-                cap_mib,
-                context_charge_mib: shim.context_charge_mib,
-            }],
-        )?;
+            .containers()
+            .get(ContainerName::of(inv, assignment, ids));
+        dir.prepare(&[Cap {
+            uuid: gpu.gpu.uuid.clone(),
+            cap_mib,
+            context_charge_mib: shim.context_charge_mib,
+        }])?;
         let mount = |container: &Path, host: &Path, read_only| Mount {
             container_path: container.display().to_string(),
             host_path: host.display().to_string(),
@@ -151,7 +138,7 @@ pub fn container_response(
                 true,
             ),
             mount(Path::new("/etc/ld.so.preload"), &preload, true),
-            mount(Path::new(gpumem_layout::CONTAINER_DIR), &dir, false),
+            mount(Path::new(gpumem_layout::CONTAINER_DIR), &dir.path, false),
         ];
         envs.insert(
             env::STATE_DIR.to_owned(),

@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod api;
 pub mod cleanup;
+pub mod containers;
 pub mod daemon;
 pub mod demo;
 pub mod exec;

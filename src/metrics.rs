@@ -2,30 +2,36 @@
 //! fails while the plugin is not registered, and the node status as JSON
 //! (what `gpumem inspect` reads).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::TypedMetric;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
+use tokio::task::JoinError;
 use tokio_util::sync::CancellationToken;
+use tracing::error;
 
 use crate::inject::Isolation;
 use crate::inventory::Inventory;
 use crate::plugin::PluginStatus;
-use crate::podresources::PodResources;
+use crate::podresources::{Holding, PodResources, PodResourcesError};
 use crate::reconcile::Overheads;
 use crate::service::Counters;
-use crate::status::NodeStatus;
+use crate::status::{ContainerStatus, GpuStatus, NodeStatus};
+
+const MIB: u64 = 1 << 20;
 
 /// Everything the endpoints report on.
 #[derive(Clone)]
@@ -41,8 +47,16 @@ pub struct Observed {
 }
 
 impl Observed {
-    pub async fn status(&self) -> NodeStatus {
+    /// Asks pod-resources, then reads the accounting files off the async
+    /// workers.
+    pub async fn status(&self) -> Result<NodeStatus, JoinError> {
         let holdings = self.pod_resources.holdings().await;
+        let observed = self.clone();
+        tokio::task::spawn_blocking(move || observed.build(holdings)).await
+    }
+
+    /// Reads the accounting files: blocking.
+    fn build(&self, holdings: Result<Vec<Holding>, PodResourcesError>) -> NodeStatus {
         let inventory = self.inventory.borrow().clone();
         NodeStatus::build(
             &inventory,
@@ -52,6 +66,27 @@ impl Observed {
             &self.isolation,
         )
     }
+
+    /// Reads the node for one scrape: blocking.
+    fn reading(&self, holdings: Result<Vec<Holding>, PodResourcesError>) -> Reading {
+        let overheads = self
+            .overheads
+            .as_ref()
+            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .unwrap_or_default();
+        Reading {
+            status: self.build(holdings),
+            overheads,
+            registrations: self.plugin.borrow().registrations,
+        }
+    }
+}
+
+/// The endpoints' state: what they report on, and the metrics registry.
+#[derive(Clone)]
+struct Endpoint {
+    observed: Observed,
+    metrics: Arc<Metrics>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -74,11 +109,12 @@ pub fn parse_address(text: &str) -> Result<Option<SocketAddr>, BadAddress> {
 }
 
 pub fn router(observed: Observed) -> Router {
+    let metrics = Arc::new(Metrics::new(&observed.counters));
     Router::new()
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(scrape))
         .route("/healthz", get(healthz))
         .route("/status", get(status))
-        .with_state(observed)
+        .with_state(Endpoint { observed, metrics })
 }
 
 /// Serves the endpoints on `listener` until `shutdown`.
@@ -92,8 +128,8 @@ pub async fn serve(
         .await
 }
 
-async fn healthz(State(observed): State<Observed>) -> impl IntoResponse {
-    if observed.plugin.borrow().registered {
+async fn healthz(State(endpoint): State<Endpoint>) -> impl IntoResponse {
+    if endpoint.observed.plugin.borrow().registered {
         (StatusCode::OK, "ok\n")
     } else {
         (
@@ -103,172 +139,360 @@ async fn healthz(State(observed): State<Observed>) -> impl IntoResponse {
     }
 }
 
-async fn status(State(observed): State<Observed>) -> Json<NodeStatus> {
-    Json(observed.status().await)
+async fn status(State(endpoint): State<Endpoint>) -> Result<Json<NodeStatus>, StatusCode> {
+    match endpoint.observed.status().await {
+        Ok(status) => Ok(Json(status)),
+        Err(err) => {
+            error!(%err, "cannot read the node status");
+            Err(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
+async fn scrape(State(endpoint): State<Endpoint>) -> impl IntoResponse {
+    let holdings = endpoint.observed.pod_resources.holdings().await;
+    let plain = |code| (code, [(header::CONTENT_TYPE, "text/plain")], String::new());
+    // The accounting files are read, and the text encoded, off the async workers.
+    let body = tokio::task::spawn_blocking(move || {
+        let reading = endpoint.observed.reading(holdings);
+        endpoint.metrics.encode(reading)
+    })
+    .await;
+    match body {
+        Ok(Ok(body)) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        ),
+        Ok(Err(std::fmt::Error)) => plain(StatusCode::INTERNAL_SERVER_ERROR),
+        Err(err) => {
+            error!(%err, "cannot read the node for metrics");
+            plain(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+}
+
+/// The registry, built once when the endpoint starts: the Allocate counters
+/// themselves, and what each scrape reads, through `NodeCollector`.
+struct Metrics {
+    registry: Registry,
+    node: Arc<NodeCollector>,
+    /// One scrape encodes at a time, each its own reading.
+    encoding: Mutex<()>,
+}
+
+impl Metrics {
+    fn new(counters: &Counters) -> Metrics {
+        let mut registry = Registry::with_prefix("gpumem");
+        registry.register(
+            "allocate_calls",
+            "Allocate calls from kubelet",
+            counters.allocations.clone(),
+        );
+        registry.register(
+            "allocate_errors",
+            "Allocate calls refused",
+            counters.allocation_errors.clone(),
+        );
+        let node = Arc::new(NodeCollector::default());
+        registry.register_collector(Box::new(node.clone()));
+        Metrics {
+            registry,
+            node,
+            encoding: Mutex::new(()),
+        }
+    }
+
+    fn encode(&self, reading: Reading) -> Result<String, std::fmt::Error> {
+        let _turn = self.encoding.lock().unwrap_or_else(|e| e.into_inner());
+        *self.node.reading.lock().unwrap_or_else(|e| e.into_inner()) = Some(reading);
+        let mut body = String::new();
+        let encoded = encode(&mut body, &self.registry);
+        self.node
+            .reading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        encoded.map(|()| body)
+    }
+}
+
+/// What one scrape read: the node's status and the plugin's state.
+#[derive(Debug)]
+struct Reading {
+    status: NodeStatus,
+    /// Per-GPU process overhead by UUID, where it is reconciled.
+    overheads: HashMap<String, u64>,
+    registrations: u64,
+}
+
+/// Reports the latest reading: GPUs and containers come and go, and their
+/// figures (refusals included) are read from files, not counted here.
+#[derive(Debug, Default)]
+struct NodeCollector {
+    reading: Mutex<Option<Reading>>,
 }
 
 type Labels = Vec<(&'static str, String)>;
 
-async fn metrics(State(observed): State<Observed>) -> impl IntoResponse {
-    let status = observed.status().await;
-    let mut registry = Registry::with_prefix("gpumem");
-    let gauge = |registry: &mut Registry, name: &str, help: &str| {
-        let family = Family::<Labels, Gauge>::default();
-        registry.register(name, help, family.clone());
-        family
-    };
-    let units = gauge(&mut registry, "gpu_units", "Units the GPU is advertised as");
-    let allocated = gauge(
-        &mut registry,
-        "gpu_allocated_units",
-        "Units of the GPU held by containers",
-    );
-    let memory = gauge(
-        &mut registry,
-        "gpu_memory_mib",
-        "GPU memory as NVML reports it, MiB",
-    );
-    let healthy = gauge(
-        &mut registry,
-        "gpu_healthy",
-        "1 if the GPU's units are Healthy",
-    );
-    let overhead = gauge(
-        &mut registry,
-        "gpu_process_overhead_bytes",
-        "Median GPU memory a recent process held beyond what the shim charged it (modules \
-         loaded lazily, library workspaces, pool reserves): what reconciliation catches",
-    );
-    let overheads = observed
-        .overheads
-        .as_ref()
-        .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).clone())
-        .unwrap_or_default();
-    for g in &status.gpus {
-        let labels = vec![("gpu", g.index.to_string()), ("uuid", g.uuid.clone())];
-        if let Some(&bytes) = overheads.get(&g.uuid) {
-            overhead
-                .get_or_create(&labels)
-                .set(i64::try_from(bytes).unwrap_or(i64::MAX));
-        }
-        units.get_or_create(&labels).set(i64::from(g.units));
-        allocated
-            .get_or_create(&labels)
-            .set(i64::from(g.allocated_units));
-        memory
-            .get_or_create(&labels)
-            .set(i64::try_from(g.memory_mib).unwrap_or(i64::MAX));
-        healthy.get_or_create(&labels).set(i64::from(g.healthy));
+/// One metric and its samples. Help ends with a full stop, as
+/// `Registry::register` ends it.
+fn family<M: EncodeMetric + TypedMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (Labels, M)>,
+) -> std::fmt::Result {
+    let help = format!("{help}.");
+    let mut metric = encoder.encode_descriptor(name, &help, None, M::TYPE)?;
+    for (labels, value) in samples {
+        value.encode(metric.encode_family(&labels)?)?;
     }
-    let cap = gauge(
-        &mut registry,
-        "container_cap_bytes",
-        "The container's GPU memory cap",
-    );
-    let used = gauge(
-        &mut registry,
-        "container_used_bytes",
-        "GPU memory the container's processes hold",
-    );
-    let untracked = gauge(
-        &mut registry,
-        "container_untracked_bytes",
-        "Part of container_used_bytes held beyond charged allocations (CUDA contexts, libraries)",
-    );
-    let peak = gauge(
-        &mut registry,
-        "container_peak_bytes",
-        "Highest GPU memory use an allocation of the container reached",
-    );
-    let refused = gauge(
-        &mut registry,
-        "container_refused_allocations",
-        "Allocations refused for the container's cap (it wanted more than its slice)",
-    );
-    for c in &status.containers {
-        let labels = vec![
-            ("namespace", c.namespace.clone()),
-            ("pod", c.pod.clone()),
-            ("container", c.container.clone()),
-            ("gpu", c.gpu.to_string()),
-        ];
-        let bytes = |mib: u64| i64::try_from(mib << 20).unwrap_or(i64::MAX);
-        cap.get_or_create(&labels).set(bytes(c.cap_mib));
-        if let Some(u) = c.used_mib {
-            used.get_or_create(&labels).set(bytes(u));
-        }
-        if let Some(u) = c.untracked_mib {
-            untracked.get_or_create(&labels).set(bytes(u));
-        }
-        if let Some(p) = c.peak_mib {
-            peak.get_or_create(&labels).set(bytes(p));
-        }
-        if let Some(n) = c.refused_allocations {
-            refused
-                .get_or_create(&labels)
-                .set(i64::try_from(n).unwrap_or(i64::MAX));
-        }
-    }
-    let counter = |registry: &mut Registry, name: &str, help: &str, value: u64| {
-        let c = Counter::<u64>::default();
-        c.inc_by(value);
-        registry.register(name, help, c);
-    };
-    counter(
-        &mut registry,
-        "allocate_calls",
-        "Allocate calls from kubelet",
-        observed.counters.allocations.load(Relaxed),
-    );
-    counter(
-        &mut registry,
-        "allocate_errors",
-        "Allocate calls refused",
-        observed.counters.allocation_errors.load(Relaxed),
-    );
-    let registrations = observed.plugin.borrow().registrations;
-    counter(
-        &mut registry,
-        "registrations",
-        "Successful Register calls (one per kubelet start)",
-        registrations,
-    );
-    let registered = Gauge::<i64>::default();
-    registered.set(i64::from(status.registered));
-    registry.register(
-        "registered",
-        "1 while registered with the running kubelet",
-        registered,
-    );
-    let up = Gauge::<i64>::default();
-    up.set(i64::from(status.pod_resources_error.is_none()));
-    registry.register(
-        "pod_resources_up",
-        "1 if kubelet's pod-resources API answered",
-        up,
-    );
+    Ok(())
+}
 
-    let mut body = String::new();
-    if encode(&mut body, &registry).is_err() {
-        return (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            [(header::CONTENT_TYPE, "text/plain")],
-            String::new(),
-        );
+/// A gauge per GPU.
+fn per_gpu<'a>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    gpus: &'a [GpuStatus],
+    value: impl Fn(&'a GpuStatus) -> Option<u64>,
+) -> std::fmt::Result {
+    let samples = gpus.iter().filter_map(|g| {
+        let labels = vec![("gpu", g.index.to_string()), ("uuid", g.uuid.clone())];
+        Some((labels, ConstGauge::new(value(g)?)))
+    });
+    family(encoder, name, help, samples)
+}
+
+/// A metric per container, where its value is known.
+fn per_container<'a, M: EncodeMetric + TypedMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    containers: &'a [ContainerStatus],
+    value: impl Fn(&'a ContainerStatus) -> Option<M>,
+) -> std::fmt::Result {
+    let samples = containers
+        .iter()
+        .filter_map(|c| Some((container_labels(c), value(c)?)));
+    family(encoder, name, help, samples)
+}
+
+/// Who holds the container, or where no one knows (pod-resources
+/// unreadable), its accounting directory: two such containers on one GPU
+/// must not share a series.
+fn container_labels(c: &ContainerStatus) -> Labels {
+    let mut labels = Vec::with_capacity(4);
+    match (&c.namespace, &c.pod, &c.container) {
+        (Some(namespace), Some(pod), Some(container)) => labels.extend([
+            ("namespace", namespace.clone()),
+            ("pod", pod.clone()),
+            ("container", container.clone()),
+        ]),
+        _ => labels.extend(
+            c.accounting_dir
+                .iter()
+                .map(|dir| ("accounting_dir", dir.clone())),
+        ),
     }
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        body,
-    )
+    labels.push(("gpu", c.gpu.to_string()));
+    labels
+}
+
+/// One metric without labels.
+fn single<M: EncodeMetric + TypedMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    value: M,
+) -> std::fmt::Result {
+    let help = format!("{help}.");
+    value.encode(encoder.encode_descriptor(name, &help, None, M::TYPE)?)
+}
+
+impl Collector for NodeCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(Reading {
+            status,
+            overheads,
+            registrations,
+        }) = reading.as_ref()
+        else {
+            return Ok(());
+        };
+        let e = &mut encoder;
+        let gpus = &status.gpus;
+        per_gpu(
+            e,
+            "gpu_units",
+            "Units the GPU is advertised as",
+            gpus,
+            |g| Some(g.units.into()),
+        )?;
+        per_gpu(
+            e,
+            "gpu_allocated_units",
+            "Units of the GPU held by containers",
+            gpus,
+            |g| Some(g.allocated_units.into()),
+        )?;
+        per_gpu(
+            e,
+            "gpu_memory_mib",
+            "GPU memory as NVML reports it, MiB",
+            gpus,
+            |g| Some(g.memory_mib),
+        )?;
+        per_gpu(
+            e,
+            "gpu_healthy",
+            "1 if the GPU's units are Healthy",
+            gpus,
+            |g| Some(g.healthy.into()),
+        )?;
+        per_gpu(
+            e,
+            "gpu_process_overhead_bytes",
+            "Median GPU memory a recent process held beyond what the shim charged it (modules \
+             loaded lazily, library workspaces, pool reserves): what reconciliation catches",
+            gpus,
+            |g| overheads.get(&g.uuid).copied(),
+        )?;
+
+        let containers = &status.containers;
+        let bytes = |mib: Option<u64>| mib.map(|mib| ConstGauge::new(mib.saturating_mul(MIB)));
+        per_container(
+            e,
+            "container_cap_bytes",
+            "The container's GPU memory cap",
+            containers,
+            |c| bytes(Some(c.cap_mib)),
+        )?;
+        per_container(
+            e,
+            "container_used_bytes",
+            "GPU memory the container's processes hold",
+            containers,
+            |c| bytes(c.used_mib),
+        )?;
+        per_container(
+            e,
+            "container_untracked_bytes",
+            "Part of container_used_bytes held beyond charged allocations (CUDA contexts, \
+             libraries)",
+            containers,
+            |c| bytes(c.untracked_mib),
+        )?;
+        per_container(
+            e,
+            "container_peak_bytes",
+            "Highest GPU memory use an allocation of the container reached",
+            containers,
+            |c| bytes(c.peak_mib),
+        )?;
+        // Counted by the shims in the accounting file since it was made.
+        per_container(
+            e,
+            "container_refused_allocations",
+            "Allocations refused for the container's cap (it wanted more than its slice)",
+            containers,
+            |c| c.refused_allocations.map(ConstCounter::new),
+        )?;
+
+        single(
+            e,
+            "registrations",
+            "Successful Register calls (one per kubelet start)",
+            ConstCounter::new(*registrations),
+        )?;
+        single(
+            e,
+            "registered",
+            "1 while registered with the running kubelet",
+            ConstGauge::new(u64::from(status.registered)),
+        )?;
+        single(
+            e,
+            "pod_resources_up",
+            "1 if kubelet's pod-resources API answered",
+            ConstGauge::new(u64::from(status.pod_resources_error.is_none())),
+        )
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn container(pod: Option<&str>, dir: &str, refused: u64) -> ContainerStatus {
+        ContainerStatus {
+            namespace: pod.map(|_| "default".into()),
+            pod: pod.map(Into::into),
+            container: pod.map(|_| "main".into()),
+            gpu: 0,
+            units: 4,
+            cap_mib: 4308,
+            accounting_dir: Some(dir.into()),
+            used_mib: Some(1300),
+            untracked_mib: Some(0),
+            peak_mib: Some(1300),
+            refused_allocations: Some(refused),
+        }
+    }
+
+    fn reading(containers: Vec<ContainerStatus>) -> Reading {
+        Reading {
+            status: NodeStatus {
+                resource: "aliyun.com/gpu-mem".into(),
+                unit: "GiB".into(),
+                registered: true,
+                gpus: vec![],
+                containers,
+                pod_resources_error: None,
+            },
+            overheads: HashMap::new(),
+            registrations: 2,
+        }
+    }
+
+    #[test]
+    fn one_registry_reports_each_scrapes_reading() {
+        let counters = Counters::default();
+        let metrics = Metrics::new(&counters);
+        counters.allocations.inc();
+        let first = metrics
+            .encode(reading(vec![
+                container(Some("nb"), "a-4u-1", 3),
+                // Pods unknown: told apart by their directories.
+                container(None, "a-4u-2", 0),
+                container(None, "a-4u-3", 1),
+            ]))
+            .unwrap();
+        for expected in [
+            "# TYPE gpumem_container_refused_allocations counter",
+            "gpumem_container_refused_allocations_total{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 3",
+            "gpumem_container_refused_allocations_total{accounting_dir=\"a-4u-3\",gpu=\"0\"} 1",
+            "gpumem_container_cap_bytes{accounting_dir=\"a-4u-2\",gpu=\"0\"} 4517265408",
+            "# TYPE gpumem_container_used_bytes gauge",
+            "gpumem_allocate_calls_total 1",
+            "gpumem_registrations_total 2",
+            "gpumem_registered 1",
+        ] {
+            assert!(first.contains(expected), "missing {expected}:\n{first}");
+        }
+        // The next scrape: a container gone, an Allocate later.
+        counters.allocations.inc();
+        let second = metrics.encode(reading(vec![])).unwrap();
+        assert!(second.contains("gpumem_allocate_calls_total 2"), "{second}");
+        assert!(!second.contains("a-4u-"), "{second}");
+        assert_eq!(second.matches("# EOF").count(), 1, "{second}");
+    }
 
     #[test]
     fn addresses() {

@@ -321,18 +321,6 @@ impl Reconciler {
     }
 }
 
-/// The accounting files of every container under `containers_dir`.
-pub fn container_files(containers_dir: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(containers_dir) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .map(|e| e.path().join(gpumem_layout::FILE_NAME))
-        .filter(|p| p.is_file())
-        .collect()
-}
-
 /// Reconciles `files()` every `every` until `shutdown`.
 pub async fn run(
     mut reconciler: Reconciler,

@@ -4,6 +4,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::watch;
 use tokio_stream::Stream;
 use tokio_util::sync::CancellationToken;
@@ -47,11 +48,11 @@ impl From<PlacementError> for Status {
     }
 }
 
-/// Allocate outcomes since start, for metrics.
+/// Allocate outcomes since start, registered once with the metrics.
 #[derive(Debug, Default)]
 pub struct Counters {
-    pub allocations: std::sync::atomic::AtomicU64,
-    pub allocation_errors: std::sync::atomic::AtomicU64,
+    pub allocations: Counter,
+    pub allocation_errors: Counter,
 }
 
 /// One socket generation's service. `stop` ends its ListAndWatch streams, so
@@ -155,11 +156,16 @@ impl DevicePlugin for DevicePluginService {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.counters.allocations.fetch_add(1, Relaxed);
-        let result = self.allocate_all(request.into_inner()).await;
+        self.counters.allocations.inc();
+        let inv = self.snapshot();
+        let isolation = self.isolation.clone();
+        let request = request.into_inner();
+        // Creating and syncing accounting files blocks: off the async workers.
+        let result = tokio::task::spawn_blocking(move || allocate_all(&inv, request, &isolation))
+            .await
+            .unwrap_or_else(|err| Err(Status::internal(format!("Allocate failed: {err}"))));
         if result.is_err() {
-            self.counters.allocation_errors.fetch_add(1, Relaxed);
+            self.counters.allocation_errors.inc();
         }
         result.map(Response::new)
     }
@@ -172,36 +178,37 @@ impl DevicePlugin for DevicePluginService {
     }
 }
 
-impl DevicePluginService {
-    async fn allocate_all(&self, request: AllocateRequest) -> Result<AllocateResponse, Status> {
-        let inv = self.snapshot();
-        let requests = request.container_requests;
-        if requests.is_empty() {
-            return Err(Status::invalid_argument(
-                "Allocate request holds no container requests",
-            ));
-        }
-        // Validate every container first: the response is all or nothing.
-        let mut container_responses = Vec::with_capacity(requests.len());
-        for req in &requests {
-            let assignment = placement::assign(&inv, &req.devices_ids).inspect_err(|err| {
-                warn!(ids = ?req.devices_ids, %err, "Allocate rejected");
-            })?;
-            let gpu = &inv.gpus()[assignment.gpu];
-            info!(
-                gpu = gpu.gpu.index,
-                uuid = %gpu.gpu.uuid,
-                units = assignment.units,
-                cap_mib = gpu.cap_mib(assignment.units),
-                "Allocate"
-            );
-            let response =
-                inject::container_response(&inv, assignment, &req.devices_ids, &self.isolation)
-                    .inspect_err(|err| warn!(%err, "Allocate failed"))?;
-            container_responses.push(response);
-        }
-        Ok(AllocateResponse {
-            container_responses,
-        })
+/// Places and prepares every container of one Allocate call.
+fn allocate_all(
+    inv: &Inventory,
+    request: AllocateRequest,
+    isolation: &Isolation,
+) -> Result<AllocateResponse, Status> {
+    let requests = request.container_requests;
+    if requests.is_empty() {
+        return Err(Status::invalid_argument(
+            "Allocate request holds no container requests",
+        ));
     }
+    // Validate every container first: the response is all or nothing.
+    let mut container_responses = Vec::with_capacity(requests.len());
+    for req in &requests {
+        let assignment = placement::assign(inv, &req.devices_ids).inspect_err(|err| {
+            warn!(ids = ?req.devices_ids, %err, "Allocate rejected");
+        })?;
+        let gpu = &inv.gpus()[assignment.gpu];
+        info!(
+            gpu = gpu.gpu.index,
+            uuid = %gpu.gpu.uuid,
+            units = assignment.units,
+            cap_mib = gpu.cap_mib(assignment.units),
+            "Allocate"
+        );
+        let response = inject::container_response(inv, assignment, &req.devices_ids, isolation)
+            .inspect_err(|err| warn!(%err, "Allocate failed"))?;
+        container_responses.push(response);
+    }
+    Ok(AllocateResponse {
+        container_responses,
+    })
 }

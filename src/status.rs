@@ -1,12 +1,14 @@
 //! The node's view, as `arena top node -s -d` shows it for gpushare: per
 //! GPU health and allocated units, per container its GPU, units, cap and
 //! actual usage. Built from the inventory, kubelet's pod-resources answer
-//! and the containers' accounting files; served as JSON and as metrics.
+//! and the containers' accounting files (those alone when pod-resources
+//! cannot be read); served as JSON and as metrics.
 
 use serde::{Deserialize, Serialize};
 
-use crate::accounting;
-use crate::inject::{container_dir_name, Isolation};
+use crate::accounting::Usage;
+use crate::containers::{ContainerName, Containers};
+use crate::inject::Isolation;
 use crate::inventory::Inventory;
 use crate::placement;
 use crate::podresources::{Holding, PodResourcesError};
@@ -41,12 +43,19 @@ pub struct GpuStatus {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ContainerStatus {
-    pub namespace: String,
-    pub pod: String,
-    pub container: String,
+    /// Who holds the devices, as kubelet's pod-resources API says; `None`
+    /// when it could not be read and the container was found by its
+    /// accounting directory instead.
+    pub namespace: Option<String>,
+    pub pod: Option<String>,
+    pub container: Option<String>,
     pub gpu: u32,
     pub units: u32,
     pub cap_mib: u64,
+    /// The container's directory under `<state-dir>/containers` (only with
+    /// shim isolation).
+    #[serde(default)]
+    pub accounting_dir: Option<String>,
     /// What the container's processes use now, from its accounting file
     /// (only with shim isolation, and only where the file is readable).
     pub used_mib: Option<u64>,
@@ -63,6 +72,7 @@ pub struct ContainerStatus {
 }
 
 impl NodeStatus {
+    /// Reads the containers' accounting files: call it off the async workers.
     pub fn build(
         inv: &Inventory,
         resource: &str,
@@ -84,48 +94,27 @@ impl NodeStatus {
                 allocated_mib: 0,
             })
             .collect();
-        let (holdings, pod_resources_error) = match holdings {
-            Ok(h) => (h, None),
-            Err(e) => (Vec::new(), Some(e.to_string())),
+        let state = match isolation {
+            Isolation::Shim(shim) => Some(shim.containers()),
+            Isolation::None => None,
         };
-        let mut containers = Vec::new();
-        for holding in holdings {
-            // IDs from an older configuration (say, another unit size) are not ours.
-            let Ok(assignment) = placement::assign(inv, &holding.device_ids) else {
-                continue;
-            };
-            let gpu = &inv.gpus()[assignment.gpu];
-            let cap_mib = gpu.cap_mib(assignment.units);
-            let usage = match isolation {
-                Isolation::Shim(shim) => {
-                    let dir = shim.containers_dir().join(container_dir_name(
-                        inv,
-                        assignment,
-                        &holding.device_ids,
-                    ));
-                    accounting::usage(&dir.join(gpumem_layout::FILE_NAME))
-                        .ok()
-                        .and_then(|u| u.into_iter().next())
-                }
-                Isolation::None => None,
-            };
-            gpus[assignment.gpu].allocated_units += assignment.units;
-            gpus[assignment.gpu].allocated_mib += cap_mib;
-            containers.push(ContainerStatus {
-                namespace: holding.namespace,
-                pod: holding.pod,
-                container: holding.container,
-                gpu: gpu.gpu.index,
-                units: assignment.units,
-                cap_mib,
-                used_mib: usage.as_ref().map(|u| u.used_bytes / MIB),
-                untracked_mib: usage.as_ref().map(|u| u.untracked_bytes / MIB),
-                peak_mib: usage.as_ref().map(|u| u.peak_bytes / MIB),
-                refused_allocations: usage.as_ref().map(|u| u.refusals),
-            });
-        }
+        let (mut containers, pod_resources_error) = match holdings {
+            Ok(holdings) => (held(inv, holdings, state.as_ref(), &mut gpus), None),
+            // Who holds what is unknown, but the state dir still tells which
+            // containers have caps here and what they use.
+            Err(e) => (
+                state.map_or_else(Vec::new, |state| found(inv, &state)),
+                Some(e.to_string()),
+            ),
+        };
         containers.sort_by(|a, b| {
-            (&a.namespace, &a.pod, &a.container).cmp(&(&b.namespace, &b.pod, &b.container))
+            (&a.namespace, &a.pod, &a.container, a.gpu, &a.accounting_dir).cmp(&(
+                &b.namespace,
+                &b.pod,
+                &b.container,
+                b.gpu,
+                &b.accounting_dir,
+            ))
         });
         NodeStatus {
             resource: resource.to_owned(),
@@ -181,13 +170,14 @@ impl NodeStatus {
                 "UNTRACKED(MiB)"
             );
             let mib = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |u| u.to_string());
+            let who = |v: &Option<String>| v.as_deref().unwrap_or("-").to_owned();
             for c in &self.containers {
                 let _ = writeln!(
                     out,
                     "{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} {:<15} {}",
-                    c.namespace,
-                    c.pod,
-                    c.container,
+                    who(&c.namespace),
+                    c.pod.as_deref().unwrap_or("(unknown)"),
+                    who(&c.container),
                     c.gpu,
                     c.units,
                     c.cap_mib,
@@ -198,6 +188,95 @@ impl NodeStatus {
             }
         }
         out
+    }
+}
+
+/// The containers kubelet lists as holding our devices, counted on their GPUs.
+fn held(
+    inv: &Inventory,
+    holdings: Vec<Holding>,
+    containers: Option<&Containers>,
+    gpus: &mut [GpuStatus],
+) -> Vec<ContainerStatus> {
+    let mut listed = Vec::new();
+    for holding in holdings {
+        // IDs from an older configuration (say, another unit size) are not ours.
+        let Ok(assignment) = placement::assign(inv, &holding.device_ids) else {
+            continue;
+        };
+        let gpu = &inv.gpus()[assignment.gpu];
+        let cap_mib = gpu.cap_mib(assignment.units);
+        let dir =
+            containers.map(|c| c.get(ContainerName::of(inv, assignment, &holding.device_ids)));
+        let usage = dir
+            .as_ref()
+            .and_then(|d| d.accounting().ok())
+            .and_then(|p| p.devices.into_iter().next());
+        gpus[assignment.gpu].allocated_units += assignment.units;
+        gpus[assignment.gpu].allocated_mib += cap_mib;
+        listed.push(ContainerStatus::new(
+            Some(holding),
+            gpu.gpu.index,
+            assignment.units,
+            cap_mib,
+            dir.map(|d| d.name.to_string()),
+            usage.as_ref(),
+        ));
+    }
+    listed
+}
+
+/// Every container with an accounting file for one of our GPUs, pod unknown.
+/// Some may have finished (their directories stay for the grace period),
+/// so they are not counted as allocations.
+fn found(inv: &Inventory, containers: &Containers) -> Vec<ContainerStatus> {
+    containers
+        .list()
+        .into_iter()
+        .filter_map(|dir| {
+            let units = dir.name.units()?;
+            let usage = dir.accounting().ok()?.devices.into_iter().next()?;
+            let gpu = inv.gpus().iter().find(|g| g.gpu.uuid == usage.uuid)?;
+            Some(ContainerStatus::new(
+                None,
+                gpu.gpu.index,
+                units,
+                usage.cap_bytes / MIB,
+                Some(dir.name.to_string()),
+                Some(&usage),
+            ))
+        })
+        .collect()
+}
+
+impl ContainerStatus {
+    /// `holder` where kubelet said who it is; `usage` where its accounting
+    /// file was read.
+    fn new(
+        holder: Option<Holding>,
+        gpu: u32,
+        units: u32,
+        cap_mib: u64,
+        accounting_dir: Option<String>,
+        usage: Option<&Usage>,
+    ) -> ContainerStatus {
+        let (namespace, pod, container) = match holder {
+            Some(h) => (Some(h.namespace), Some(h.pod), Some(h.container)),
+            None => (None, None, None),
+        };
+        ContainerStatus {
+            namespace,
+            pod,
+            container,
+            gpu,
+            units,
+            cap_mib,
+            accounting_dir,
+            used_mib: usage.map(|u| u.used_bytes / MIB),
+            untracked_mib: usage.map(|u| u.untracked_bytes / MIB),
+            peak_mib: usage.map(|u| u.peak_bytes / MIB),
+            refused_allocations: usage.map(|u| u.refusals),
+        }
     }
 }
 
@@ -213,12 +292,13 @@ mod tests {
             registered: true,
             gpus: vec![],
             containers: vec![ContainerStatus {
-                namespace: "default".into(),
-                pod: "tf-notebook-1".into(),
-                container: "main".into(),
+                namespace: Some("default".into()),
+                pod: Some("tf-notebook-1".into()),
+                container: Some("main".into()),
                 gpu: 0,
                 units: 4,
                 cap_mib: 4308,
+                accounting_dir: None,
                 used_mib: Some(1873),
                 untracked_mib: Some(412),
                 peak_mib: Some(4300),
@@ -245,5 +325,12 @@ mod tests {
         bare.containers[0].refused_allocations = None;
         let row = bare.table(true).lines().last().unwrap().to_owned();
         assert!(row.ends_with(" -"), "{row}");
+        // Found by its accounting directory alone: the pod is unknown.
+        let mut found = status.clone();
+        found.containers[0].namespace = None;
+        found.containers[0].pod = None;
+        found.containers[0].container = None;
+        let row = found.table(true).lines().last().unwrap().to_owned();
+        assert!(row.starts_with("-                (unknown)  "), "{row}");
     }
 }

@@ -39,6 +39,17 @@ struct Daemon {
 
 impl Daemon {
     async fn start(fixture_name: &str, isolation: Isolation, grace: Duration) -> Daemon {
+        Daemon::start_with(fixture_name, isolation, grace, true).await
+    }
+
+    /// With `pod_resources` false, the daemon is pointed at a pod-resources
+    /// socket nobody serves.
+    async fn start_with(
+        fixture_name: &str,
+        isolation: Isolation,
+        grace: Duration,
+        pod_resources: bool,
+    ) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let node_file = dir.path().join("node.toml");
         std::fs::copy(fixture(fixture_name), &node_file).unwrap();
@@ -53,7 +64,11 @@ impl Daemon {
                 policy: Policy::Binpack,
                 isolation,
             },
-            pod_resources_socket: kubelet.pod_resources_socket(),
+            pod_resources_socket: if pod_resources {
+                kubelet.pod_resources_socket()
+            } else {
+                dir.path().join("no-pod-resources.sock")
+            },
             metrics: Some(listener),
             state_grace: grace,
             reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
@@ -239,8 +254,8 @@ async fn status_and_metrics_show_who_holds_what() {
     assert_eq!(status.containers.len(), 3);
     let nb1 = &status.containers[0];
     assert_eq!(
-        (nb1.pod.as_str(), nb1.gpu, nb1.units, nb1.cap_mib),
-        ("nb-1", 0, 4, 4309)
+        (nb1.pod.as_deref(), nb1.gpu, nb1.units, nb1.cap_mib),
+        (Some("nb-1"), 0, 4, 4309)
     );
     // 1000 MiB and its 300 MiB context.
     assert_eq!(nb1.used_mib, Some(1300));
@@ -446,7 +461,8 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
     assert_eq!(c.peak_mib, Some(4308));
     let (_, metrics) = d.get("/metrics").await;
     for expected in [
-        "gpumem_container_refused_allocations{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 1",
+        "# TYPE gpumem_container_refused_allocations counter",
+        "gpumem_container_refused_allocations_total{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 1",
         "gpumem_container_peak_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 4517265408",
     ] {
         assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
@@ -530,6 +546,123 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
         direct.contains("12/14") && direct.contains("tf-notebook-2"),
         "{direct}"
     );
+    d.stop().await;
+}
+
+// Multi-threaded: the test blocks on `gpumem inspect` while the daemon it
+// queries runs on the same runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_pod_resources_the_state_dir_still_shows_each_container() {
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let d = Daemon::start_with(
+        "t4",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+        false,
+    )
+    .await;
+    let mut dirs = Vec::new();
+    for pod in ["nb-1", "nb-2"] {
+        let allocation = d.k().admit(pod, "main", RESOURCE, 4).await.unwrap();
+        dirs.push(PathBuf::from(&allocation.response.mounts[2].host_path));
+    }
+    let name = |dir: &Path| dir.file_name().unwrap().to_str().unwrap().to_owned();
+    let (busy, idle) = (name(&dirs[0]), name(&dirs[1]));
+    let mut holder = shim_kit()
+        .probe(Some(&dirs[0]))
+        .args(["alloc:1000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    // A broken file beside them is not a container.
+    let junk = state.path().join("containers/junk");
+    std::fs::create_dir_all(&junk).unwrap();
+    std::fs::write(junk.join("accounting"), b"not an accounting file").unwrap();
+
+    let status = d.status().await;
+    assert!(status.pod_resources_error.is_some());
+    let row = |dir: &str| {
+        let c = status
+            .containers
+            .iter()
+            .find(|c| c.accounting_dir.as_deref() == Some(dir))
+            .unwrap_or_else(|| panic!("{dir} not listed: {:?}", status.containers));
+        (c.pod.clone(), c.gpu, c.units, c.cap_mib, c.used_mib)
+    };
+    assert_eq!(status.containers.len(), 2, "{:?}", status.containers);
+    // 1000 MiB and its 300 MiB context.
+    assert_eq!(row(&busy), (None, 0, 4, 4308, Some(1300)));
+    assert_eq!(row(&idle), (None, 0, 4, 4308, Some(0)));
+
+    let (_, metrics) = d.get("/metrics").await;
+    for expected in [
+        format!("gpumem_container_cap_bytes{{accounting_dir=\"{idle}\",gpu=\"0\"}} 4517265408"),
+        format!("gpumem_container_used_bytes{{accounting_dir=\"{busy}\",gpu=\"0\"}} 1363148800"),
+        format!(
+            "gpumem_container_refused_allocations_total{{accounting_dir=\"{busy}\",gpu=\"0\"}} 0"
+        ),
+        "gpumem_pod_resources_up 0".to_owned(),
+    ] {
+        assert!(
+            metrics.contains(&expected),
+            "missing {expected}:\n{metrics}"
+        );
+    }
+
+    // `gpumem inspect -d`, from the plugin and, with no plugin, from the node.
+    let gpumem = env!("CARGO_BIN_EXE_gpumem");
+    let inspect = |args: &[&str]| {
+        let out = std::process::Command::new(gpumem)
+            .arg("inspect")
+            .arg("-d")
+            .args(args)
+            .env_remove("GPUMEM_METRICS_ADDR")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let plugin_addr = d.addr.to_string();
+    let missing = d.dir.path().join("no-pod-resources.sock");
+    let node_file = d.node_file.display().to_string();
+    for table in [
+        inspect(&["--metrics-addr", &plugin_addr]),
+        inspect(&[
+            "--metrics-addr",
+            "127.0.0.1:1",
+            "--fake-gpus",
+            &node_file,
+            "--pod-resources-socket",
+            missing.to_str().unwrap(),
+            "--shim-host-dir",
+            host.path().to_str().unwrap(),
+            "--state-dir",
+            state.path().to_str().unwrap(),
+        ]),
+    ] {
+        assert!(table.contains("warning: allocations unknown"), "{table}");
+        let rows: Vec<Vec<&str>> = table
+            .lines()
+            .filter(|l| l.contains("(unknown)"))
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        // NAMESPACE POD CONTAINER GPU UNITS CAP USED UNTRACKED REFUSED
+        let mut used: Vec<&str> = rows.iter().map(|r| r[6]).collect();
+        used.sort_unstable();
+        assert_eq!(used, ["0", "1300"], "{table}");
+        assert!(
+            rows.iter().all(|r| r[3..6] == ["0", "4", "4308"]),
+            "{table}"
+        );
+    }
+    holder.kill().unwrap();
+    holder.wait().unwrap();
     d.stop().await;
 }
 
