@@ -1,6 +1,6 @@
-//! GPU health: critical XID events and GPUs falling off the bus turn a GPU's
-//! units Unhealthy in ListAndWatch; a recovered GPU turns Healthy again.
-//! The fake backend takes health from edits to its file, so CI tests it all.
+//! GPU health: XID events, memory repairs awaiting a reset and GPUs NVML
+//! cannot reach turn a GPU's units Unhealthy in ListAndWatch, until it
+//! recovers or, for what only a reset cures, until it is reset.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::gpu::{FakeGpus, GpuSource};
 use crate::inventory::Inventory;
@@ -129,18 +129,96 @@ impl HealthWatch for FakeHealth {
     }
 }
 
-/// Health from NVML: critical XID events (minus ignored ones) and devices
-/// that stop answering mark a GPU Unhealthy. It turns Healthy again once it
-/// answers NVML, has no page retirement pending (which needs a reset), and
-/// has been quiet for `recovery`.
+/// XIDs after which the GPU must be reset before it is trusted again. In
+/// NVIDIA's Xid catalog their immediate action is RESET_GPU, RESTART_BM or
+/// RESTART_VM, or a workflow that can end in a reset (48's, and the NVLink
+/// ones for 74 and 144–150). docs/OPERATIONS.md has the table and its source.
+pub const RESET_XIDS: [u64; 27] = [
+    46, 48, 62, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, 143, 144, 145, 146, 147, 148, 149,
+    150, 151, 155, 156, 158, 160, 162,
+];
+
+/// Checks in a row that must fail with an error that proves nothing by
+/// itself (NVML's `Unknown`, say) before the GPU counts as Unhealthy: about
+/// 0.75 s of a GPU that does not answer, and never one stray failure.
+pub const FAILED_CHECKS_LIMIT: u32 = 3;
+
+/// What an XID does to its GPU's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XidAction {
+    /// Listed in `--ignore-xids` (an application's error): nothing.
+    Ignore,
+    /// Unhealthy until the GPU has been quiet for `--health-recovery-secs`.
+    Recover,
+    /// Unhealthy until the GPU is reset ([`RESET_XIDS`]).
+    Reset,
+}
+
+/// The operator's `--ignore-xids` first, then the Xid catalog.
+pub fn xid_action(xid: u64, ignored: &HashSet<u64>) -> XidAction {
+    if ignored.contains(&xid) {
+        XidAction::Ignore
+    } else if RESET_XIDS.contains(&xid) {
+        XidAction::Reset
+    } else {
+        XidAction::Recover
+    }
+}
+
+/// Health from NVML, looked at every tick:
+///
+/// - critical XID events, minus ignored ones: a reset-requiring XID keeps the
+///   GPU Unhealthy for the life of this process (resetting a GPU needs every
+///   NVML client stopped, this one included, so the restarted plugin is what
+///   sees the reset GPU); any other XID until it has been quiet for `recovery`;
+/// - a pending row remap or one that failed (A100 and newer), or pending page
+///   retirement (older GPUs): Unhealthy while NVML reports it. Both pendings
+///   clear with a reset; a remap failure never does (the GPU is due for
+///   replacement);
+/// - NVML saying the GPU is lost (fallen off the bus) or needs a reset:
+///   Unhealthy while it says so;
+/// - any other NVML failure proves nothing alone: it is logged and counted,
+///   and [`FAILED_CHECKS_LIMIT`] of them in a row make the GPU Unhealthy.
+///
+/// A GPU Unhealthy for anything but a reset-requiring XID turns Healthy once
+/// it answers NVML with nothing pending and has been quiet for `recovery`.
 pub struct NvmlHealth {
     nvml: &'static nvml_wrapper::Nvml,
     events: Option<nvml_wrapper::EventSet<'static>>,
     uuids: Vec<String>,
     ignored: HashSet<u64>,
     recovery: Duration,
-    /// Unhealthy GPUs and when they last showed a problem.
-    sick: HashMap<String, Instant>,
+    gpus: HashMap<String, GpuState>,
+}
+
+#[derive(Debug, Default)]
+struct GpuState {
+    /// Set while Unhealthy.
+    sick: Option<Sick>,
+    /// Checks in a row that failed with an error proving nothing alone.
+    failed_checks: u32,
+    /// Such failures since the start, for the logs.
+    failures: u64,
+}
+
+#[derive(Debug)]
+struct Sick {
+    /// When a problem last showed: recovery counts from here.
+    last: Instant,
+    /// Set when only a reset cures it: the XID that said so.
+    reset: Option<String>,
+    /// The latest problem, logged when it changes.
+    reason: String,
+}
+
+/// What one look at a GPU found.
+enum Finding {
+    /// It answers NVML and nothing waits for a reset.
+    Fine,
+    /// Unhealthy while NVML keeps reporting this.
+    Problem(String),
+    /// NVML failed in a way that proves nothing by itself.
+    Failed(nvml_wrapper::error::NvmlError),
 }
 
 impl NvmlHealth {
@@ -170,90 +248,268 @@ impl NvmlHealth {
         Ok(NvmlHealth {
             nvml,
             events,
+            gpus: uuids
+                .iter()
+                .map(|u| (u.clone(), GpuState::default()))
+                .collect(),
             uuids,
             ignored: ignored.iter().copied().collect(),
             recovery,
-            sick: HashMap::new(),
         })
     }
 
-    fn mark(&mut self, uuid: &str, reason: String, changes: &mut Vec<HealthChange>) {
-        if self.sick.insert(uuid.to_owned(), Instant::now()).is_none() {
-            changes.push(HealthChange {
-                uuid: uuid.to_owned(),
-                healthy: false,
-                reason,
-            });
+    /// Marks a GPU Unhealthy (again), for good if `reset`.
+    fn mark(&mut self, uuid: &str, reason: String, reset: bool, changes: &mut Vec<HealthChange>) {
+        let state = self.gpus.entry(uuid.to_owned()).or_default();
+        match &mut state.sick {
+            Some(sick) => {
+                sick.last = Instant::now();
+                if reset && sick.reset.is_none() {
+                    sick.reset = Some(reason.clone());
+                }
+                if sick.reason != reason {
+                    warn!(uuid, %reason, until_reset = sick.reset.is_some(), "GPU still unhealthy, now for another reason");
+                    sick.reason = reason;
+                }
+            }
+            None => {
+                state.sick = Some(Sick {
+                    last: Instant::now(),
+                    reset: reset.then(|| reason.clone()),
+                    reason: reason.clone(),
+                });
+                changes.push(HealthChange {
+                    uuid: uuid.to_owned(),
+                    healthy: false,
+                    reason,
+                });
+            }
+        }
+    }
+
+    /// Takes XID events for up to `timeout`. NVML returns at the first event,
+    /// so this waits again for the rest: GPUs are looked at once a tick
+    /// however many events arrive.
+    fn take_events(&mut self, timeout: Duration, changes: &mut Vec<HealthChange>) {
+        use nvml_wrapper::enums::event::XidError;
+        use nvml_wrapper::error::NvmlError;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let Some(set) = &self.events else {
+                std::thread::sleep(left);
+                return;
+            };
+            let event = match set.wait(u32::try_from(left.as_millis()).unwrap_or(u32::MAX)) {
+                Ok(event) => event,
+                Err(NvmlError::Timeout) => return,
+                Err(e) => {
+                    warn!(error = %e, "waiting for NVML events failed");
+                    std::thread::sleep(left);
+                    return;
+                }
+            };
+            let xid = match event.event_data {
+                Some(XidError::Value(x)) => Some(x),
+                _ => None,
+            };
+            let (action, reason) = match xid {
+                Some(x) => match xid_action(x, &self.ignored) {
+                    XidAction::Ignore => {
+                        debug!(xid = x, "XID ignored (--ignore-xids)");
+                        continue;
+                    }
+                    XidAction::Recover => (XidAction::Recover, format!("critical XID {x}")),
+                    XidAction::Reset => (
+                        XidAction::Reset,
+                        format!(
+                            "critical XID {x}: the GPU needs a reset (NVIDIA Xid catalog); \
+                             Unhealthy until it is reset and gpumem restarts"
+                        ),
+                    ),
+                },
+                None => (XidAction::Recover, "critical XID (unknown)".to_owned()),
+            };
+            match event.device.uuid() {
+                Ok(uuid) => self.mark(&uuid, reason, action == XidAction::Reset, changes),
+                // An event we cannot attribute (its GPU may be the one that
+                // stopped answering): every GPU is suspect, none for good.
+                Err(_) => {
+                    for uuid in self.uuids.clone() {
+                        self.mark(&uuid, reason.clone(), false, changes);
+                    }
+                }
+            }
+        }
+    }
+
+    fn examine(&self, uuid: &str) -> Finding {
+        use nvml_wrapper::error::NvmlError;
+        match probe(self.nvml, uuid) {
+            Ok(None) => Finding::Fine,
+            Ok(Some(problem)) => Finding::Problem(problem),
+            Err(NvmlError::GpuLost) => {
+                Finding::Problem("GPU has fallen off the bus (NVML: GPU is lost)".into())
+            }
+            Err(NvmlError::ResetRequired) => {
+                Finding::Problem("NVML says the GPU needs a reset".into())
+            }
+            Err(error) => Finding::Failed(error),
+        }
+    }
+
+    /// Looks at one GPU, marking or recovering it.
+    fn look_at(&mut self, uuid: &str, changes: &mut Vec<HealthChange>) {
+        let finding = self.examine(uuid);
+        let recovery = self.recovery;
+        let state = self.gpus.entry(uuid.to_owned()).or_default();
+        match finding {
+            Finding::Problem(problem) => {
+                state.failed_checks = 0;
+                self.mark(uuid, problem, false, changes);
+            }
+            Finding::Failed(error) => {
+                state.failed_checks += 1;
+                state.failures += 1;
+                let (in_a_row, failures) = (state.failed_checks, state.failures);
+                if in_a_row == 1 {
+                    warn!(
+                        uuid,
+                        error = ?error,
+                        detail = %error,
+                        failures,
+                        limit = FAILED_CHECKS_LIMIT,
+                        "NVML could not check the GPU; Unhealthy if this goes on for `limit` checks in a row"
+                    );
+                }
+                if in_a_row >= FAILED_CHECKS_LIMIT {
+                    let reason = format!(
+                        "NVML failed {FAILED_CHECKS_LIMIT} checks in a row: {error:?} ({error})"
+                    );
+                    self.mark(uuid, reason, false, changes);
+                } else if let Some(sick) = &mut state.sick {
+                    // Not a recovery while it fails.
+                    sick.last = Instant::now();
+                }
+            }
+            Finding::Fine => {
+                if state.failed_checks > 0 {
+                    info!(
+                        uuid,
+                        failed_checks = state.failed_checks,
+                        "NVML answers again"
+                    );
+                    state.failed_checks = 0;
+                }
+                let recovered = state
+                    .sick
+                    .as_ref()
+                    .is_some_and(|s| s.reset.is_none() && s.last.elapsed() >= recovery);
+                if recovered {
+                    state.sick = None;
+                    changes.push(HealthChange {
+                        uuid: uuid.to_owned(),
+                        healthy: true,
+                        reason: format!("answering NVML and quiet for {recovery:?}"),
+                    });
+                }
+            }
         }
     }
 }
 
+/// One GPU's answer: `Some` problem that keeps it Unhealthy, or an NVML error.
+fn probe(
+    nvml: &nvml_wrapper::Nvml,
+    uuid: &str,
+) -> Result<Option<String>, nvml_wrapper::error::NvmlError> {
+    let device = nvml.device_by_uuid(uuid)?;
+    device.memory_info()?;
+    match row_remapper(&device)? {
+        Some(RowRemapper { failure: true, .. }) => {
+            return Ok(Some(
+                "row remapping failed (NVML): the GPU's memory can no longer be repaired".into(),
+            ))
+        }
+        Some(RowRemapper { pending: true, .. }) => {
+            return Ok(Some(
+                "row remapping pending (NVML): it takes effect at the next GPU reset".into(),
+            ))
+        }
+        Some(_) => return Ok(None),
+        None => {}
+    }
+    // Before Ampere: page retirement instead of row remapping.
+    match device.are_pages_pending_retired() {
+        Ok(true) => Ok(Some(
+            "page retirement pending (NVML): it takes effect at the next GPU reset".into(),
+        )),
+        Ok(false) => Ok(None),
+        Err(e) if unanswered(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// An error from a query this GPU or driver may simply not answer
+/// (`NotSupported`, a driver without the symbol or the field): the GPU has
+/// answered `memory_info` already, so only errors about the GPU itself count.
+fn unanswered(error: &nvml_wrapper::error::NvmlError) -> bool {
+    use nvml_wrapper::error::NvmlError;
+    !matches!(
+        error,
+        NvmlError::GpuLost | NvmlError::ResetRequired | NvmlError::Unknown
+    )
+}
+
+struct RowRemapper {
+    pending: bool,
+    failure: bool,
+}
+
+/// The row remapper's flags, or `None` where a GPU has none to show (before
+/// Ampere; MIG with active instances). Read as field values, the flags
+/// `nvmlDeviceGetRemappedRows` returns too: nvml-wrapper 0.13 does not wrap
+/// that call, and this crate has no `unsafe`.
+fn row_remapper(
+    device: &nvml_wrapper::Device,
+) -> Result<Option<RowRemapper>, nvml_wrapper::error::NvmlError> {
+    use nvml_wrapper::enums::device::SampleValue;
+    use nvml_wrapper::structs::device::FieldId;
+    use nvml_wrapper::sys_exports::field_id::{
+        NVML_FI_DEV_REMAPPED_FAILURE, NVML_FI_DEV_REMAPPED_PENDING,
+    };
+    let fields = [
+        FieldId(NVML_FI_DEV_REMAPPED_PENDING),
+        FieldId(NVML_FI_DEV_REMAPPED_FAILURE),
+    ];
+    let samples = match device.field_values_for(&fields) {
+        Ok(samples) => samples,
+        Err(e) if unanswered(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let mut flags = [false; 2];
+    for (flag, sample) in flags.iter_mut().zip(samples) {
+        *flag = match sample.and_then(|s| s.value) {
+            Ok(SampleValue::U32(v)) => v != 0,
+            Ok(SampleValue::U64(v)) => v != 0,
+            Ok(SampleValue::I64(v)) => v != 0,
+            Ok(SampleValue::F64(v)) => v != 0.0,
+            Err(e) if unanswered(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+    }
+    Ok(Some(RowRemapper {
+        pending: flags[0],
+        failure: flags[1],
+    }))
+}
+
 impl HealthWatch for NvmlHealth {
     fn poll(&mut self, timeout: Duration) -> Vec<HealthChange> {
-        use nvml_wrapper::enums::event::XidError;
-        use nvml_wrapper::error::NvmlError;
         let mut changes = Vec::new();
-        match &self.events {
-            Some(set) => match set.wait(u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX)) {
-                Ok(event) => {
-                    let xid = match event.event_data {
-                        Some(XidError::Value(x)) => Some(x),
-                        _ => None,
-                    };
-                    if xid.is_none_or(|x| !self.ignored.contains(&x)) {
-                        let reason = xid.map_or("critical XID (unknown)".into(), |x| {
-                            format!("critical XID {x}")
-                        });
-                        match event.device.uuid() {
-                            Ok(uuid) => self.mark(&uuid, reason, &mut changes),
-                            // An event we cannot attribute: every GPU is suspect.
-                            Err(_) => {
-                                for uuid in self.uuids.clone() {
-                                    self.mark(&uuid, reason.clone(), &mut changes);
-                                }
-                            }
-                        }
-                    }
-                }
-                Err(NvmlError::Timeout) => {}
-                Err(e) => {
-                    warn!(error = %e, "waiting for NVML events failed");
-                    std::thread::sleep(timeout);
-                }
-            },
-            None => std::thread::sleep(timeout),
-        }
-        // Lost GPUs and recoveries.
+        self.take_events(timeout, &mut changes);
         for uuid in self.uuids.clone() {
-            let answer = self.nvml.device_by_uuid(uuid.as_str()).and_then(|d| {
-                d.memory_info()?;
-                // Pending page retirement only clears with a reset.
-                d.are_pages_pending_retired().or(Ok(false))
-            });
-            match answer {
-                Err(NvmlError::GpuLost) | Err(NvmlError::Unknown) => {
-                    self.mark(&uuid, "GPU has fallen off the bus".into(), &mut changes);
-                }
-                Err(_) | Ok(true) => {
-                    if let Some(at) = self.sick.get_mut(&uuid) {
-                        *at = Instant::now();
-                    }
-                }
-                Ok(false) => {
-                    if self
-                        .sick
-                        .get(&uuid)
-                        .is_some_and(|at| at.elapsed() >= self.recovery)
-                    {
-                        self.sick.remove(&uuid);
-                        changes.push(HealthChange {
-                            uuid,
-                            healthy: true,
-                            reason: format!("answering NVML and quiet for {:?}", self.recovery),
-                        });
-                    }
-                }
-            }
+            self.look_at(&uuid, &mut changes);
         }
         changes
     }
@@ -327,6 +583,27 @@ mod tests {
         let err = parse("13,x1,43").unwrap_err().to_string();
         assert!(err.contains("\"x1\"") && err.contains("commas"), "{err}");
         assert!(parse("-13").is_err());
+    }
+
+    #[test]
+    fn xids_take_the_operators_list_then_the_catalog() {
+        let defaults: HashSet<u64> = APPLICATION_XIDS.into_iter().collect();
+        for xid in [
+            46, 48, 62, 64, 74, 79, 95, 119, 120, 140, 143, 144, 150, 151, 160,
+        ] {
+            assert_eq!(xid_action(xid, &defaults), XidAction::Reset, "XID {xid}");
+        }
+        for xid in APPLICATION_XIDS {
+            assert_eq!(xid_action(xid, &defaults), XidAction::Ignore, "XID {xid}");
+        }
+        // RESTART_APP, IGNORE and the rest of the catalog: recover when quiet.
+        for xid in [8, 32, 63, 92, 94, 154, 999] {
+            assert_eq!(xid_action(xid, &defaults), XidAction::Recover, "XID {xid}");
+        }
+        // 109 is RESET_GPU in the catalog but ignored by default, as the
+        // NVIDIA device plugin does; an empty --ignore-xids brings it back.
+        assert_eq!(xid_action(109, &HashSet::new()), XidAction::Reset);
+        assert_eq!(xid_action(48, &[48].into()), XidAction::Ignore);
     }
 
     #[test]

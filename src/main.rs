@@ -210,7 +210,10 @@ struct PluginArgs {
     )]
     ignore_xids: XidList,
 
-    /// Seconds an unhealthy GPU must answer NVML without new errors before it is Healthy again.
+    /// Seconds an unhealthy GPU must answer NVML without new errors before it
+    /// is Healthy again. Problems that need a GPU reset (reset-class XIDs such
+    /// as 48, 79, 95; a failed row remap) never recover this way
+    /// (docs/OPERATIONS.md).
     #[arg(long, env = "GPUMEM_HEALTH_RECOVERY_SECS", default_value_t = 60)]
     health_recovery_secs: u64,
 

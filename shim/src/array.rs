@@ -2,7 +2,7 @@
 //! allocation calls. The driver cannot say how much for an ordinary array
 //! (`cuArrayGetMemoryRequirements` answers only for deferred-mapping ones),
 //! so the charge is the array's size as the driver lays it out, which
-//! matches what the H100 took for every shape measured (docs/ISOLATION.md).
+//! matches what an H100 took for every shape measured (docs/GPU_VERIFICATION.md).
 
 #![allow(non_snake_case)]
 
@@ -14,7 +14,6 @@ use crate::cuda::{refused, written, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_S
 use crate::devices::{self, Site};
 use crate::hook::{guarded, real};
 use crate::ops::{self, Shim};
-use crate::table::Hooked;
 use crate::track::CHUNK;
 
 pub type CUarray = *mut c_void;
@@ -154,25 +153,12 @@ pub fn drop_arrays(shim: &Shim, ctx: usize) {
     });
 }
 
-type ArrayCreateFn = unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY_DESCRIPTOR) -> CUresult;
-type Array3DCreateFn =
-    unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult;
-type MipmappedCreateFn =
-    unsafe extern "C" fn(*mut CUmipmappedArray, *const CUDA_ARRAY3D_DESCRIPTOR, c_uint) -> CUresult;
-type DestroyFn = unsafe extern "C" fn(*mut c_void) -> CUresult;
-
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuArrayCreate_v2(
     array: *mut CUarray,
     desc: *const CUDA_ARRAY_DESCRIPTOR,
 ) -> CUresult {
-    let real = real!(
-        Hooked::ArrayCreate,
-        ArrayCreateFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(array, desc) };
+    real!(let call = cuArrayCreate_v2(array, desc) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         if desc.is_null() {
             return call();
@@ -198,13 +184,7 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
     array: *mut CUarray,
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
 ) -> CUresult {
-    let real = real!(
-        Hooked::Array3DCreate,
-        Array3DCreateFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(array, desc) };
+    real!(let call = cuArray3DCreate_v2(array, desc) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         if desc.is_null() {
             return call();
@@ -221,13 +201,7 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: c_uint,
 ) -> CUresult {
-    let real = real!(
-        Hooked::MipmappedArrayCreate,
-        MipmappedCreateFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(array, desc, levels) };
+    real!(let call = cuMipmappedArrayCreate(array, desc, levels) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         if desc.is_null() {
             return call();
@@ -239,18 +213,16 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
 }
 
 macro_rules! destroy_hook {
-    ($name:ident, $hooked:expr) => {
+    ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(array: *mut c_void) -> CUresult {
-            let real = real!($hooked, DestroyFn, CUDA_ERROR_NOT_INITIALIZED);
-            // SAFETY: forwards the caller's arguments unchanged.
-            let call = || unsafe { real(array) };
+            real!(let call = $name(array) else CUDA_ERROR_NOT_INITIALIZED);
             guarded(call, || destroy(array as usize, call))
         }
     };
 }
-destroy_hook!(cuArrayDestroy, Hooked::ArrayDestroy);
-destroy_hook!(cuMipmappedArrayDestroy, Hooked::MipmappedArrayDestroy);
+destroy_hook!(cuArrayDestroy);
+destroy_hook!(cuMipmappedArrayDestroy);
 
 #[cfg(test)]
 mod tests {

@@ -1,5 +1,5 @@
 //! Contexts: a CUDA context takes device memory the moment it is made
-//! (518 MiB on the H100), before any allocation. The shim charges each new
+//! (518 MiB on an H100, docs/GPU_VERIFICATION.md), before any allocation. The shim charges each new
 //! context what the driver took for it, read from NVML's figure for this
 //! very process just before and after the real call, so other processes'
 //! activity meanwhile cannot skew it; and gives it back, with the
@@ -15,9 +15,8 @@ use crate::cuda::{
     refused, written, CUcontext, CUdevice, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::dlsym::LIBCUDA;
-use crate::hook::{as_fn, guarded, real, Real};
+use crate::hook::{answered, as_fn, guarded, real, Real};
 use crate::ops::Shim;
-use crate::table::Hooked;
 use crate::{array, cuda, devices, log, nvml};
 
 /// A context this process made on a capped device, and what it was charged.
@@ -66,7 +65,7 @@ fn create(
     primary: bool,
     call: impl FnOnce() -> CUresult,
     handle: impl FnOnce() -> Option<usize>,
-    undo: impl FnOnce(),
+    undo: impl FnOnce() -> CUresult,
 ) -> CUresult {
     let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
     // A slot from the first context on, even with nothing charged: its
@@ -139,31 +138,16 @@ fn destroyed(shim: &Shim, handle: usize, made: Option<Made>) {
     devices::forget_context(handle);
 }
 
-type PrimaryCtxRetainFn = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
-type PrimaryCtxReleaseFn = unsafe extern "C" fn(CUdevice) -> CUresult;
-type CtxCreateV2Fn = unsafe extern "C" fn(*mut CUcontext, c_uint, CUdevice) -> CUresult;
-type CtxCreateV3Fn =
-    unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice) -> CUresult;
-type CtxCreateV4Fn =
-    unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_uint, CUdevice) -> CUresult;
-type CtxDestroyFn = unsafe extern "C" fn(CUcontext) -> CUresult;
-
 /// Releases the primary context just retained (undoing a refused one).
-fn release_primary(ordinal: CUdevice) {
-    let address = Hooked::PrimaryCtxRelease.address();
-    if address != 0 {
-        // SAFETY: the driver's cuDevicePrimaryCtxRelease_v2(CUdevice).
-        unsafe { as_fn::<PrimaryCtxReleaseFn>(address)(ordinal) };
-    }
+fn release_primary(ordinal: CUdevice) -> CUresult {
+    real!(let call = cuDevicePrimaryCtxRelease_v2(ordinal) else CUDA_ERROR_NOT_INITIALIZED);
+    call()
 }
 
 /// Destroys a context just created (undoing a refused one).
-fn destroy_now(ctx: CUcontext) {
-    let address = Hooked::CtxDestroy.address();
-    if address != 0 && !ctx.is_null() {
-        // SAFETY: the driver's cuCtxDestroy_v2, on a context it just made.
-        unsafe { as_fn::<CtxDestroyFn>(address)(ctx) };
-    }
+fn destroy_now(ctx: CUcontext) -> CUresult {
+    real!(let call = cuCtxDestroy_v2(ctx) else CUDA_ERROR_NOT_INITIALIZED);
+    call()
 }
 
 /// A context creation on `ordinal`, measured when the device is capped.
@@ -183,20 +167,15 @@ fn creation(
         })
     } else {
         create(shim, dev, ordinal, false, call, handle, || {
-            destroy_now(written(pctx).unwrap_or(std::ptr::null_mut()))
+            let made = written(pctx).filter(|ctx| !ctx.is_null());
+            made.map_or(CUDA_SUCCESS, destroy_now)
         })
     }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    let real = real!(
-        Hooked::PrimaryCtxRetain,
-        PrimaryCtxRetainFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(pctx, dev) };
+    real!(let call = cuDevicePrimaryCtxRetain(pctx, dev) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || creation(dev, true, pctx, call))
 }
 
@@ -206,13 +185,7 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    let real = real!(
-        Hooked::CtxCreateV2,
-        CtxCreateV2Fn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(pctx, flags, dev) };
+    real!(let call = cuCtxCreate_v2(pctx, flags, dev) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || creation(dev, false, pctx, call))
 }
 
@@ -224,13 +197,8 @@ pub unsafe extern "C" fn cuCtxCreate_v3(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    let real = real!(
-        Hooked::CtxCreateV3,
-        CtxCreateV3Fn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(pctx, params, num_params, flags, dev) };
+    real!(let call = cuCtxCreate_v3(pctx, params, num_params, flags, dev)
+        else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || creation(dev, false, pctx, call))
 }
 
@@ -241,13 +209,7 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     flags: c_uint,
     dev: CUdevice,
 ) -> CUresult {
-    let real = real!(
-        Hooked::CtxCreateV4,
-        CtxCreateV4Fn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(pctx, params, flags, dev) };
+    real!(let call = cuCtxCreate_v4(pctx, params, flags, dev) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || creation(dev, false, pctx, call))
 }
 
@@ -276,41 +238,31 @@ fn primary_gone(ordinal: CUdevice) {
 }
 
 macro_rules! primary_end {
-    ($name:ident, $hooked:expr) => {
+    ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dev: CUdevice) -> CUresult {
-            let real = real!($hooked, PrimaryCtxReleaseFn, CUDA_ERROR_NOT_INITIALIZED);
-            // SAFETY: forwards the caller's arguments unchanged.
-            let result = unsafe { real(dev) };
-            if result == CUDA_SUCCESS {
-                guarded(|| (), || primary_gone(dev));
-            }
-            result
+            real!(let call = $name(dev) else CUDA_ERROR_NOT_INITIALIZED);
+            answered(call, CUDA_SUCCESS, || primary_gone(dev))
         }
     };
 }
-primary_end!(cuDevicePrimaryCtxRelease_v2, Hooked::PrimaryCtxRelease);
-primary_end!(cuDevicePrimaryCtxReset_v2, Hooked::PrimaryCtxReset);
+primary_end!(cuDevicePrimaryCtxRelease_v2);
+primary_end!(cuDevicePrimaryCtxReset_v2);
+
+/// After the driver destroyed `ctx`: forget it, and give back what it held.
+fn context_gone(ctx: CUcontext) {
+    let gone = {
+        let mut made = made();
+        let at = made.iter().position(|c| c.handle == ctx as usize);
+        at.map(|i| made.remove(i))
+    };
+    if let Some(shim) = crate::ops::cuda_shim() {
+        destroyed(shim, ctx as usize, gone);
+    }
+}
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
-    let real = real!(Hooked::CtxDestroy, CtxDestroyFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(ctx) };
-    if result == CUDA_SUCCESS {
-        guarded(
-            || (),
-            || {
-                let gone = {
-                    let mut made = made();
-                    let at = made.iter().position(|c| c.handle == ctx as usize);
-                    at.map(|i| made.remove(i))
-                };
-                if let Some(shim) = crate::ops::cuda_shim() {
-                    destroyed(shim, ctx as usize, gone);
-                }
-            },
-        );
-    }
-    result
+    real!(let call = cuCtxDestroy_v2(ctx) else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || context_gone(ctx))
 }

@@ -6,10 +6,9 @@
 use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 
 use crate::devices::{self, Site};
-use crate::hook::{as_fn, guarded, real};
+use crate::hook::{answered, guarded, real};
 use crate::ops::{self, Refusal, Shim};
 use crate::pool;
-use crate::table::Hooked;
 use crate::track::{self, Allocation, Allocations};
 
 pub type CUresult = c_int;
@@ -151,33 +150,15 @@ pub fn drop_allocations(shim: &Shim, ctx: usize) {
     ALLOCATIONS.drain_context(ctx, |allocation, back| shim.uncharge(allocation.dev, back));
 }
 
-type MemAllocFn = unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult;
-type MemAllocPitchFn =
-    unsafe extern "C" fn(*mut CUdeviceptr, *mut usize, usize, usize, c_uint) -> CUresult;
-type MemAllocManagedFn = unsafe extern "C" fn(*mut CUdeviceptr, usize, c_uint) -> CUresult;
-type MemFreeFn = unsafe extern "C" fn(CUdeviceptr) -> CUresult;
-type MemAllocAsyncFn = unsafe extern "C" fn(*mut CUdeviceptr, usize, CUstream) -> CUresult;
-type MemAllocFromPoolAsyncFn =
-    unsafe extern "C" fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) -> CUresult;
-type MemFreeAsyncFn = unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult;
-type MemGetInfoFn = unsafe extern "C" fn(*mut usize, *mut usize) -> CUresult;
-type DeviceTotalMemFn = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
-
 /// Frees `ptr` with the real `cuMemFree_v2` (undoing an allocation).
 fn free_now(ptr: u64) -> CUresult {
-    let address = Hooked::MemFree.address();
-    if address == 0 {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    }
-    // SAFETY: the driver's cuMemFree_v2, on a pointer it just returned.
-    unsafe { as_fn::<MemFreeFn>(address)(ptr) }
+    real!(let call = cuMemFree_v2(ptr) else CUDA_ERROR_NOT_INITIALIZED);
+    call()
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    let real = real!(Hooked::MemAlloc, MemAllocFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(dptr, bytesize) };
+    real!(let call = cuMemAlloc_v2(dptr, bytesize) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         sized(devices::current(), dptr, bytesize, call, free_now)
     })
@@ -189,13 +170,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     bytesize: usize,
     flags: c_uint,
 ) -> CUresult {
-    let real = real!(
-        Hooked::MemAllocManaged,
-        MemAllocManagedFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(dptr, bytesize, flags) };
+    real!(let call = cuMemAllocManaged(dptr, bytesize, flags) else CUDA_ERROR_NOT_INITIALIZED);
     // Charged in full, though managed memory may live on the host: a
     // container must not be able to page its neighbours out.
     guarded(call, || {
@@ -211,13 +186,8 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     height: usize,
     element_size: c_uint,
 ) -> CUresult {
-    let real = real!(
-        Hooked::MemAllocPitch,
-        MemAllocPitchFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(dptr, pitch, width, height, element_size) };
+    real!(let call = cuMemAllocPitch_v2(dptr, pitch, width, height, element_size)
+        else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         let Some(site) = devices::current() else {
             return call();
@@ -242,25 +212,21 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
-    let real = real!(Hooked::MemFree, MemFreeFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(dptr) };
+    real!(let call = cuMemFree_v2(dptr) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || free(dptr, call))
 }
 
 /// Stream-ordered allocations from the current device's pool: charged like
 /// cuMemAlloc, keyed by pointer.
 macro_rules! alloc_async {
-    ($name:ident, $hooked:expr, $free:expr) => {
+    ($name:ident, $free:expr) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(
             dptr: *mut CUdeviceptr,
             bytesize: usize,
             stream: CUstream,
         ) -> CUresult {
-            let real = real!($hooked, MemAllocAsyncFn, CUDA_ERROR_NOT_INITIALIZED);
-            // SAFETY: forwards the caller's arguments unchanged.
-            let call = || unsafe { real(dptr, bytesize, stream) };
+            real!(let call = $name(dptr, bytesize, stream) else CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
             guarded(call, || {
@@ -269,17 +235,13 @@ macro_rules! alloc_async {
         }
     };
 }
-alloc_async!(cuMemAllocAsync, Hooked::MemAllocAsync, cuMemFreeAsync);
-alloc_async!(
-    cuMemAllocAsync_ptsz,
-    Hooked::MemAllocAsyncPtsz,
-    cuMemFreeAsync_ptsz
-);
+alloc_async!(cuMemAllocAsync, cuMemFreeAsync);
+alloc_async!(cuMemAllocAsync_ptsz, cuMemFreeAsync_ptsz);
 
 /// Allocations from an explicit pool: charged on the pool's device, which
 /// need not be the current context's.
 macro_rules! alloc_from_pool {
-    ($name:ident, $hooked:expr, $free:expr) => {
+    ($name:ident, $free:expr) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(
             dptr: *mut CUdeviceptr,
@@ -287,93 +249,68 @@ macro_rules! alloc_from_pool {
             pool: CUmemoryPool,
             stream: CUstream,
         ) -> CUresult {
-            let real = real!($hooked, MemAllocFromPoolAsyncFn, CUDA_ERROR_NOT_INITIALIZED);
-            // SAFETY: forwards the caller's arguments unchanged.
-            let call = || unsafe { real(dptr, bytesize, pool, stream) };
+            real!(let call = $name(dptr, bytesize, pool, stream) else CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
             guarded(call, || sized(pool::site(pool), dptr, bytesize, call, undo))
         }
     };
 }
-alloc_from_pool!(
-    cuMemAllocFromPoolAsync,
-    Hooked::MemAllocFromPoolAsync,
-    cuMemFreeAsync
-);
-alloc_from_pool!(
-    cuMemAllocFromPoolAsync_ptsz,
-    Hooked::MemAllocFromPoolAsyncPtsz,
-    cuMemFreeAsync_ptsz
-);
+alloc_from_pool!(cuMemAllocFromPoolAsync, cuMemFreeAsync);
+alloc_from_pool!(cuMemAllocFromPoolAsync_ptsz, cuMemFreeAsync_ptsz);
 
 macro_rules! free_async {
-    ($name:ident, $hooked:expr) => {
+    ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
-            let real = real!($hooked, MemFreeAsyncFn, CUDA_ERROR_NOT_INITIALIZED);
-            // SAFETY: forwards the caller's arguments unchanged.
-            let call = || unsafe { real(dptr, stream) };
+            real!(let call = $name(dptr, stream) else CUDA_ERROR_NOT_INITIALIZED);
             guarded(call, || free(dptr, call))
         }
     };
 }
-free_async!(cuMemFreeAsync, Hooked::MemFreeAsync);
-free_async!(cuMemFreeAsync_ptsz, Hooked::MemFreeAsyncPtsz);
+free_async!(cuMemFreeAsync);
+free_async!(cuMemFreeAsync_ptsz);
+
+/// The current device's (free, total) as the container sees it, in place
+/// of what the driver just wrote. Inlined into the hook: frameworks ask
+/// before large allocations, and out of line it cost the query a call and
+/// moved code on the allocation path (callgrind, `cargo bench --bench shim`).
+#[inline]
+fn report_info(free: *mut usize, total: *mut usize) {
+    let (Some(real_free), Some(real_total)) = (written(free), written(total)) else {
+        return;
+    };
+    let Some(Site { shim, dev, .. }) = devices::current() else {
+        return;
+    };
+    let (f, t) = shim.cuda_info(dev, real_free as u64, real_total as u64);
+    // SAFETY: both pointers were just written by the driver.
+    unsafe {
+        *free = f as usize;
+        *total = t as usize;
+    }
+}
+
+/// The cap as device `dev`'s total, in place of what the driver just wrote.
+fn report_total(bytes: *mut usize, dev: CUdevice) {
+    let Some(real_total) = written(bytes) else {
+        return;
+    };
+    let Some((shim, d)) = devices::at(dev) else {
+        return;
+    };
+    // SAFETY: the driver just wrote through `bytes`.
+    unsafe { *bytes = shim.cap(d).min(real_total as u64) as usize };
+}
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    let real = real!(Hooked::MemGetInfo, MemGetInfoFn, CUDA_ERROR_NOT_INITIALIZED);
-    // The real call first keeps the driver's NULL and error semantics.
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(free, total) };
-    if result != CUDA_SUCCESS {
-        return result;
-    }
-    guarded(
-        || (),
-        || {
-            let (Some(real_free), Some(real_total)) = (written(free), written(total)) else {
-                return;
-            };
-            let Some(Site { shim, dev, .. }) = devices::current() else {
-                return;
-            };
-            let (f, t) = shim.cuda_info(dev, real_free as u64, real_total as u64);
-            // SAFETY: both pointers were just written by the driver.
-            unsafe {
-                *free = f as usize;
-                *total = t as usize;
-            }
-        },
-    );
-    result
+    real!(let call = cuMemGetInfo_v2(free, total) else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || report_info(free, total))
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
-    let real = real!(
-        Hooked::DeviceTotalMem,
-        DeviceTotalMemFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(bytes, dev) };
-    if result != CUDA_SUCCESS {
-        return result;
-    }
-    guarded(
-        || (),
-        || {
-            let Some(real_total) = written(bytes) else {
-                return;
-            };
-            let Some((shim, d)) = devices::at(dev) else {
-                return;
-            };
-            // SAFETY: the driver just wrote through `bytes`.
-            unsafe { *bytes = shim.cap(d).min(real_total as u64) as usize };
-        },
-    );
-    result
+    real!(let call = cuDeviceTotalMem_v2(bytes, dev) else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || report_total(bytes, dev))
 }

@@ -1,6 +1,7 @@
 //! The one shape every exported hook has: reentrancy guard, then
 //! `catch_unwind` around the safe logic, falling back to the real function
-//! on re-entry or panic. Also the slots that hold the real functions.
+//! on re-entry or panic (`guarded`, and `answered` for logic that only
+//! reads the real answer); and the real functions (`real!`, their slots).
 
 use std::cell::Cell;
 use std::ffi::{c_void, CStr};
@@ -85,17 +86,59 @@ pub unsafe fn as_fn<F: Copy>(address: usize) -> F {
     unsafe { std::mem::transmute_copy(&address) }
 }
 
-/// The real function of a hooked variant, or return `$missing` from the
-/// hook when no path has supplied it and it cannot be found.
+/// Casts a stored address to the type of `like`, a function pointer.
+///
+/// # Safety
+/// As for [`as_fn`]: `address` points to a function with `like`'s ABI.
+pub unsafe fn as_fn_like<F: Copy>(_like: F, address: usize) -> F {
+    // SAFETY: the caller's guarantee, passed on.
+    unsafe { as_fn(address) }
+}
+
+/// The shape of a hook that only reads or rewrites what the real function
+/// answered: the real call first, so the driver's own NULL and error
+/// semantics stay, then `look`, guarded, when it succeeded. On re-entry or
+/// a panic the real answer stands as it is.
+pub fn answered<R: PartialEq>(call: impl FnOnce() -> R, success: R, look: impl FnOnce()) -> R {
+    let result = call();
+    if result == success {
+        guarded(|| (), look);
+    }
+    result
+}
+
+/// `real!(let call = entry(args…) else missing);` binds `call`, a closure
+/// calling the real function behind our entry point `entry` with the
+/// caller's `args`; or returns `missing` from the hook when no path has
+/// supplied that function and it cannot be found. The real function's type
+/// is inferred from `entry`, so the signature is spelled once.
 macro_rules! real {
-    ($hooked:expr, $ty:ty, $missing:expr) => {{
-        let address = $hooked.address();
+    (let $call:ident = $entry:ident($($arg:ident),* $(,)?) else $missing:expr) => {
+        let address = $crate::table::Hooked::$entry.address();
         if address == 0 {
             return $missing;
         }
         // SAFETY: the slot only ever holds the driver's function of this
-        // exact variant (matched by name or identity), whose ABI is $ty.
-        unsafe { $crate::hook::as_fn::<$ty>(address) }
-    }};
+        // exact variant (matched by name or identity), whose ABI is that
+        // of our entry point of the same name.
+        let real = unsafe {
+            $crate::hook::as_fn_like(
+                $entry as unsafe extern "C" fn($($crate::hook::inferred!($arg)),*) -> _,
+                address,
+            )
+        };
+        // SAFETY: forwards the caller's arguments unchanged, under the
+        // contract the caller entered into by calling our entry point.
+        let $call = || unsafe { real($($arg),*) };
+    };
 }
 pub(crate) use real;
+
+/// `_` for each argument: the parameter types of `real!`'s cast are
+/// inferred from the entry point.
+macro_rules! inferred {
+    ($arg:ident) => {
+        _
+    };
+}
+pub(crate) use inferred;

@@ -9,9 +9,8 @@ use std::sync::OnceLock;
 
 use crate::devices::HandleCache;
 use crate::dlsym::LIBNVML;
-use crate::hook::{self, guarded, real};
+use crate::hook::{self, answered, real};
 use crate::ops::{self, Shim};
-use crate::table::Hooked;
 
 pub type nvmlReturn_t = c_uint;
 pub type nvmlDevice_t = *mut c_void;
@@ -35,8 +34,6 @@ pub struct nvmlMemory_v2_t {
     pub used: u64,
 }
 
-type MemoryInfoFn = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_t) -> nvmlReturn_t;
-type MemoryInfoV2Fn = unsafe extern "C" fn(nvmlDevice_t, *mut nvmlMemory_v2_t) -> nvmlReturn_t;
 type GetUuidFn = unsafe extern "C" fn(nvmlDevice_t, *mut c_char, c_uint) -> nvmlReturn_t;
 
 /// Device handles seen so far. Handles are stable for the life of NVML, so
@@ -73,77 +70,61 @@ fn capped(handle: nvmlDevice_t, real_total: u64) -> Option<(u64, u64, u64)> {
     Some(shim.nvml_info(dev, real_total))
 }
 
+/// An answer of `nvmlDeviceGetMemoryInfo[_v2]`, whichever version.
+trait MemoryAnswer {
+    fn total(&self) -> u64;
+    /// Writes the container's figures over the device's.
+    fn report(&mut self, total: u64, used: u64, free: u64);
+}
+
+impl MemoryAnswer for nvmlMemory_t {
+    fn total(&self) -> u64 {
+        self.total
+    }
+
+    fn report(&mut self, total: u64, used: u64, free: u64) {
+        (self.total, self.used, self.free) = (total, used, free);
+    }
+}
+
+impl MemoryAnswer for nvmlMemory_v2_t {
+    fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Reserved memory belongs to the driver, not to the slice: report 0
+    /// so reserved + used + free = total.
+    fn report(&mut self, total: u64, used: u64, free: u64) {
+        (self.total, self.reserved, self.used, self.free) = (total, 0, used, free);
+    }
+}
+
 /// After NVML answered for `device`, rewrites its answer with the
-/// container's figures via `apply(answer, (total, used, free))`.
-fn adjust<M>(
-    device: nvmlDevice_t,
-    memory: *mut M,
-    total: impl Fn(&M) -> u64,
-    apply: impl Fn(&mut M, (u64, u64, u64)),
-) {
-    guarded(
-        || (),
-        || {
-            // SAFETY: NVML just filled `memory`, which the caller checked is non-null.
-            let m = unsafe { &mut *memory };
-            if let Some(figures) = capped(device, total(m)) {
-                apply(m, figures);
-            }
-        },
-    );
+/// container's figures when the device is capped.
+fn report<M: MemoryAnswer>(device: nvmlDevice_t, memory: *mut M) {
+    if memory.is_null() {
+        return;
+    }
+    // SAFETY: NVML just filled `memory`, which is not null.
+    let m = unsafe { &mut *memory };
+    if let Some((total, used, free)) = capped(device, m.total()) {
+        m.report(total, used, free);
+    }
 }
 
-#[cfg_attr(not(test), no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
-    device: nvmlDevice_t,
-    memory: *mut nvmlMemory_t,
-) -> nvmlReturn_t {
-    let real = real!(
-        Hooked::NvmlMemoryInfo,
-        MemoryInfoFn,
-        NVML_ERROR_UNINITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(device, memory) };
-    if result == NVML_SUCCESS && !memory.is_null() {
-        adjust(
-            device,
-            memory,
-            |m| m.total,
-            |m, (total, used, free)| {
-                (m.total, m.used, m.free) = (total, used, free);
-            },
-        );
-    }
-    result
+/// `nvmlDeviceGetMemoryInfo` and its `_v2`: the same query, each with its
+/// own structure.
+macro_rules! memory_info {
+    ($name:ident, $memory:ty) => {
+        #[cfg_attr(not(test), no_mangle)]
+        pub unsafe extern "C" fn $name(device: nvmlDevice_t, memory: *mut $memory) -> nvmlReturn_t {
+            real!(let call = $name(device, memory) else NVML_ERROR_UNINITIALIZED);
+            answered(call, NVML_SUCCESS, || report(device, memory))
+        }
+    };
 }
-
-#[cfg_attr(not(test), no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
-    device: nvmlDevice_t,
-    memory: *mut nvmlMemory_v2_t,
-) -> nvmlReturn_t {
-    let real = real!(
-        Hooked::NvmlMemoryInfoV2,
-        MemoryInfoV2Fn,
-        NVML_ERROR_UNINITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(device, memory) };
-    if result == NVML_SUCCESS && !memory.is_null() {
-        // Reserved memory belongs to the driver, not to the slice: report 0
-        // so reserved + used + free = total.
-        adjust(
-            device,
-            memory,
-            |m| m.total,
-            |m, (total, used, free)| {
-                (m.total, m.reserved, m.used, m.free) = (total, 0, used, free);
-            },
-        );
-    }
-    result
-}
+memory_info!(nvmlDeviceGetMemoryInfo, nvmlMemory_t);
+memory_info!(nvmlDeviceGetMemoryInfo_v2, nvmlMemory_v2_t);
 
 const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
 /// `usedGpuMemory` when the driver cannot say (NVML_VALUE_NOT_AVAILABLE).
@@ -171,7 +152,7 @@ struct Queries {
 }
 
 /// Loads and initialises NVML for the shim's own questions (once: about
-/// 12 ms on the H100, next to the ~110 ms a context takes to create).
+/// 12 ms on an H100 (docs/GPU_VERIFICATION.md), next to the ~110 ms a context takes to create).
 fn queries() -> Option<&'static Queries> {
     static QUERIES: OnceLock<Option<Queries>> = OnceLock::new();
     QUERIES

@@ -2,7 +2,7 @@
 //! device, whatever the current context is. The driver cannot be asked a
 //! pool's location, so it is remembered where pools are created or handed
 //! out. What a pool reserves beyond its live allocations (it grows in 32 MiB
-//! steps on the H100, and keeps freed memory up to its release threshold)
+//! steps on an H100 (docs/GPU_VERIFICATION.md), and keeps freed memory up to its release threshold)
 //! is left to reconciliation.
 
 #![allow(non_snake_case)]
@@ -14,8 +14,7 @@ use crate::cuda::{
     CUdevice, CUmemAllocationProp, CUmemoryPool, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::devices::{self, Site};
-use crate::hook::{guarded, real};
-use crate::table::Hooked;
+use crate::hook::{answered, real};
 
 /// Where a pool's memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,10 +52,6 @@ pub fn site(pool: CUmemoryPool) -> Option<Site> {
     }
 }
 
-type PoolCreateFn = unsafe extern "C" fn(*mut CUmemoryPool, *const CUmemAllocationProp) -> CUresult;
-type DevicePoolFn = unsafe extern "C" fn(*mut CUmemoryPool, CUdevice) -> CUresult;
-type PoolDestroyFn = unsafe extern "C" fn(CUmemoryPool) -> CUresult;
-
 /// Reads the pool the driver just wrote.
 fn made(pool: *mut CUmemoryPool) -> Option<CUmemoryPool> {
     crate::cuda::written(pool).filter(|p| !p.is_null())
@@ -67,70 +62,38 @@ pub unsafe extern "C" fn cuMemPoolCreate(
     pool: *mut CUmemoryPool,
     props: *const CUmemAllocationProp,
 ) -> CUresult {
-    let real = real!(
-        Hooked::MemPoolCreate,
-        PoolCreateFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(pool, props) };
-    if result == CUDA_SUCCESS {
-        guarded(
-            || (),
-            || {
-                if let Some(made) = made(pool) {
-                    // CUmemPoolProps starts like CUmemAllocationProp.
-                    let location =
-                        CUmemAllocationProp::device(props).map_or(Location::Host, Location::Device);
-                    remember(made, location);
-                }
-            },
-        );
-    }
-    result
+    real!(let call = cuMemPoolCreate(pool, props) else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || {
+        if let Some(made) = made(pool) {
+            // CUmemPoolProps starts like CUmemAllocationProp.
+            let location =
+                CUmemAllocationProp::device(props).map_or(Location::Host, Location::Device);
+            remember(made, location);
+        }
+    })
 }
 
 macro_rules! device_pool {
-    ($name:ident, $hooked:expr) => {
+    ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
-            let real = real!($hooked, DevicePoolFn, CUDA_ERROR_NOT_INITIALIZED);
-            // SAFETY: forwards the caller's arguments unchanged.
-            let result = unsafe { real(pool, dev) };
-            if result == CUDA_SUCCESS {
-                guarded(
-                    || (),
-                    || {
-                        if let Some(made) = made(pool) {
-                            remember(made, Location::Device(dev));
-                        }
-                    },
-                );
-            }
-            result
+            real!(let call = $name(pool, dev) else CUDA_ERROR_NOT_INITIALIZED);
+            answered(call, CUDA_SUCCESS, || {
+                if let Some(made) = made(pool) {
+                    remember(made, Location::Device(dev));
+                }
+            })
         }
     };
 }
-device_pool!(cuDeviceGetDefaultMemPool, Hooked::DeviceGetDefaultMemPool);
-device_pool!(cuDeviceGetMemPool, Hooked::DeviceGetMemPool);
+device_pool!(cuDeviceGetDefaultMemPool);
+device_pool!(cuDeviceGetMemPool);
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
-    let real = real!(
-        Hooked::MemPoolDestroy,
-        PoolDestroyFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(pool) };
-    if result == CUDA_SUCCESS {
-        guarded(
-            || (),
-            || {
-                // Its handle may come back for another pool.
-                pools().remove(&(pool as usize));
-            },
-        );
-    }
-    result
+    real!(let call = cuMemPoolDestroy(pool) else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || {
+        // Its handle may come back for another pool.
+        pools().remove(&(pool as usize));
+    })
 }

@@ -8,14 +8,9 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use crate::cuda::{CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS};
 use crate::dlsym::LIBCUDA;
-use crate::hook::{self, guarded};
+use crate::hook::{answered, real};
 use crate::log;
 use crate::table::Hooked;
-
-type GetProcAddressFn =
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult;
-type GetProcAddressV2Fn =
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CUresult;
 
 /// How a driver answer was matched to a hooked variant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,18 +77,11 @@ pub unsafe extern "C" fn cuGetProcAddress(
     cuda_version: c_int,
     flags: u64,
 ) -> CUresult {
-    let address = Hooked::GetProcAddress.address();
-    if address == 0 {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    }
-    // SAFETY: the slot holds the driver's 4-argument cuGetProcAddress.
-    let real = unsafe { hook::as_fn::<GetProcAddressFn>(address) };
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(symbol, pfn, cuda_version, flags) };
-    if result == CUDA_SUCCESS {
-        guarded(|| (), || wrap_answer(symbol, pfn, cuda_version, flags));
-    }
-    result
+    real!(let call = cuGetProcAddress(symbol, pfn, cuda_version, flags)
+        else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || {
+        wrap_answer(symbol, pfn, cuda_version, flags)
+    })
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -104,17 +92,10 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     flags: u64,
     symbol_status: *mut c_int,
 ) -> CUresult {
-    let address = Hooked::GetProcAddressV2.address();
-    if address == 0 {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    }
-    // SAFETY: the slot holds the driver's 5-argument cuGetProcAddress_v2.
-    let real = unsafe { hook::as_fn::<GetProcAddressV2Fn>(address) };
-    // SAFETY: forwards the caller's arguments unchanged; `symbol_status`
-    // is the driver's to fill.
-    let result = unsafe { real(symbol, pfn, cuda_version, flags, symbol_status) };
-    if result == CUDA_SUCCESS {
-        guarded(|| (), || wrap_answer(symbol, pfn, cuda_version, flags));
-    }
-    result
+    // `symbol_status` is the driver's to fill.
+    real!(let call = cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, symbol_status)
+        else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || {
+        wrap_answer(symbol, pfn, cuda_version, flags)
+    })
 }

@@ -1,7 +1,12 @@
-//! Every function the shim hooks, spelled once: its exported name, our
-//! entry point, and the names `cuGetProcAddress` may be asked for it by.
-//! Adding a hook is one line in `hooks!` (plus, for a driver function, its
-//! documented version in `documented`).
+//! Every function the shim hooks, spelled once: adding a hook is its entry
+//! point (written with `hook::real!`) and one line in `hooks!`.
+//!
+//! A line names the entry point; the variant, the exported symbol and the
+//! name `cuGetProcAddress` is asked for all follow from it. `since V` is
+//! the CUDA version from which CUDA's headers map that name to this
+//! variant, used only when the driver answers with a pointer that is none
+//! of its exports. A driver function without `since` is never guessed
+//! (context creation: its ABI changed between versions).
 
 use std::ffi::CStr;
 
@@ -12,38 +17,40 @@ use crate::{array, context, cuda, nvml, pool, procaddr, vmm};
 const PER_THREAD_DEFAULT_STREAM: u64 = 2;
 
 macro_rules! hooks {
-    ($($variant:ident: $name:literal => $entry:path, [$($asked:literal),*];)*) => {
-        /// A hooked function variant. Each has exactly one ABI; `_ptsz`
-        /// variants are separate entries because the driver gives them
-        /// separate entry points.
+    ($($module:ident::$entry:ident $(since $since:literal)?;)*) => {
+        /// A hooked function variant, named after its exported symbol. Each
+        /// has exactly one ABI; `_ptsz` variants are separate entries
+        /// because the driver gives them separate entry points.
+        #[allow(non_camel_case_types)]
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         pub enum Hooked {
-            $($variant),*
+            $($entry),*
         }
 
-        const COUNT: usize = [$(Hooked::$variant),*].len();
+        const COUNT: usize = [$(Hooked::$entry),*].len();
 
         impl Hooked {
-            pub const ALL: [Hooked; COUNT] = [$(Hooked::$variant),*];
+            pub const ALL: [Hooked; COUNT] = [$(Hooked::$entry),*];
 
             /// The exported symbol name of this exact variant.
             pub fn name(self) -> &'static CStr {
                 match self {
-                    $(Hooked::$variant => $name),*
+                    $(Hooked::$entry => const { c_name(concat!(stringify!($entry), "\0")) }),*
                 }
             }
 
             /// Address of our entry point for this variant.
             pub fn hook(self) -> usize {
                 match self {
-                    $(Hooked::$variant => $entry as *const () as usize),*
+                    $(Hooked::$entry => $module::$entry as *const () as usize),*
                 }
             }
 
-            /// Names `cuGetProcAddress` may return this variant for.
-            fn asked_as(self) -> &'static [&'static [u8]] {
+            /// The CUDA version from which `cuGetProcAddress` documents
+            /// this variant for its base name.
+            fn since(self) -> Option<i32> {
                 match self {
-                    $(Hooked::$variant => &[$($asked),*]),*
+                    $(Hooked::$entry => None$(.or(Some($since)))?),*
                 }
             }
         }
@@ -51,47 +58,67 @@ macro_rules! hooks {
 }
 
 hooks! {
-    MemAlloc: c"cuMemAlloc_v2" => cuda::cuMemAlloc_v2, [b"cuMemAlloc", b"cuMemAlloc_v2"];
-    MemAllocPitch: c"cuMemAllocPitch_v2" => cuda::cuMemAllocPitch_v2, [b"cuMemAllocPitch", b"cuMemAllocPitch_v2"];
-    MemAllocManaged: c"cuMemAllocManaged" => cuda::cuMemAllocManaged, [b"cuMemAllocManaged"];
-    MemFree: c"cuMemFree_v2" => cuda::cuMemFree_v2, [b"cuMemFree", b"cuMemFree_v2"];
-    MemAllocAsync: c"cuMemAllocAsync" => cuda::cuMemAllocAsync, [b"cuMemAllocAsync"];
-    MemAllocAsyncPtsz: c"cuMemAllocAsync_ptsz" => cuda::cuMemAllocAsync_ptsz, [b"cuMemAllocAsync"];
-    MemAllocFromPoolAsync: c"cuMemAllocFromPoolAsync" => cuda::cuMemAllocFromPoolAsync, [b"cuMemAllocFromPoolAsync"];
-    MemAllocFromPoolAsyncPtsz: c"cuMemAllocFromPoolAsync_ptsz" => cuda::cuMemAllocFromPoolAsync_ptsz, [b"cuMemAllocFromPoolAsync"];
-    MemFreeAsync: c"cuMemFreeAsync" => cuda::cuMemFreeAsync, [b"cuMemFreeAsync"];
-    MemFreeAsyncPtsz: c"cuMemFreeAsync_ptsz" => cuda::cuMemFreeAsync_ptsz, [b"cuMemFreeAsync"];
-    MemCreate: c"cuMemCreate" => vmm::cuMemCreate, [b"cuMemCreate"];
-    MemRelease: c"cuMemRelease" => vmm::cuMemRelease, [b"cuMemRelease"];
-    MemMap: c"cuMemMap" => vmm::cuMemMap, [b"cuMemMap"];
-    MemUnmap: c"cuMemUnmap" => vmm::cuMemUnmap, [b"cuMemUnmap"];
-    MemRetainAllocationHandle: c"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle, [b"cuMemRetainAllocationHandle"];
-    MemImportFromShareableHandle: c"cuMemImportFromShareableHandle" => vmm::cuMemImportFromShareableHandle, [b"cuMemImportFromShareableHandle"];
-    ArrayCreate: c"cuArrayCreate_v2" => array::cuArrayCreate_v2, [b"cuArrayCreate", b"cuArrayCreate_v2"];
-    Array3DCreate: c"cuArray3DCreate_v2" => array::cuArray3DCreate_v2, [b"cuArray3DCreate", b"cuArray3DCreate_v2"];
-    MipmappedArrayCreate: c"cuMipmappedArrayCreate" => array::cuMipmappedArrayCreate, [b"cuMipmappedArrayCreate"];
-    ArrayDestroy: c"cuArrayDestroy" => array::cuArrayDestroy, [b"cuArrayDestroy"];
-    MipmappedArrayDestroy: c"cuMipmappedArrayDestroy" => array::cuMipmappedArrayDestroy, [b"cuMipmappedArrayDestroy"];
-    MemPoolCreate: c"cuMemPoolCreate" => pool::cuMemPoolCreate, [b"cuMemPoolCreate"];
-    MemPoolDestroy: c"cuMemPoolDestroy" => pool::cuMemPoolDestroy, [b"cuMemPoolDestroy"];
-    DeviceGetDefaultMemPool: c"cuDeviceGetDefaultMemPool" => pool::cuDeviceGetDefaultMemPool, [b"cuDeviceGetDefaultMemPool"];
-    DeviceGetMemPool: c"cuDeviceGetMemPool" => pool::cuDeviceGetMemPool, [b"cuDeviceGetMemPool"];
-    PrimaryCtxRetain: c"cuDevicePrimaryCtxRetain" => context::cuDevicePrimaryCtxRetain, [b"cuDevicePrimaryCtxRetain"];
-    PrimaryCtxRelease: c"cuDevicePrimaryCtxRelease_v2" => context::cuDevicePrimaryCtxRelease_v2, [b"cuDevicePrimaryCtxRelease", b"cuDevicePrimaryCtxRelease_v2"];
-    PrimaryCtxReset: c"cuDevicePrimaryCtxReset_v2" => context::cuDevicePrimaryCtxReset_v2, [b"cuDevicePrimaryCtxReset", b"cuDevicePrimaryCtxReset_v2"];
-    CtxCreateV2: c"cuCtxCreate_v2" => context::cuCtxCreate_v2, [b"cuCtxCreate"];
-    CtxCreateV3: c"cuCtxCreate_v3" => context::cuCtxCreate_v3, [b"cuCtxCreate"];
-    CtxCreateV4: c"cuCtxCreate_v4" => context::cuCtxCreate_v4, [b"cuCtxCreate"];
-    CtxDestroy: c"cuCtxDestroy_v2" => context::cuCtxDestroy_v2, [b"cuCtxDestroy", b"cuCtxDestroy_v2"];
-    MemGetInfo: c"cuMemGetInfo_v2" => cuda::cuMemGetInfo_v2, [b"cuMemGetInfo", b"cuMemGetInfo_v2"];
-    DeviceTotalMem: c"cuDeviceTotalMem_v2" => cuda::cuDeviceTotalMem_v2, [b"cuDeviceTotalMem", b"cuDeviceTotalMem_v2"];
-    GetProcAddress: c"cuGetProcAddress" => procaddr::cuGetProcAddress, [b"cuGetProcAddress"];
-    GetProcAddressV2: c"cuGetProcAddress_v2" => procaddr::cuGetProcAddress_v2, [b"cuGetProcAddress"];
-    NvmlMemoryInfo: c"nvmlDeviceGetMemoryInfo" => nvml::nvmlDeviceGetMemoryInfo, [];
-    NvmlMemoryInfoV2: c"nvmlDeviceGetMemoryInfo_v2" => nvml::nvmlDeviceGetMemoryInfo_v2, [];
+    cuda::cuMemAlloc_v2 since 3020;
+    cuda::cuMemAllocPitch_v2 since 3020;
+    cuda::cuMemAllocManaged since 6000;
+    cuda::cuMemFree_v2 since 3020;
+    cuda::cuMemAllocAsync since 11020;
+    cuda::cuMemAllocAsync_ptsz since 11020;
+    cuda::cuMemAllocFromPoolAsync since 11020;
+    cuda::cuMemAllocFromPoolAsync_ptsz since 11020;
+    cuda::cuMemFreeAsync since 11020;
+    cuda::cuMemFreeAsync_ptsz since 11020;
+    cuda::cuMemGetInfo_v2 since 3020;
+    cuda::cuDeviceTotalMem_v2 since 3020;
+    vmm::cuMemCreate since 10020;
+    vmm::cuMemRelease since 10020;
+    vmm::cuMemMap since 10020;
+    vmm::cuMemUnmap since 10020;
+    vmm::cuMemRetainAllocationHandle since 11000;
+    vmm::cuMemImportFromShareableHandle since 10020;
+    array::cuArrayCreate_v2 since 3020;
+    array::cuArray3DCreate_v2 since 3020;
+    array::cuMipmappedArrayCreate since 5000;
+    array::cuArrayDestroy since 0;
+    array::cuMipmappedArrayDestroy since 5000;
+    pool::cuMemPoolCreate since 11020;
+    pool::cuMemPoolDestroy since 11020;
+    pool::cuDeviceGetDefaultMemPool since 11020;
+    pool::cuDeviceGetMemPool since 11020;
+    context::cuDevicePrimaryCtxRetain since 7000;
+    context::cuDevicePrimaryCtxRelease_v2 since 11000;
+    context::cuDevicePrimaryCtxReset_v2 since 11000;
+    context::cuCtxCreate_v2;
+    context::cuCtxCreate_v3;
+    context::cuCtxCreate_v4;
+    context::cuCtxDestroy_v2 since 4000;
+    procaddr::cuGetProcAddress since 11030;
+    procaddr::cuGetProcAddress_v2 since 12000;
+    nvml::nvmlDeviceGetMemoryInfo;
+    nvml::nvmlDeviceGetMemoryInfo_v2;
 }
 
 static REALS: [Real; COUNT] = [const { Real::new() }; COUNT];
+
+/// A symbol name as a C string, checked when the table is compiled.
+const fn c_name(with_nul: &'static str) -> &'static CStr {
+    match CStr::from_bytes_with_nul(with_nul.as_bytes()) {
+        Ok(name) => name,
+        Err(_) => panic!("a hook's name is a C identifier"),
+    }
+}
+
+/// A driver symbol without its ABI suffix (`_v2`, `_ptsz`): the base name
+/// `cuGetProcAddress` is asked for, as CUDA spells it ("for the driver API
+/// cuMemAlloc_v2, symbol would be cuMemAlloc").
+fn base_name(name: &[u8]) -> &[u8] {
+    let name = name.strip_suffix(b"_ptsz").unwrap_or(name);
+    let digits = name.iter().rev().take_while(|b| b.is_ascii_digit()).count();
+    match name[..name.len() - digits].strip_suffix(b"_v") {
+        Some(base) if digits > 0 => base,
+        _ => name,
+    }
+}
 
 impl Hooked {
     /// Exact-name lookup for `dlsym` (no prefix matching: `curl_*` and
@@ -117,69 +144,40 @@ impl Hooked {
         self.real().get_or_next(self.name())
     }
 
-    /// Variants `cuGetProcAddress` may return for a requested name.
+    /// The name `cuGetProcAddress` is asked for this variant by; `None`
+    /// for NVML, which the driver does not hand out.
+    fn base(self) -> Option<&'static [u8]> {
+        let name = self.name().to_bytes();
+        (name.starts_with(b"cu")).then(|| base_name(name))
+    }
+
+    /// Whether this is the per-thread default stream (`_ptsz`) variant.
+    fn per_thread(self) -> bool {
+        self.name().to_bytes().ends_with(b"_ptsz")
+    }
+
+    /// Variants `cuGetProcAddress` may return for a requested name: those
+    /// of that base name, or the one of that exact name.
     pub fn candidates(symbol: &[u8]) -> impl Iterator<Item = Hooked> + '_ {
-        Hooked::ALL
-            .into_iter()
-            .filter(move |h| h.asked_as().contains(&symbol))
+        Hooked::ALL.into_iter().filter(move |h| {
+            h.base()
+                .is_some_and(|base| base == symbol || h.name().to_bytes() == symbol)
+        })
     }
 
     /// The variant CUDA's headers document for `(symbol, cudaVersion,
     /// flags)`, used only when the returned pointer is not one of the
-    /// driver's exported entry points. Context creation has no entry: its
-    /// ABI changed between versions, so an unidentified pointer is left alone.
+    /// driver's exported entry points: of the variants of that base name
+    /// documented by `cuda_version`, the newest, and the `_ptsz` one when
+    /// the flags ask for per-thread default streams.
     pub fn documented(symbol: &[u8], cuda_version: i32, flags: u64) -> Option<Hooked> {
         let per_thread = flags & PER_THREAD_DEFAULT_STREAM != 0;
-        let v2_era = cuda_version >= 3020;
-        let stream_ordered = cuda_version >= 11020;
-        let vmm = cuda_version >= 10020;
-        let stream = |legacy, ptsz| Some(if per_thread { ptsz } else { legacy });
-        match symbol {
-            b"cuMemAlloc" if v2_era => Some(Hooked::MemAlloc),
-            b"cuMemAllocPitch" if v2_era => Some(Hooked::MemAllocPitch),
-            b"cuMemFree" if v2_era => Some(Hooked::MemFree),
-            b"cuMemGetInfo" if v2_era => Some(Hooked::MemGetInfo),
-            b"cuDeviceTotalMem" if v2_era => Some(Hooked::DeviceTotalMem),
-            b"cuArrayCreate" if v2_era => Some(Hooked::ArrayCreate),
-            b"cuArray3DCreate" if v2_era => Some(Hooked::Array3DCreate),
-            b"cuArrayDestroy" => Some(Hooked::ArrayDestroy),
-            b"cuMipmappedArrayCreate" if cuda_version >= 5000 => Some(Hooked::MipmappedArrayCreate),
-            b"cuMipmappedArrayDestroy" if cuda_version >= 5000 => {
-                Some(Hooked::MipmappedArrayDestroy)
-            }
-            b"cuMemAllocManaged" if cuda_version >= 6000 => Some(Hooked::MemAllocManaged),
-            b"cuMemAllocAsync" if stream_ordered => {
-                stream(Hooked::MemAllocAsync, Hooked::MemAllocAsyncPtsz)
-            }
-            b"cuMemAllocFromPoolAsync" if stream_ordered => stream(
-                Hooked::MemAllocFromPoolAsync,
-                Hooked::MemAllocFromPoolAsyncPtsz,
-            ),
-            b"cuMemFreeAsync" if stream_ordered => {
-                stream(Hooked::MemFreeAsync, Hooked::MemFreeAsyncPtsz)
-            }
-            b"cuMemPoolCreate" if stream_ordered => Some(Hooked::MemPoolCreate),
-            b"cuMemPoolDestroy" if stream_ordered => Some(Hooked::MemPoolDestroy),
-            b"cuDeviceGetDefaultMemPool" if stream_ordered => Some(Hooked::DeviceGetDefaultMemPool),
-            b"cuDeviceGetMemPool" if stream_ordered => Some(Hooked::DeviceGetMemPool),
-            b"cuMemCreate" if vmm => Some(Hooked::MemCreate),
-            b"cuMemRelease" if vmm => Some(Hooked::MemRelease),
-            b"cuMemMap" if vmm => Some(Hooked::MemMap),
-            b"cuMemUnmap" if vmm => Some(Hooked::MemUnmap),
-            b"cuMemRetainAllocationHandle" if cuda_version >= 11000 => {
-                Some(Hooked::MemRetainAllocationHandle)
-            }
-            b"cuMemImportFromShareableHandle" if vmm => Some(Hooked::MemImportFromShareableHandle),
-            b"cuDevicePrimaryCtxRetain" if cuda_version >= 7000 => Some(Hooked::PrimaryCtxRetain),
-            b"cuDevicePrimaryCtxRelease" if cuda_version >= 11000 => {
-                Some(Hooked::PrimaryCtxRelease)
-            }
-            b"cuDevicePrimaryCtxReset" if cuda_version >= 11000 => Some(Hooked::PrimaryCtxReset),
-            b"cuCtxDestroy" if cuda_version >= 4000 => Some(Hooked::CtxDestroy),
-            b"cuGetProcAddress" if cuda_version >= 12000 => Some(Hooked::GetProcAddressV2),
-            b"cuGetProcAddress" if cuda_version >= 11030 => Some(Hooked::GetProcAddress),
-            _ => None,
-        }
+        Hooked::ALL
+            .into_iter()
+            .filter(|h| h.base() == Some(symbol))
+            .filter(|h| h.since().is_some_and(|since| cuda_version >= since))
+            .filter(|h| per_thread || !h.per_thread())
+            .max_by_key(|h| (h.per_thread(), h.since()))
     }
 }
 
@@ -208,10 +206,45 @@ mod tests {
     }
 
     #[test]
+    fn base_names_drop_the_abi_suffix() {
+        for (name, base) in [
+            (&b"cuMemAlloc_v2"[..], &b"cuMemAlloc"[..]),
+            (b"cuMemAllocAsync_ptsz", b"cuMemAllocAsync"),
+            (b"cuCtxCreate_v4", b"cuCtxCreate"),
+            (b"cuArray3DCreate_v2", b"cuArray3DCreate"),
+            (b"cuArray3DCreate", b"cuArray3DCreate"),
+            (b"cuMemAllocManaged", b"cuMemAllocManaged"),
+            (b"cuFoo_v", b"cuFoo_v"),
+        ] {
+            assert_eq!(base_name(name), base, "{}", String::from_utf8_lossy(name));
+        }
+        assert_eq!(Hooked::nvmlDeviceGetMemoryInfo_v2.base(), None);
+        assert_eq!(Hooked::candidates(b"nvmlDeviceGetMemoryInfo").count(), 0);
+        let creation: Vec<_> = Hooked::candidates(b"cuCtxCreate").collect();
+        assert_eq!(
+            creation,
+            [
+                Hooked::cuCtxCreate_v2,
+                Hooked::cuCtxCreate_v3,
+                Hooked::cuCtxCreate_v4
+            ]
+        );
+        assert_eq!(
+            Hooked::candidates(b"cuMemAlloc_v2").collect::<Vec<_>>(),
+            [Hooked::cuMemAlloc_v2]
+        );
+    }
+
+    #[test]
     fn documented_variants_follow_version_and_stream_flag() {
         assert_eq!(
             Hooked::documented(b"cuMemAlloc", 12000, 0),
-            Some(Hooked::MemAlloc)
+            Some(Hooked::cuMemAlloc_v2)
+        );
+        assert_eq!(
+            Hooked::documented(b"cuMemAlloc", 12000, 2),
+            Some(Hooked::cuMemAlloc_v2),
+            "no _ptsz variant: the flag changes nothing"
         );
         assert_eq!(
             Hooked::documented(b"cuMemAlloc", 3000, 0),
@@ -219,40 +252,46 @@ mod tests {
             "v1 ABI left alone"
         );
         assert_eq!(
+            Hooked::documented(b"cuMemAlloc_v2", 12000, 0),
+            None,
+            "only base names are documented"
+        );
+        assert_eq!(
             Hooked::documented(b"cuMemAllocAsync", 12000, 2),
-            Some(Hooked::MemAllocAsyncPtsz)
+            Some(Hooked::cuMemAllocAsync_ptsz)
         );
         assert_eq!(
             Hooked::documented(b"cuMemFreeAsync", 12000, 1),
-            Some(Hooked::MemFreeAsync)
+            Some(Hooked::cuMemFreeAsync)
+        );
+        assert_eq!(Hooked::documented(b"cuMemFreeAsync", 11000, 2), None);
+        assert_eq!(
+            Hooked::documented(b"cuArrayDestroy", 2000, 0),
+            Some(Hooked::cuArrayDestroy)
         );
         assert_eq!(Hooked::documented(b"cuCtxCreate", 12000, 0), None);
         assert_eq!(
             Hooked::documented(b"cuGetProcAddress", 12080, 0),
-            Some(Hooked::GetProcAddressV2)
+            Some(Hooked::cuGetProcAddress_v2)
         );
         assert_eq!(
             Hooked::documented(b"cuGetProcAddress", 11080, 0),
-            Some(Hooked::GetProcAddress)
+            Some(Hooked::cuGetProcAddress)
         );
-        // Every documented answer is one of the names' candidates, and
-        // every driver hook but context creation has a documented answer.
+        assert_eq!(
+            Hooked::documented(b"nvmlDeviceGetMemoryInfo", 13000, 0),
+            None
+        );
+        // Every driver hook but context creation is documented, and no two
+        // variants of one base name are documented alike.
         for h in Hooked::ALL {
-            for &asked in h.asked_as() {
-                if let Some(d) = Hooked::documented(asked, 13000, 0) {
-                    assert!(Hooked::candidates(asked).any(|c| c == d), "{asked:?}");
-                }
-            }
-            let creation = matches!(
-                h,
-                Hooked::CtxCreateV2 | Hooked::CtxCreateV3 | Hooked::CtxCreateV4
-            );
-            if !h.asked_as().is_empty() && !creation {
+            let Some(base) = h.base() else { continue };
+            assert_eq!(h.since().is_none(), base == b"cuCtxCreate", "{h:?}");
+            for other in Hooked::candidates(base).filter(|&o| o != h) {
                 assert!(
-                    h.asked_as()
-                        .iter()
-                        .any(|a| Hooked::documented(a, 13000, 0).is_some()),
-                    "{h:?} has no documented variant"
+                    (h.per_thread(), h.since()) != (other.per_thread(), other.since())
+                        || h.since().is_none(),
+                    "{h:?} and {other:?} are documented alike"
                 );
             }
         }

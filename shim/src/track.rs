@@ -1,7 +1,7 @@
 //! This process's device allocations and the 2 MiB chunks of device memory
 //! they occupy. The driver hands out memory in 2 MiB chunks: an allocation
 //! of 2 MiB or more takes whole chunks, and smaller ones share a chunk until
-//! the last of them is freed (measured on the H100: the first 1 MiB costs
+//! the last of them is freed (measured on an H100, docs/GPU_VERIFICATION.md: the first 1 MiB costs
 //! 2 MiB, a second costs nothing, freeing every other one of 16 gives back
 //! nothing). Charging chunks, not requested bytes, makes a container pay
 //! what the driver takes. Sharded by chunk so threads rarely contend.

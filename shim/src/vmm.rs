@@ -1,7 +1,7 @@
 //! Virtual memory management: physical memory made by `cuMemCreate` lives
 //! while any handle reference or any mapping of it does. `cuMemRelease` of a
 //! mapped handle frees nothing until the last `cuMemUnmap` (the CUDA guide's
-//! create-map-release pattern; seen on the H100), so the charge follows the
+//! create-map-release pattern; seen on an H100, docs/GPU_VERIFICATION.md), so the charge follows the
 //! memory, not the handle. Handles imported from another process are that
 //! process's memory and never charged here.
 
@@ -16,9 +16,8 @@ use crate::cuda::{
     CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::devices;
-use crate::hook::{guarded, real};
+use crate::hook::{answered, guarded, real};
 use crate::ops;
-use crate::table::Hooked;
 
 /// One `cuMemCreate` allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,26 +58,6 @@ fn uncharge(physical: &Physical) {
     }
 }
 
-type MemCreateFn = unsafe extern "C" fn(
-    *mut CUmemGenericAllocationHandle,
-    usize,
-    *const CUmemAllocationProp,
-    c_ulonglong,
-) -> CUresult;
-type MemReleaseFn = unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult;
-type MemMapFn = unsafe extern "C" fn(
-    CUdeviceptr,
-    usize,
-    usize,
-    CUmemGenericAllocationHandle,
-    c_ulonglong,
-) -> CUresult;
-type MemUnmapFn = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
-type RetainHandleFn =
-    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void) -> CUresult;
-type ImportFn =
-    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void, c_int) -> CUresult;
-
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemCreate(
     handle: *mut CUmemGenericAllocationHandle,
@@ -86,9 +65,7 @@ pub unsafe extern "C" fn cuMemCreate(
     prop: *const CUmemAllocationProp,
     flags: c_ulonglong,
 ) -> CUresult {
-    let real = real!(Hooked::MemCreate, MemCreateFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(handle, size, prop, flags) };
+    real!(let call = cuMemCreate(handle, size, prop, flags) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         // Host and host-NUMA locations (NCCL, ggml) are not device memory.
         let Some((shim, dev)) = CUmemAllocationProp::device(prop).and_then(devices::at) else {
@@ -118,9 +95,7 @@ pub unsafe extern "C" fn cuMemCreate(
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    let real = real!(Hooked::MemRelease, MemReleaseFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(handle) };
+    real!(let call = cuMemRelease(handle) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         let mut table = vmm();
         let Some(physical) = table.handles.get_mut(&handle) else {
@@ -160,9 +135,7 @@ pub unsafe extern "C" fn cuMemMap(
     handle: CUmemGenericAllocationHandle,
     flags: c_ulonglong,
 ) -> CUresult {
-    let real = real!(Hooked::MemMap, MemMapFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(ptr, size, offset, handle, flags) };
+    real!(let call = cuMemMap(ptr, size, offset, handle, flags) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         let result = call();
         if result == CUDA_SUCCESS {
@@ -178,9 +151,7 @@ pub unsafe extern "C" fn cuMemMap(
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
-    let real = real!(Hooked::MemUnmap, MemUnmapFn, CUDA_ERROR_NOT_INITIALIZED);
-    // SAFETY: forwards the caller's arguments unchanged.
-    let call = || unsafe { real(ptr, size) };
+    real!(let call = cuMemUnmap(ptr, size) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, || {
         // One range may cover several whole mappings; a range that cuts one
         // is refused by the driver and changes nothing.
@@ -233,10 +204,7 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 
 /// A new reference to memory we track (the driver returns the same handle
 /// value, as seen on the H100): its release must not free the charge.
-fn referenced(result: CUresult, handle: *mut CUmemGenericAllocationHandle) {
-    if result != CUDA_SUCCESS {
-        return;
-    }
+fn referenced(handle: *mut CUmemGenericAllocationHandle) {
     let Some(handle) = written(handle) else {
         return;
     };
@@ -250,15 +218,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
     handle: *mut CUmemGenericAllocationHandle,
     addr: *mut c_void,
 ) -> CUresult {
-    let real = real!(
-        Hooked::MemRetainAllocationHandle,
-        RetainHandleFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(handle, addr) };
-    guarded(|| (), || referenced(result, handle));
-    result
+    real!(let call = cuMemRetainAllocationHandle(handle, addr) else CUDA_ERROR_NOT_INITIALIZED);
+    answered(call, CUDA_SUCCESS, || referenced(handle))
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -267,15 +228,9 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     os_handle: *mut c_void,
     kind: c_int,
 ) -> CUresult {
-    let real = real!(
-        Hooked::MemImportFromShareableHandle,
-        ImportFn,
-        CUDA_ERROR_NOT_INITIALIZED
-    );
-    // SAFETY: forwards the caller's arguments unchanged.
-    let result = unsafe { real(handle, os_handle, kind) };
+    real!(let call = cuMemImportFromShareableHandle(handle, os_handle, kind)
+        else CUDA_ERROR_NOT_INITIALIZED);
     // Another process's memory is not ours to charge; our own, imported
     // back, is one more reference to it.
-    guarded(|| (), || referenced(result, handle));
-    result
+    answered(call, CUDA_SUCCESS, || referenced(handle))
 }

@@ -85,6 +85,8 @@ fn create(
         return INVALID_VALUE;
     }
     match memory::allocate(kind, ctx.0.dev, ctx, bytes(desc, levels)) {
+        // SAFETY: `handle` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
         Ok(address) => unsafe { out(handle, address as *mut c_void) },
         Err(code) => code,
     }
@@ -95,6 +97,8 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
     handle: *mut *mut c_void,
     desc: *const CUDA_ARRAY_DESCRIPTOR,
 ) -> CUresult {
+    // SAFETY: the caller's descriptor: null (refused below) or valid for reads, as `cuArrayCreate`
+    // requires.
     let Some(desc) = (unsafe { desc.as_ref() }) else {
         return INVALID_VALUE;
     };
@@ -114,6 +118,8 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
     handle: *mut *mut c_void,
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
 ) -> CUresult {
+    // SAFETY: the caller's descriptor: null (refused below) or valid for reads, as
+    // `cuArray3DCreate` requires.
     match unsafe { desc.as_ref() } {
         Some(desc) => create(handle, desc, 1, Kind::Array),
         None => INVALID_VALUE,
@@ -126,6 +132,8 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: c_uint,
 ) -> CUresult {
+    // SAFETY: the caller's descriptor: null (refused below) or valid for reads, as
+    // `cuMipmappedArrayCreate` requires.
     match unsafe { desc.as_ref() } {
         Some(desc) => create(handle, desc, levels, Kind::Mipmap),
         None => INVALID_VALUE,

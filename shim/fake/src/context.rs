@@ -136,6 +136,8 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
         }
     }
     *retains += 1;
+    // SAFETY: `pctx` is the caller's out-parameter, valid for writes under the driver API's
+    // contract, and not null (checked above).
     unsafe { out(pctx, ctx.handle as CUcontext) }
 }
 
@@ -186,6 +188,8 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
         return INVALID_VALUE;
     }
     let retained = registry().primary[d].1 > 0;
+    // SAFETY: `flags` and `active` are the caller's out-parameters, valid for writes under the
+    // driver API's contract, and not null (checked above).
     unsafe {
         *flags = 0;
         *active = c_int::from(retained);
@@ -215,6 +219,8 @@ fn create(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     registry.next_handle += 0x100;
     registry.created.insert(handle, ctx);
     push(ctx);
+    // SAFETY: `pctx` is the out-parameter the `cuCtxCreate` entry points were given, valid for
+    // writes under the driver API's contract, and not null (checked above).
     unsafe { out(pctx, handle as CUcontext) }
 }
 
@@ -287,6 +293,8 @@ pub extern "C" fn cuCtxSetCurrent(handle: CUcontext) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
     refuse_after_fork!();
+    // SAFETY: `pctx` is the caller's out-parameter: null, which `out` refuses, or valid for writes,
+    // as the driver API requires.
     unsafe { out(pctx, handle_of(CURRENT.get())) }
 }
 
@@ -309,6 +317,8 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
         return INVALID_CONTEXT;
     };
     if !pctx.is_null() {
+        // SAFETY: `pctx` is the caller's optional out-parameter, valid for writes when not null
+        // (checked).
         unsafe { *pctx = handle_of(Some(ctx)) };
     }
     SUCCESS
@@ -318,6 +328,8 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
 pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
     refuse_after_fork!();
     match current() {
+        // SAFETY: `dev` is the caller's out-parameter: null, which `out` refuses, or valid for
+        // writes, as the driver API requires.
         Ok((ctx, _)) => unsafe { out(dev, ctx.dev as CUdevice) },
         Err(code) => code,
     }

@@ -16,12 +16,16 @@ pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
 /// and the real one is documented to work before `cuInit`.
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(version: *mut c_int) -> CUresult {
+    // SAFETY: `version` is the caller's out-parameter: null, which `out` refuses, or valid for
+    // writes, as the driver API requires.
     unsafe { out(version, 13000) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
     refuse_after_fork!();
+    // SAFETY: `count` is the caller's out-parameter: null, which `out` refuses, or valid for
+    // writes, as the driver API requires.
     unsafe { out(count, config().uuids.len() as c_int) }
 }
 
@@ -29,6 +33,8 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
 pub unsafe extern "C" fn cuDeviceGet(dev: *mut CUdevice, ordinal: c_int) -> CUresult {
     refuse_after_fork!();
     match device(ordinal) {
+        // SAFETY: `dev` is the caller's out-parameter: null, which `out` refuses, or valid for
+        // writes, as the driver API requires.
         Some(d) => unsafe { out(dev, d as CUdevice) },
         None => INVALID_DEVICE,
     }
@@ -40,6 +46,8 @@ unsafe fn uuid_of(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
         return INVALID_DEVICE;
     };
     match gpumem_layout::parse_uuid(&config().uuids[d]) {
+        // SAFETY: `uuid` is the out-parameter our callers were given, null or valid for writes of
+        // 16 bytes; `out` checks for null.
         Some(raw) => unsafe { out(uuid, raw) },
         None => INVALID_VALUE,
     }
@@ -47,11 +55,15 @@ unsafe fn uuid_of(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
+    // SAFETY: `uuid_of` needs `uuid` null or valid for writes, as `cuDeviceGetUuid` requires of its
+    // caller.
     unsafe { uuid_of(uuid, dev) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
+    // SAFETY: `uuid_of` needs `uuid` null or valid for writes, as `cuDeviceGetUuid_v2` requires of
+    // its caller.
     unsafe { uuid_of(uuid, dev) }
 }
 
@@ -59,6 +71,8 @@ pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) 
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
     refuse_after_fork!();
     match device(dev) {
+        // SAFETY: `bytes` is the caller's out-parameter: null, which `out` refuses, or valid for
+        // writes, as the driver API requires.
         Some(_) => unsafe { out(bytes, config().memory as usize) },
         None => INVALID_DEVICE,
     }

@@ -16,6 +16,8 @@ pub(crate) fn poisoned() -> bool {
 /// Called from `cuInit`: children forked from now on are refused.
 pub(crate) fn arm() {
     static ARMED: Once = Once::new();
+    // SAFETY: registers a child handler that only stores to an atomic, which is async-signal-safe
+    // as a handler run in a forked child must be; `Once` registers it once.
     ARMED.call_once(|| unsafe {
         libc::pthread_atfork(None, None, Some(in_child));
     });

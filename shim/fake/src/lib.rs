@@ -26,7 +26,10 @@
 //! (`PID USED_MIB [UUID]` lines that `nvmlDeviceGetComputeRunningProcesses_v3`
 //! adds, or puts in place of its own entry for that PID), `FAKEGPU_NODE_FILE`
 //! (a file the fake drivers of one test share as the node-wide view; without
-//! it the node is this process alone).
+//! it the node is this process alone), `FAKEGPU_HEALTH_FILE` (XID events, row
+//! remapping, page retirement and failing devices as NVML reports them; see
+//! `health`) and `FAKEGPU_MEMORY_REPAIR` (`retirement`: pre-Ampere devices that
+//! retire pages; default: devices that remap rows, as A100 and H100).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -46,6 +49,7 @@ mod array;
 mod context;
 mod device;
 mod fork;
+mod health;
 mod memory;
 mod node;
 mod nvml;
@@ -115,6 +119,8 @@ unsafe fn out<T>(ptr: *mut T, value: T) -> CUresult {
     if ptr.is_null() {
         return INVALID_VALUE;
     }
+    // SAFETY: callers pass an out-parameter, which the driver API requires
+    // to be valid for writes of a `T` unless it is null, refused above.
     unsafe { *ptr = value };
     SUCCESS
 }

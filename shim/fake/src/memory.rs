@@ -265,6 +265,8 @@ fn alloc_current(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
         return INVALID_VALUE;
     }
     match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64) {
+        // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
         Err(code) => code,
     }
@@ -284,6 +286,8 @@ fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CU
         return INVALID_VALUE;
     }
     match allocate(Kind::Memory, dev, ctx, size as u64) {
+        // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
         Err(code) => code,
     }
@@ -306,6 +310,8 @@ pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, size: c_uint) -> CUresult
     let mut wide: CUdeviceptr = 0;
     let r = alloc_current(&mut wide, size as usize);
     if r == SUCCESS {
+        // SAFETY: `dptr` is the caller's out-parameter, which `cuMemAlloc` requires valid for
+        // writes.
         unsafe { *dptr = wide as c_uint };
     }
     r
@@ -322,6 +328,8 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     let p = width.next_multiple_of(512);
     let r = alloc_current(dptr, p * height);
     if r == SUCCESS {
+        // SAFETY: `pitch` is the caller's out-parameter, which `cuMemAllocPitch` requires valid for
+        // writes.
         unsafe { *pitch = p };
     }
     r
@@ -401,6 +409,8 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
         return INVALID_VALUE;
     }
     let memory = config().memory;
+    // SAFETY: `free` and `total` are the caller's out-parameters, valid for writes under the driver
+    // API's contract, and not null (checked above).
     unsafe {
         *total = memory as usize;
         *free = memory.saturating_sub(node::used(ctx.dev)) as usize;

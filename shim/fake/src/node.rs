@@ -59,6 +59,10 @@ fn slots() -> &'static [Slot] {
 fn map(path: OsString) -> Option<&'static [Slot]> {
     let path = CString::new(path.into_vec()).ok()?;
     let len = ENTRIES * size_of::<Slot>();
+    // SAFETY: system calls on a valid C string and a descriptor closed once mapped. The mapping
+    // is page-aligned (enough for `Slot`), `ENTRIES` slots long and never unmapped, so the slice
+    // is valid for the process's life; `ftruncate` zero-fills the file, zero is a valid `Slot`
+    // (atomics only), and every process changes it only through those atomics.
     unsafe {
         let fd = libc::open(
             path.as_ptr(),
@@ -106,6 +110,8 @@ fn identity() -> Vec<(u64, u32)> {
         })
         .unwrap_or_default();
     let mut levels = Vec::new();
+    // SAFETY: system calls on descriptors this function opens and closes; `stat` is plain data, so
+    // zeroed is a valid one for `fstat` to fill.
     unsafe {
         let mut fd = libc::open(
             c"/proc/self/ns/pid".as_ptr(),
@@ -146,6 +152,7 @@ fn live(slot: &Slot) -> bool {
     owner != 0
         && owner != CLAIMING
         && pid_here(slot).is_none_or(|pid| {
+            // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
             let signalled = unsafe { libc::kill(pid as libc::pid_t, 0) };
             signalled == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
         })
@@ -170,6 +177,7 @@ fn claim(slots: &'static [Slot]) -> Option<usize> {
         slot.pids[level].store(pid, Ordering::Relaxed);
     }
     slot.owner
+        // SAFETY: `getpid` has no preconditions.
         .store(unsafe { libc::getpid() } as u32, Ordering::Release);
     Some(index)
 }
@@ -239,6 +247,8 @@ pub unsafe extern "C" fn fakegpu_process_usage(dev: c_int, slot: *mut c_int) -> 
         .filter(|&d| d < MAX_DEVICES)
         .map_or((0, None), local);
     if !slot.is_null() {
+        // SAFETY: `slot` is the caller's optional out-parameter (our NVML copy passes a local),
+        // valid for writes when not null (checked).
         unsafe { *slot = own.map_or(-1, |s| s as c_int) };
     }
     mine
@@ -246,6 +256,9 @@ pub unsafe extern "C" fn fakegpu_process_usage(dev: c_int, slot: *mut c_int) -> 
 
 fn process(dev: usize) -> (u64, Option<usize>) {
     type ProcessUsage = unsafe extern "C" fn(c_int, *mut c_int) -> u64;
+    // SAFETY: `dlopen` with RTLD_NOLOAD only finds an already-loaded object, closed again below;
+    // `fakegpu_process_usage` is this library's own export, whose signature `ProcessUsage` spells,
+    // called with a valid out-pointer.
     unsafe {
         let cuda = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
         if cuda.is_null() {
@@ -272,6 +285,7 @@ pub(crate) fn used_by_processes(dev: usize) -> u64 {
 /// The node's processes with memory on `dev`, by the PIDs the caller's
 /// namespace knows them by (this process first, as `getpid()`).
 pub(crate) fn processes(dev: usize) -> Vec<(u32, u64)> {
+    // SAFETY: `getpid` has no preconditions.
     let me = unsafe { libc::getpid() } as u32;
     let (mine, _) = process(dev);
     let others = slots().iter().filter(|s| live(s)).filter_map(|s| {

@@ -1,24 +1,30 @@
 //! NVML: devices by index or UUID, memory as a node daemon sees it (the
 //! configured others plus every fake-driver process on the node), and the
 //! per-process list. It keeps working in a forked child, as the real one does.
+//! Health (events, row remapping, lost devices) is `health`'s.
 
 use std::ffi::{c_char, c_uint, c_ulonglong, c_void, CStr};
 
-use crate::{config, node, MIB};
+use crate::{config, health, node, MIB};
 
-type NvmlReturn = c_uint;
-const NVML_SUCCESS: NvmlReturn = 0;
-const NVML_INVALID_ARGUMENT: NvmlReturn = 2;
+pub(crate) type NvmlReturn = c_uint;
+pub(crate) const NVML_SUCCESS: NvmlReturn = 0;
+pub(crate) const NVML_INVALID_ARGUMENT: NvmlReturn = 2;
+pub(crate) const NVML_NOT_SUPPORTED: NvmlReturn = 3;
 const NVML_NOT_FOUND: NvmlReturn = 6;
 const NVML_INSUFFICIENT_SIZE: NvmlReturn = 7;
+pub(crate) const NVML_TIMEOUT: NvmlReturn = 10;
+pub(crate) const NVML_GPU_IS_LOST: NvmlReturn = 15;
+pub(crate) const NVML_RESET_REQUIRED: NvmlReturn = 16;
+pub(crate) const NVML_ERROR_UNKNOWN: NvmlReturn = 999;
 
-fn nvml_device(handle: *mut c_void) -> Option<usize> {
+pub(crate) fn nvml_device(handle: *mut c_void) -> Option<usize> {
     (handle as usize)
         .checked_sub(1)
         .filter(|&d| d < config().uuids.len())
 }
 
-fn handle_of(dev: usize) -> *mut c_void {
+pub(crate) fn handle_of(dev: usize) -> *mut c_void {
     (dev + 1) as *mut c_void
 }
 
@@ -47,6 +53,7 @@ pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> NvmlReturn
     if count.is_null() {
         return NVML_INVALID_ARGUMENT;
     }
+    // SAFETY: checked non-null; an out-parameter, valid for writes (NVML's contract).
     unsafe { *count = config().uuids.len() as c_uint };
     NVML_SUCCESS
 }
@@ -59,6 +66,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     if handle.is_null() || index as usize >= config().uuids.len() {
         return NVML_INVALID_ARGUMENT;
     }
+    // SAFETY: checked non-null; an out-parameter, valid for writes (NVML's contract).
     unsafe { *handle = handle_of(index as usize) };
     NVML_SUCCESS
 }
@@ -71,9 +79,11 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     if uuid.is_null() || handle.is_null() {
         return NVML_INVALID_ARGUMENT;
     }
+    // SAFETY: checked non-null; NVML takes a NUL-terminated UUID string.
     let uuid = unsafe { CStr::from_ptr(uuid) }.to_bytes();
     match config().uuids.iter().position(|u| u.as_bytes() == uuid) {
         Some(dev) => {
+            // SAFETY: checked non-null; an out-parameter, valid for writes (NVML's contract).
             unsafe { *handle = handle_of(dev) };
             NVML_SUCCESS
         }
@@ -88,6 +98,8 @@ unsafe fn copy_string(text: &str, buf: *mut c_char, len: c_uint) -> NvmlReturn {
     if text.len() + 1 > len as usize {
         return NVML_INSUFFICIENT_SIZE;
     }
+    // SAFETY: `buf` is non-null and, by the caller's promise, `len` bytes,
+    // which hold the text and its NUL (checked above).
     unsafe {
         std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast(), text.len());
         *buf.add(text.len()) = 0;
@@ -102,6 +114,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     len: c_uint,
 ) -> NvmlReturn {
     match nvml_device(handle) {
+        // SAFETY: the caller's buffer of `len` bytes, as NVML's contract has it.
         Some(d) => unsafe { copy_string(&config().uuids[d], buf, len) },
         None => NVML_INVALID_ARGUMENT,
     }
@@ -114,6 +127,7 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     len: c_uint,
 ) -> NvmlReturn {
     match nvml_device(handle) {
+        // SAFETY: the caller's buffer of `len` bytes, as NVML's contract has it.
         Some(_) => unsafe { copy_string("Tesla T4", buf, len) },
         None => NVML_INVALID_ARGUMENT,
     }
@@ -146,8 +160,12 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     if memory.is_null() {
         return NVML_INVALID_ARGUMENT;
     }
+    if let Some(error) = health::query_error(dev) {
+        return error;
+    }
     let c = config();
     let used = c.nvml_used + c.nvml_reserved + node::used_by_processes(dev);
+    // SAFETY: checked non-null; an out-parameter, valid for writes (NVML's contract).
     unsafe {
         *memory = NvmlMemory {
             total: c.memory,
@@ -169,8 +187,12 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     if memory.is_null() {
         return NVML_INVALID_ARGUMENT;
     }
+    if let Some(error) = health::query_error(dev) {
+        return error;
+    }
     let c = config();
     let used = c.nvml_used + node::used_by_processes(dev);
+    // SAFETY: checked non-null; the caller's versioned struct, read and written.
     unsafe {
         let version = (*memory).version;
         *memory = NvmlMemoryV2 {
@@ -236,12 +258,16 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         }
     }
     // As the real one: the needed count comes back with INSUFFICIENT_SIZE.
+    // SAFETY: checked non-null; an in/out parameter (NVML's contract).
     let room = unsafe { *count } as usize;
+    // SAFETY: checked non-null; an out-parameter, valid for writes (NVML's contract).
     unsafe { *count = processes.len() as c_uint };
     if processes.len() > room || (infos.is_null() && !processes.is_empty()) {
         return NVML_INSUFFICIENT_SIZE;
     }
     for (i, (pid, used)) in processes.into_iter().enumerate() {
+        // SAFETY: `infos` holds `room` entries (NVML's contract) and `i` is
+        // below `processes.len() <= room`; null only with no processes.
         unsafe {
             infos.add(i).write(NvmlProcessInfo {
                 pid,

@@ -45,6 +45,8 @@ pub(crate) fn device_of(pool: CUmemoryPool) -> Option<usize> {
 unsafe fn default_pool(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
     refuse_after_fork!();
     match device(dev) {
+        // SAFETY: `pool` is the out-parameter our callers were given, null or valid for writes;
+        // `out` checks for null.
         Some(d) => unsafe { out(pool, (DEFAULT + d) as CUmemoryPool) },
         None => INVALID_DEVICE,
     }
@@ -55,12 +57,16 @@ pub unsafe extern "C" fn cuDeviceGetDefaultMemPool(
     pool: *mut CUmemoryPool,
     dev: CUdevice,
 ) -> CUresult {
+    // SAFETY: `default_pool` needs `pool` null or valid for writes, as `cuDeviceGetDefaultMemPool`
+    // requires of its caller.
     unsafe { default_pool(pool, dev) }
 }
 
 /// No `cuDeviceSetMemPool` here, so the current pool is the default one.
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetMemPool(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
+    // SAFETY: `default_pool` needs `pool` null or valid for writes, as `cuDeviceGetMemPool`
+    // requires of its caller.
     unsafe { default_pool(pool, dev) }
 }
 
@@ -82,6 +88,9 @@ pub unsafe extern "C" fn cuMemPoolCreate(
     if pool.is_null() || props.is_null() {
         return INVALID_VALUE;
     }
+    // SAFETY: the caller's properties, not null (checked above) and valid for reads under
+    // `cuMemPoolCreate`'s contract; only their leading fields, present in every CUDA version, are
+    // declared.
     let props = unsafe { &*props };
     if props.location_type != LOCATION_DEVICE {
         return INVALID_VALUE;
@@ -93,6 +102,8 @@ pub unsafe extern "C" fn cuMemPoolCreate(
     let handle = pools.next;
     pools.next += 0x10;
     pools.created.insert(handle, dev);
+    // SAFETY: `pool` is the caller's out-parameter, valid for writes under the driver API's
+    // contract, and not null (checked above).
     unsafe { out(pool, handle as CUmemoryPool) }
 }
 

@@ -88,9 +88,14 @@ pub unsafe extern "C" fn cuGetProcAddress(
     if symbol.is_null() || pfn.is_null() {
         return INVALID_VALUE;
     }
+    // SAFETY: `symbol` is the caller's NUL-terminated name, not null (checked above).
     match lookup(unsafe { CStr::from_ptr(symbol) }.to_bytes(), version, flags) {
+        // SAFETY: `pfn` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
         Some(f) => unsafe { out(pfn, f) },
         None => {
+            // SAFETY: `pfn` is the caller's out-parameter, valid for writes under the driver API's
+            // contract, and not null (checked above).
             unsafe { *pfn = std::ptr::null_mut() };
             NOT_FOUND
         }
@@ -105,9 +110,13 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     flags: c_ulonglong,
     status: *mut c_int,
 ) -> CUresult {
+    // SAFETY: passes the caller's arguments on to the same lookup, which checks them as the real
+    // driver does.
     let r = unsafe { cuGetProcAddress(symbol, pfn, version, flags) };
     if !status.is_null() {
         // CU_GET_PROC_ADDRESS_SUCCESS = 0, SYMBOL_NOT_FOUND = 1.
+        // SAFETY: `status` is the caller's optional out-parameter, valid for writes when not null
+        // (checked).
         unsafe { *status = if r == SUCCESS { 0 } else { 1 } };
     }
     r

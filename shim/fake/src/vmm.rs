@@ -93,6 +93,8 @@ pub unsafe extern "C" fn cuMemCreate(
     if prop.is_null() || handle.is_null() || size == 0 || !size.is_multiple_of(PAGE) {
         return INVALID_VALUE;
     }
+    // SAFETY: the caller's properties, not null (checked above) and valid for reads under
+    // `cuMemCreate`'s contract; only their leading fields are declared.
     let prop = unsafe { &*prop };
     let (dev, cost) = if prop.location_type == LOCATION_DEVICE {
         match device(prop.location_id) {
@@ -115,6 +117,8 @@ pub unsafe extern "C" fn cuMemCreate(
         mappings: 0,
     };
     vmm().handles.insert(h, physical);
+    // SAFETY: `handle` is the caller's out-parameter, valid for writes under the driver API's
+    // contract, and not null (checked above).
     unsafe { out(handle, h) }
 }
 
@@ -145,6 +149,8 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     }
     let start = address_space(size, alignment as u64);
     vmm().reserved.insert(start, size);
+    // SAFETY: `ptr` is the caller's out-parameter, valid for writes under the driver API's
+    // contract, and not null (checked above).
     unsafe { out(ptr, start) }
 }
 
@@ -251,6 +257,8 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     _option: c_int,
 ) -> CUresult {
     refuse_after_fork!();
+    // SAFETY: `granularity` is the caller's out-parameter: null, which `out` refuses, or valid for
+    // writes, as the driver API requires.
     unsafe { out(granularity, PAGE as usize) }
 }
 
@@ -274,6 +282,8 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
         .filter(|&(&start, &(len, _))| addr < start + len)
         .map(|(_, &(_, h))| h);
     match mapped.and_then(|h| vmm.retain(h)) {
+        // SAFETY: `handle` is the caller's out-parameter: null, which `out` refuses, or valid for
+        // writes, as the driver API requires.
         Some(h) => unsafe { out(handle, h) },
         None => INVALID_VALUE,
     }
@@ -303,6 +313,9 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     let token = vmm.next_token;
     vmm.next_token += 1;
     vmm.exported.insert(token, handle);
+    // SAFETY: for a POSIX file descriptor handle (the only type exported here) `shareable` points
+    // to an `int`, valid for writes under `cuMemExportToShareableHandle`'s contract, and not null
+    // (checked above).
     unsafe { out(shareable.cast::<c_int>(), token) }
 }
 
@@ -322,6 +335,8 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     let mut vmm = vmm();
     let exported = vmm.exported.get(&(os_handle as usize as c_int)).copied();
     match exported.and_then(|h| vmm.retain(h)) {
+        // SAFETY: `handle` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
         Some(h) => unsafe { out(handle, h) },
         None => INVALID_VALUE,
     }

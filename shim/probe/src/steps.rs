@@ -139,6 +139,10 @@ unsafe fn cuda<'a>(
 ) {
     let null = std::ptr::null_mut::<c_void>();
     let mut next = || parts.next();
+    // SAFETY: every call goes through a driver function the loader resolved
+    // by name with its documented signature, with out-parameters that live
+    // on this stack and handles the driver itself returned earlier (the
+    // index list); a test that passes a bad index gets the driver's answer.
     unsafe {
         match kind {
             "alloc" | "allocb" | "async" | "pool" | "managed" => {

@@ -157,6 +157,10 @@ pub fn forkstorm(api: &Api, n: u64, threads: usize, mib: u64) {
             // pointers it already has, then _exits.
             let pid = unsafe { libc::fork() };
             if pid == 0 {
+                // SAFETY: the driver's own functions with its signatures, on
+                // pointers it returned to the parent; in the child they are
+                // expected to fail (a forked child cannot use CUDA), which
+                // is what the step checks.
                 unsafe {
                     for &victim in &victims {
                         (api.mem_free)(victim);
