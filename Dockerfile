@@ -19,7 +19,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3-venv bi
     && cargo install --locked cargo-zigbuild@0.24.1
 WORKDIR /src
 COPY . .
-RUN cargo build --locked --release -p gpumem \
+RUN cargo build --locked --release -p gpumem --no-default-features \
     && cargo zigbuild --locked --release -p gpumem-shim --target x86_64-unknown-linux-gnu.2.17 \
     && shim/check-abi target/x86_64-unknown-linux-gnu/release/libgpumem_shim.so \
     && mkdir -p /out \

@@ -8,19 +8,19 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpumem::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use gpumem::api::deviceplugin::{
+use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
-use gpumem::gpu::Gpu;
-use gpumem::inject::Isolation;
-use gpumem::inventory::{Inventory, KUBELET_MAX_MESSAGE};
-use gpumem::kubelet;
-use gpumem::placement::{self, Policy};
-use gpumem::plugin::{Plugin, PluginConfig, SOCKET_NAME};
+use gpumem::deviceplugin::kubelet;
+use gpumem::deviceplugin::plugin::{Plugin, PluginConfig, SOCKET_NAME};
+use gpumem::isolation::inject::Isolation;
+use gpumem::node::gpu::Gpu;
+use gpumem::node::inventory::{Inventory, KUBELET_MAX_MESSAGE};
+use gpumem::node::placement::{self, Policy};
+use gpumem::node::units::MemoryUnit;
 use gpumem::simulator::KubeletSim;
-use gpumem::units::MemoryUnit;
 use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -194,7 +194,7 @@ async fn daemon_memory() {
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let node = dir.path().join("t4.toml");
-    std::fs::write(&node, gpumem::demo::DEFAULT_NODE).unwrap();
+    std::fs::write(&node, gpumem::ops::demo::DEFAULT_NODE).unwrap();
     let host = dir.path().join("shim");
     std::fs::create_dir_all(&host).unwrap();
     std::fs::write(
@@ -243,7 +243,9 @@ async fn daemon_memory() {
                 .map(|u| {
                     format!(
                         "{}-{u}",
-                        gpumem::inventory::GpuKey::of("GPU-6b1c2d3e-0000-4000-8000-000000000400")
+                        gpumem::node::inventory::GpuKey::of(
+                            "GPU-6b1c2d3e-0000-4000-8000-000000000400"
+                        )
                     )
                 })
                 .collect();

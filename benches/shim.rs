@@ -75,9 +75,9 @@ fn main() {
     }
     let out = build();
     let state = tempfile::tempdir().unwrap();
-    gpumem::accounting::prepare(
+    gpumem::isolation::accounting::prepare(
         state.path(),
-        &[gpumem::accounting::Cap {
+        &[gpumem::isolation::accounting::Cap {
             uuid: "GPU-6b1c2d3e-0000-4000-8000-000000000400".into(),
             cap_mib: 4308,
             context_charge_mib: 0,

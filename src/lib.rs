@@ -5,27 +5,17 @@
 
 #![forbid(unsafe_code)]
 
-pub mod accounting;
-pub mod api;
-pub mod cleanup;
-pub mod containers;
-pub mod daemon;
-pub mod demo;
-pub mod exec;
-pub mod gpu;
-pub mod health;
-pub mod inject;
-pub mod inspect;
-pub mod install;
-pub mod inventory;
-pub mod kubelet;
-pub mod metrics;
-pub mod placement;
-pub mod plugin;
-pub mod podresources;
-pub mod reconcile;
-pub mod resource;
-pub mod service;
+// The layers, bottom up. Each uses only those before it, except where the
+// device plugin's wire format still reaches down: the inventory builds
+// ListAndWatch's device list (and checks kubelet's message limit at start),
+// inject builds the Allocate response, and cleanup asks pod-resources who
+// holds what. A front-end-neutral grant and holder seam remove these.
+pub mod deviceplugin;
+pub mod isolation;
+pub mod node;
+pub mod ops;
+
+/// An in-process kubelet for `gpumem demo` and the tests. Not part of what
+/// ships (the image is built without the `demo` feature).
+#[cfg(feature = "demo")]
 pub mod simulator;
-pub mod status;
-pub mod units;

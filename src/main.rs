@@ -9,22 +9,23 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use gpumem::daemon::{self, DaemonConfig};
-use gpumem::demo::{self, DemoConfig};
-use gpumem::exec::{self, ExecConfig};
-use gpumem::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
-use gpumem::health::{self, XidList};
-use gpumem::inject::{Isolation, ShimConfig};
-use gpumem::inspect;
-use gpumem::inventory::Inventory;
-use gpumem::metrics;
-use gpumem::placement::Policy;
-use gpumem::plugin::PluginConfig;
-use gpumem::podresources::{self, PodResources};
-use gpumem::reconcile::{self, ProcessUsage};
-use gpumem::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
-use gpumem::status::NodeStatus;
-use gpumem::units::{MemorySize, MemoryUnit};
+use gpumem::deviceplugin::plugin::PluginConfig;
+use gpumem::deviceplugin::podresources::{self, PodResources};
+use gpumem::isolation::inject::{Isolation, ShimConfig};
+use gpumem::isolation::reconcile::{self, ProcessUsage};
+use gpumem::node::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
+use gpumem::node::health::{self, XidList};
+use gpumem::node::inventory::Inventory;
+use gpumem::node::placement::Policy;
+use gpumem::node::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
+use gpumem::node::units::{MemorySize, MemoryUnit};
+use gpumem::ops::daemon::{self, DaemonConfig};
+#[cfg(feature = "demo")]
+use gpumem::ops::demo::{self, DemoConfig};
+use gpumem::ops::exec::{self, ExecConfig};
+use gpumem::ops::inspect;
+use gpumem::ops::metrics;
+use gpumem::ops::status::NodeStatus;
 
 /// Share NVIDIA GPUs between Kubernetes pods by memory.
 ///
@@ -49,6 +50,7 @@ enum Command {
     Plugin(PluginArgs),
     /// Run the real plugin against a simulated kubelet on a fake T4 node and
     /// replay the gpushare notebook scenario. Needs no GPU and no cluster.
+    #[cfg(feature = "demo")]
     Demo(DemoArgs),
     /// Run a command with its GPU memory capped, as in a gpumem container
     /// (e.g. `gpumem exec --mem 4308MiB -- nvidia-smi`).
@@ -225,6 +227,7 @@ struct PluginArgs {
     reconcile: ReconcileArgs,
 }
 
+#[cfg(feature = "demo")]
 #[derive(Args)]
 struct DemoArgs {
     /// Fake GPU file describing the demo node (default: one Tesla T4, 15079 MiB).
@@ -352,7 +355,9 @@ fn main() -> ExitCode {
     let default_level = match cli.command {
         Command::Plugin(_) => "info",
         Command::InstallShim(_) => "info",
-        Command::Demo(_) | Command::Exec(_) | Command::Inspect(_) => "warn",
+        #[cfg(feature = "demo")]
+        Command::Demo(_) => "warn",
+        Command::Exec(_) | Command::Inspect(_) => "warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
@@ -372,6 +377,7 @@ fn main() -> ExitCode {
             runtime.block_on(async {
                 match cli.command {
                     Command::Plugin(args) => plugin(args).await.map(|()| ExitCode::SUCCESS),
+                    #[cfg(feature = "demo")]
                     Command::Demo(args) => {
                         let report = demo::run(DemoConfig {
                             fake_gpus: args.fake_gpus,
@@ -391,7 +397,7 @@ fn main() -> ExitCode {
                             Some(path) => path,
                             None => exec::find_shim(None, "--from")?,
                         };
-                        let installed = gpumem::install::install(&from, &args.to)?;
+                        let installed = gpumem::isolation::install::install(&from, &args.to)?;
                         info!(shim = %installed.display(), "installed");
                         Ok(ExitCode::SUCCESS)
                     }

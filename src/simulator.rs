@@ -22,23 +22,25 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use crate::api::deviceplugin::registration_server::{Registration, RegistrationServer};
-use crate::api::deviceplugin::{
+use crate::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use crate::deviceplugin::api::deviceplugin::registration_server::{
+    Registration, RegistrationServer,
+};
+use crate::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, Device, DevicePluginOptions, Empty,
     PreferredAllocationRequest, RegisterRequest, HEALTHY, VERSION,
 };
-use crate::api::podresources::pod_resources_lister_server::{
+use crate::deviceplugin::api::podresources::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
-use crate::api::podresources::{
+use crate::deviceplugin::api::podresources::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
-use crate::kubelet::{self, KUBELET_SOCKET};
-use crate::resource::ResourceName;
+use crate::deviceplugin::kubelet::{self, KUBELET_SOCKET};
+use crate::node::resource::ResourceName;
 
 /// kubelet dials a registering plugin with this timeout.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);

@@ -208,9 +208,9 @@ fn arrays_are_charged_until_destroyed() {
 fn pool_allocations_are_charged_on_the_pools_device() {
     const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
     let dir = tempfile::tempdir().unwrap();
-    gpumem::accounting::prepare(
+    gpumem::isolation::accounting::prepare(
         dir.path(),
-        &[T4_UUID, SECOND].map(|uuid| gpumem::accounting::Cap {
+        &[T4_UUID, SECOND].map(|uuid| gpumem::isolation::accounting::Cap {
             uuid: uuid.into(),
             cap_mib: 4308,
             context_charge_mib: 0,

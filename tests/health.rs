@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use common::{shim_kit, RESOURCE, WAIT};
-use gpumem::api::deviceplugin::Device;
-use gpumem::inventory::GpuKey;
+use gpumem::deviceplugin::api::deviceplugin::Device;
+use gpumem::node::inventory::GpuKey;
 use gpumem::simulator::KubeletSim;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{field, run_lines, shim_kit, Node, MIB, RESOURCE};
-use gpumem::inject::{Isolation, ShimConfig};
+use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem::simulator::AdmissionError;
 use tonic::Code;
 

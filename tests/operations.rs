@@ -8,17 +8,17 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::{fixture, shim_kit, RESOURCE, WAIT};
-use gpumem::daemon::{self, DaemonConfig};
-use gpumem::gpu::{FakeGpus, GpuSource};
-use gpumem::health::FakeHealth;
-use gpumem::inject::{Isolation, ShimConfig};
-use gpumem::inventory::Inventory;
-use gpumem::placement::Policy;
-use gpumem::plugin::{PluginConfig, PluginError};
-use gpumem::reconcile::FakeProcesses;
+use gpumem::deviceplugin::plugin::{PluginConfig, PluginError};
+use gpumem::isolation::inject::{Isolation, ShimConfig};
+use gpumem::isolation::reconcile::FakeProcesses;
+use gpumem::node::gpu::{FakeGpus, GpuSource};
+use gpumem::node::health::FakeHealth;
+use gpumem::node::inventory::Inventory;
+use gpumem::node::placement::Policy;
+use gpumem::node::units::MemoryUnit;
+use gpumem::ops::daemon::{self, DaemonConfig};
+use gpumem::ops::status::NodeStatus;
 use gpumem::simulator::KubeletSim;
-use gpumem::status::NodeStatus;
-use gpumem::units::MemoryUnit;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -149,8 +149,8 @@ impl Daemon {
     async fn wait_for_container(
         &self,
         what: &str,
-        check: impl Fn(&gpumem::status::ContainerStatus) -> bool,
-    ) -> gpumem::status::ContainerStatus {
+        check: impl Fn(&gpumem::ops::status::ContainerStatus) -> bool,
+    ) -> gpumem::ops::status::ContainerStatus {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
             let status = self.status().await;
@@ -669,8 +669,8 @@ async fn without_pod_resources_the_state_dir_still_shows_each_container() {
 /// NVML answers played back in order.
 struct Script(std::collections::VecDeque<u64>, u32);
 
-impl gpumem::reconcile::ProcessUsage for Script {
-    fn usage(&mut self) -> Result<gpumem::gpu::ProcessMemory, gpumem::gpu::GpuError> {
+impl gpumem::isolation::reconcile::ProcessUsage for Script {
+    fn usage(&mut self) -> Result<gpumem::node::gpu::ProcessMemory, gpumem::node::gpu::GpuError> {
         let mib = self.0.pop_front().expect("script long enough");
         Ok([(
             common::T4_UUID.to_owned(),
@@ -704,13 +704,13 @@ fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
     // must be published after each.
     let nvml = [1600, 1000, 1600, 1000, 1000, 1200];
     let published = [600, 600, 600, 600, 0, 200];
-    let mut reconciler = gpumem::reconcile::Reconciler::new(Box::new(Script(
+    let mut reconciler = gpumem::isolation::reconcile::Reconciler::new(Box::new(Script(
         nvml.into_iter().collect(),
         holder.id(),
     )));
     for (tick, want) in published.into_iter().enumerate() {
         reconciler.tick(std::slice::from_ref(&file));
-        let usage = &gpumem::accounting::usage(&file).unwrap()[0];
+        let usage = &gpumem::isolation::accounting::usage(&file).unwrap()[0];
         assert_eq!(usage.untracked_bytes, want * common::MIB, "tick {tick}");
         assert_eq!(usage.used_bytes, (1000 + want) * common::MIB, "tick {tick}");
     }

@@ -6,15 +6,15 @@ mod common;
 use std::collections::HashSet;
 
 use common::{Node, RESOURCE, WAIT};
-use gpumem::api::deviceplugin::{
+use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
     PreStartContainerRequest, PreferredAllocationRequest,
 };
-use gpumem::inventory::DeviceId;
-use gpumem::placement::Policy;
-use gpumem::plugin::SOCKET_NAME;
+use gpumem::deviceplugin::plugin::SOCKET_NAME;
+use gpumem::node::inventory::DeviceId;
+use gpumem::node::placement::Policy;
+use gpumem::node::units::MemoryUnit;
 use gpumem::simulator::{AdmissionError, KubeletSim};
-use gpumem::units::MemoryUnit;
 use tonic::Code;
 
 #[tokio::test]
@@ -339,12 +339,13 @@ async fn waits_for_kubelet_and_registers_when_it_appears() {
 async fn refuses_to_start_beside_a_live_instance() {
     let node = Node::start("t4", MemoryUnit::GiB, Policy::Binpack).await;
     node.devices().await;
-    let second = gpumem::plugin::Plugin::new(gpumem::plugin::PluginConfig {
-        kubelet_dir: node.dir.path().to_owned(),
-        resource_name: Default::default(),
-        policy: Policy::Binpack,
-        isolation: gpumem::inject::Isolation::None,
-    });
+    let second =
+        gpumem::deviceplugin::plugin::Plugin::new(gpumem::deviceplugin::plugin::PluginConfig {
+            kubelet_dir: node.dir.path().to_owned(),
+            resource_name: Default::default(),
+            policy: Policy::Binpack,
+            isolation: gpumem::isolation::inject::Isolation::None,
+        });
     let (_tx, rx) = tokio::sync::watch::channel(std::sync::Arc::new(common::inventory(
         "t4",
         MemoryUnit::GiB,
@@ -372,7 +373,7 @@ async fn health_changes_reach_kubelet() {
         .map(|g| g.gpu.clone())
         .collect::<Vec<_>>();
     gpus[1].healthy = false;
-    let sick = gpumem::inventory::Inventory::new(gpus, MemoryUnit::GiB).unwrap();
+    let sick = gpumem::node::inventory::Inventory::new(gpus, MemoryUnit::GiB).unwrap();
     node.inventory.send_replace(std::sync::Arc::new(sick));
     let devices = node
         .kubelet()

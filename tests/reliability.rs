@@ -9,14 +9,14 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::{capped_dir, field, fixture, run_lines, shim_kit, Node, RESOURCE, WAIT};
-use gpumem::api::deviceplugin::{
+use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
-use gpumem::gpu::FakeGpus;
-use gpumem::placement::Policy;
+use gpumem::node::gpu::FakeGpus;
+use gpumem::node::placement::Policy;
+use gpumem::node::units::MemoryUnit;
 use gpumem::simulator::KubeletSim;
-use gpumem::units::MemoryUnit;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tonic::Code;

@@ -355,7 +355,7 @@ fn many_processes_and_threads_never_exceed_the_cap() {
          ok={ok} refused={refused}"
     );
 
-    let usage = gpumem::accounting::usage(&dir.path().join("accounting")).unwrap();
+    let usage = gpumem::isolation::accounting::usage(&dir.path().join("accounting")).unwrap();
     assert_eq!(usage[0].used_bytes, 0, "everything was given back");
 }
 

@@ -7,17 +7,17 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpumem::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use gpumem::api::deviceplugin::Device;
-use gpumem::gpu::{FakeGpus, GpuSource};
-use gpumem::inject::Isolation;
-use gpumem::inventory::Inventory;
-use gpumem::kubelet;
-use gpumem::placement::Policy;
-use gpumem::plugin::{Plugin, PluginConfig, PluginError, SOCKET_NAME};
-use gpumem::resource::ResourceName;
+use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use gpumem::deviceplugin::api::deviceplugin::Device;
+use gpumem::deviceplugin::kubelet;
+use gpumem::deviceplugin::plugin::{Plugin, PluginConfig, PluginError, SOCKET_NAME};
+use gpumem::isolation::inject::Isolation;
+use gpumem::node::gpu::{FakeGpus, GpuSource};
+use gpumem::node::inventory::Inventory;
+use gpumem::node::placement::Policy;
+use gpumem::node::resource::ResourceName;
+use gpumem::node::units::MemoryUnit;
 use gpumem::simulator::KubeletSim;
-use gpumem::units::MemoryUnit;
 use tempfile::TempDir;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -226,9 +226,9 @@ impl ShimKit {
 /// A state directory capping the fake T4 at `cap_mib`.
 pub fn capped_dir(cap_mib: u64) -> TempDir {
     let dir = tempfile::tempdir().unwrap();
-    gpumem::accounting::prepare(
+    gpumem::isolation::accounting::prepare(
         dir.path(),
-        &[gpumem::accounting::Cap {
+        &[gpumem::isolation::accounting::Cap {
             uuid: T4_UUID.into(),
             cap_mib,
             context_charge_mib: 0,
@@ -331,6 +331,6 @@ pub fn hold_record_lock(file: &Path, offset: usize) -> std::process::Child {
 /// A host directory laid out as the DaemonSet's installer leaves it.
 pub fn installed_shim() -> TempDir {
     let host = tempfile::tempdir().unwrap();
-    gpumem::install::install(&shim_kit().shim, host.path()).unwrap();
+    gpumem::isolation::install::install(&shim_kit().shim, host.path()).unwrap();
     host
 }

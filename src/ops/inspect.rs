@@ -10,7 +10,7 @@ use hyper::Request;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
-use crate::status::NodeStatus;
+use crate::ops::status::NodeStatus;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 

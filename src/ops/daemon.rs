@@ -9,14 +9,14 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-use crate::cleanup;
-use crate::health::{self, HealthWatch};
-use crate::inject::Isolation;
-use crate::inventory::Inventory;
-use crate::metrics::{self, Observed};
-use crate::plugin::{Plugin, PluginConfig, PluginError};
-use crate::podresources::PodResources;
-use crate::reconcile::{self, ProcessUsage, Reconciler};
+use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
+use crate::deviceplugin::podresources::PodResources;
+use crate::isolation::cleanup;
+use crate::isolation::inject::Isolation;
+use crate::isolation::reconcile::{self, ProcessUsage, Reconciler};
+use crate::node::health::{self, HealthWatch};
+use crate::node::inventory::Inventory;
+use crate::ops::metrics::{self, Observed};
 
 pub struct DaemonConfig {
     pub plugin: PluginConfig,

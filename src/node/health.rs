@@ -11,8 +11,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::gpu::{FakeGpus, GpuSource};
-use crate::inventory::Inventory;
+use crate::node::gpu::{FakeGpus, GpuSource};
+use crate::node::inventory::Inventory;
 
 /// XIDs caused by applications, not hardware: the GPU stays usable. The
 /// NVIDIA device plugin skips the first five for the same reason; 109
@@ -223,10 +223,10 @@ enum Finding {
 
 impl NvmlHealth {
     /// Registers for critical XID events on every GPU.
-    pub fn new(ignored: &[u64], recovery: Duration) -> Result<Self, crate::gpu::GpuError> {
+    pub fn new(ignored: &[u64], recovery: Duration) -> Result<Self, crate::node::gpu::GpuError> {
         use nvml_wrapper::bitmasks::event::EventTypes;
         let nvml_err =
-            |e: nvml_wrapper::error::NvmlError| crate::gpu::GpuError::Nvml(e.to_string());
+            |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(e.to_string());
         // Lives as long as the process: the event set borrows it.
         let nvml: &'static nvml_wrapper::Nvml =
             Box::leak(Box::new(nvml_wrapper::Nvml::init().map_err(nvml_err)?));

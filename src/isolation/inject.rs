@@ -5,11 +5,11 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::accounting::{AccountingError, Cap};
-use crate::api::deviceplugin::{ContainerAllocateResponse, Mount};
-use crate::containers::{ContainerName, Containers};
-use crate::inventory::Inventory;
-use crate::placement::Assignment;
+use crate::deviceplugin::api::deviceplugin::{ContainerAllocateResponse, Mount};
+use crate::isolation::accounting::{AccountingError, Cap};
+use crate::isolation::containers::{ContainerName, Containers};
+use crate::node::inventory::Inventory;
+use crate::node::placement::Assignment;
 
 /// Env names, in one place so the demo, tests and docs agree.
 pub mod env {

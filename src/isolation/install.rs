@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use object::{Architecture, Object, ObjectKind, ObjectSymbol};
 
-use crate::inject::{CONTAINER_SHIM_DIR, PRELOAD_LIST, SHIM_LIBRARY};
+use crate::isolation::inject::{CONTAINER_SHIM_DIR, PRELOAD_LIST, SHIM_LIBRARY};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {

@@ -11,15 +11,15 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use crate::api::deviceplugin::device_plugin_server::DevicePlugin;
-use crate::api::deviceplugin::{
+use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePlugin;
+use crate::deviceplugin::api::deviceplugin::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
     Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse,
 };
-use crate::inject::{self, InjectError, Isolation};
-use crate::inventory::Inventory;
-use crate::placement::{self, PlacementError, Policy};
+use crate::isolation::inject::{self, InjectError, Isolation};
+use crate::node::inventory::Inventory;
+use crate::node::placement::{self, PlacementError, Policy};
 
 /// The options we register with and report from GetDevicePluginOptions.
 pub fn plugin_options() -> DevicePluginOptions {

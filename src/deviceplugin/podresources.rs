@@ -10,9 +10,9 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use crate::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
-use crate::api::podresources::ListPodResourcesRequest;
-use crate::kubelet;
+use crate::deviceplugin::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
+use crate::deviceplugin::api::podresources::ListPodResourcesRequest;
+use crate::deviceplugin::kubelet;
 
 /// kubelet's default pod-resources socket.
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";

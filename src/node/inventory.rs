@@ -6,9 +6,9 @@ use std::fmt;
 
 use prost::Message;
 
-use crate::api::deviceplugin::{self as dp, ListAndWatchResponse};
-use crate::gpu::Gpu;
-use crate::units::{cap_mib, MemoryUnit};
+use crate::deviceplugin::api::deviceplugin::{self as dp, ListAndWatchResponse};
+use crate::node::gpu::Gpu;
+use crate::node::units::{cap_mib, MemoryUnit};
 
 /// Largest message kubelet's gRPC client accepts (grpc-go's default receive
 /// limit); a bigger ListAndWatch reply disconnects the plugin.

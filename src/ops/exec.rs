@@ -11,11 +11,11 @@ use nix::unistd::Pid;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
-use crate::accounting::{self, AccountingError, Cap};
-use crate::gpu::Gpu;
-use crate::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
-use crate::install::{self, ShimError};
-use crate::reconcile::{self, ProcessUsage, Reconciler};
+use crate::isolation::accounting::{self, AccountingError, Cap};
+use crate::isolation::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
+use crate::isolation::install::{self, ShimError};
+use crate::isolation::reconcile::{self, ProcessUsage, Reconciler};
+use crate::node::gpu::Gpu;
 
 pub struct ExecConfig {
     /// Cap per GPU, MiB.

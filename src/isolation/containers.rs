@@ -6,9 +6,9 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::accounting::{self, AccountingError, Cap, Processes};
-use crate::inventory::Inventory;
-use crate::placement::Assignment;
+use crate::isolation::accounting::{self, AccountingError, Cap, Processes};
+use crate::node::inventory::Inventory;
+use crate::node::placement::Assignment;
 
 /// Under the state dir, the parent of the per-container directories.
 const CONTAINERS: &str = "containers";
@@ -146,8 +146,8 @@ impl ContainerDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::{FakeGpus, GpuSource};
-    use crate::units::MemoryUnit;
+    use crate::node::gpu::{FakeGpus, GpuSource};
+    use crate::node::units::MemoryUnit;
 
     fn t4() -> Inventory {
         let text = "[[gpu]]\nuuid = \"GPU-6b1c2d3e-0000-4000-8000-000000000400\"\n\

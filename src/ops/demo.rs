@@ -11,14 +11,14 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::gpu::{FakeGpus, GpuError, GpuSource};
-use crate::inject::{env, Isolation, ShimConfig, SHIM_LIBRARY};
-use crate::inventory::{Inventory, InventoryError};
-use crate::placement::Policy;
-use crate::plugin::{Plugin, PluginConfig, PluginError};
-use crate::resource::ResourceName;
+use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
+use crate::isolation::inject::{env, Isolation, ShimConfig, SHIM_LIBRARY};
+use crate::node::gpu::{FakeGpus, GpuError, GpuSource};
+use crate::node::inventory::{Inventory, InventoryError};
+use crate::node::placement::Policy;
+use crate::node::resource::ResourceName;
+use crate::node::units::MemoryUnit;
 use crate::simulator::{AdmissionError, Allocation, KubeletSim};
-use crate::units::MemoryUnit;
 
 /// The embedded default node: one Tesla T4 as NVML reports it on an Alibaba
 /// Cloud ecs.gn6i instance.
@@ -105,7 +105,7 @@ pub enum DemoError {
     #[error("--tenant-dir {dir}: {missing} not found there (build it with `cargo build --release --workspace`)")]
     TenantKitMissing { dir: PathBuf, missing: String },
     #[error(transparent)]
-    Install(#[from] crate::install::InstallError),
+    Install(#[from] crate::isolation::install::InstallError),
 }
 
 /// Runs the scenario and returns the report to print.
@@ -121,7 +121,7 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         // The node's side of shim isolation, as the DaemonSet sets it up.
         Some(kit) => {
             let host_dir = dir.path().join("shim");
-            crate::install::install(&kit.shim, &host_dir)?;
+            crate::isolation::install::install(&kit.shim, &host_dir)?;
             Isolation::Shim(ShimConfig {
                 host_dir,
                 state_dir: dir.path().join("state"),

@@ -6,12 +6,12 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::accounting::Usage;
-use crate::containers::{ContainerName, Containers};
-use crate::inject::Isolation;
-use crate::inventory::Inventory;
-use crate::placement;
-use crate::podresources::{Holding, PodResourcesError};
+use crate::deviceplugin::podresources::{Holding, PodResourcesError};
+use crate::isolation::accounting::Usage;
+use crate::isolation::containers::{ContainerName, Containers};
+use crate::isolation::inject::Isolation;
+use crate::node::inventory::Inventory;
+use crate::node::placement;
 
 const MIB: u64 = 1 << 20;
 

@@ -9,8 +9,8 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::api::deviceplugin::registration_client::RegistrationClient;
-use crate::api::deviceplugin::RegisterRequest;
+use crate::deviceplugin::api::deviceplugin::registration_client::RegistrationClient;
+use crate::deviceplugin::api::deviceplugin::RegisterRequest;
 
 /// kubelet's registration socket, inside `--kubelet-dir`.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";

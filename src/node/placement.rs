@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
-use crate::inventory::{DeviceId, Inventory};
+use crate::node::inventory::{DeviceId, Inventory};
 
 /// How GetPreferredAllocation picks among GPUs that can hold a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -241,8 +241,8 @@ pub fn prefer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::Gpu;
-    use crate::units::MemoryUnit;
+    use crate::node::gpu::Gpu;
+    use crate::node::units::MemoryUnit;
 
     fn v100x2() -> Inventory {
         let gpus = (0..2)

@@ -15,8 +15,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::accounting::{self, Processes};
-use crate::gpu::{FakeGpus, GpuError, ProcessMemory};
+use crate::isolation::accounting::{self, Processes};
+use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
 
 /// The seam where per-process GPU memory enters: NVML on a node, the fake
 /// GPU file in tests and the demo.
@@ -358,7 +358,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::accounting::{LiveProcess, Usage};
+    use crate::isolation::accounting::{LiveProcess, Usage};
 
     const MIB: u64 = 1 << 20;
     const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";

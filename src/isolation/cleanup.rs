@@ -11,11 +11,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::containers::{ContainerName, Containers};
-use crate::inject::ShimConfig;
-use crate::inventory::Inventory;
-use crate::placement;
-use crate::podresources::PodResources;
+use crate::deviceplugin::podresources::PodResources;
+use crate::isolation::containers::{ContainerName, Containers};
+use crate::isolation::inject::ShimConfig;
+use crate::node::inventory::Inventory;
+use crate::node::placement;
 
 /// Since when each directory has been unused.
 type UnusedSince = HashMap<ContainerName, Instant>;

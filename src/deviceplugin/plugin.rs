@@ -12,14 +12,14 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::api::deviceplugin::device_plugin_server::DevicePluginServer;
-use crate::api::deviceplugin::{RegisterRequest, VERSION};
-use crate::inject::Isolation;
-use crate::inventory::Inventory;
-use crate::kubelet::{self, SocketId, KUBELET_SOCKET};
-use crate::placement::Policy;
-use crate::resource::ResourceName;
-use crate::service::{plugin_options, Counters, DevicePluginService};
+use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePluginServer;
+use crate::deviceplugin::api::deviceplugin::{RegisterRequest, VERSION};
+use crate::deviceplugin::kubelet::{self, SocketId, KUBELET_SOCKET};
+use crate::deviceplugin::service::{plugin_options, Counters, DevicePluginService};
+use crate::isolation::inject::Isolation;
+use crate::node::inventory::Inventory;
+use crate::node::placement::Policy;
+use crate::node::resource::ResourceName;
 
 /// Our socket's file name in the kubelet directory.
 pub const SOCKET_NAME: &str = "gpumem.sock";

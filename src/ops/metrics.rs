@@ -23,13 +23,13 @@ use tokio::task::JoinError;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-use crate::inject::Isolation;
-use crate::inventory::Inventory;
-use crate::plugin::PluginStatus;
-use crate::podresources::{Holding, PodResources, PodResourcesError};
-use crate::reconcile::Overheads;
-use crate::service::Counters;
-use crate::status::{ContainerStatus, GpuStatus, NodeStatus};
+use crate::deviceplugin::plugin::PluginStatus;
+use crate::deviceplugin::podresources::{Holding, PodResources, PodResourcesError};
+use crate::deviceplugin::service::Counters;
+use crate::isolation::inject::Isolation;
+use crate::isolation::reconcile::Overheads;
+use crate::node::inventory::Inventory;
+use crate::ops::status::{ContainerStatus, GpuStatus, NodeStatus};
 
 const MIB: u64 = 1 << 20;
 

@@ -1,0 +1,10 @@
+//! Isolation: turns a placement into what holds a container to its cap (the
+//! env, the shim and its mounts, the per-container accounting file), keeps
+//! that state, and reconciles it with what the driver really holds.
+
+pub mod accounting;
+pub mod cleanup;
+pub mod containers;
+pub mod inject;
+pub mod install;
+pub mod reconcile;

@@ -1,0 +1,10 @@
+//! Operations, on top of the layers: the daemon's wiring, the HTTP endpoint
+//! (metrics, status), `inspect`, `exec`, and the demo.
+
+pub mod daemon;
+#[cfg(feature = "demo")]
+pub mod demo;
+pub mod exec;
+pub mod inspect;
+pub mod metrics;
+pub mod status;
