@@ -486,20 +486,7 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
     for pod in ["tf-notebook-1", "tf-notebook-2", "tf-notebook-3"] {
         d.k().admit(pod, "main", RESOURCE, 4).await.unwrap();
     }
-    let gpumem = env!("CARGO_BIN_EXE_gpumem");
-    let run = |args: Vec<String>| {
-        let out = std::process::Command::new(gpumem)
-            .args(args)
-            .env_remove("GPUMEM_METRICS_ADDR")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = |args: Vec<String>| gpumem_stdout(&args);
     let from_plugin = run(vec![
         "inspect".into(),
         "-d".into(),
@@ -612,22 +599,7 @@ async fn without_pod_resources_the_state_dir_still_shows_each_container() {
     }
 
     // `gpumem inspect -d`, from the plugin and, with no plugin, from the node.
-    let gpumem = env!("CARGO_BIN_EXE_gpumem");
-    let inspect = |args: &[&str]| {
-        let out = std::process::Command::new(gpumem)
-            .arg("inspect")
-            .arg("-d")
-            .args(args)
-            .env_remove("GPUMEM_METRICS_ADDR")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let inspect = |args: &[&str]| gpumem_stdout(&[&["inspect", "-d"], args].concat());
     let plugin_addr = d.addr.to_string();
     let missing = d.dir.path().join("no-pod-resources.sock");
     let node_file = d.node_file.display().to_string();
@@ -716,4 +688,19 @@ fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
     }
     holder.kill().unwrap();
     holder.wait().unwrap();
+}
+
+/// What the real `gpumem` prints with `args`, which must succeed.
+fn gpumem_stdout(args: &[impl AsRef<std::ffi::OsStr>]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(args)
+        .env_remove("GPUMEM_METRICS_ADDR")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }
