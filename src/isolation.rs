@@ -3,6 +3,7 @@
 //! that state, and reconciles it with what the driver really holds.
 
 pub mod accounting;
+pub mod attribution;
 pub mod cleanup;
 pub mod containers;
 pub mod inject;

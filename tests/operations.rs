@@ -138,6 +138,15 @@ impl Daemon {
         ));
     }
 
+    /// Makes the fake NVML list `pid` with `used_mib`, and `/proc/<pid>/cgroup`
+    /// read `cgroup`.
+    fn set_process_in(&self, pid: u32, used_mib: u64, cgroup: &str) {
+        let text = std::fs::read_to_string(&self.node_file).unwrap();
+        self.rewrite_node_file(format!(
+            "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\ncgroup = {cgroup:?}\n"
+        ));
+    }
+
     /// Write then rename: the watchers never read half a file.
     fn rewrite_node_file(&self, text: String) {
         let staging = self.dir.path().join("node.toml.new");
@@ -475,6 +484,78 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
         c.untracked_mib == Some(0) && c.used_mib == Some(0)
     })
     .await;
+    d.stop().await;
+}
+
+#[tokio::test]
+async fn every_gpu_process_is_attributed_by_its_cgroup() {
+    const POD: &str = "0a1b2c3d_4e5f_4678_9abc_def012345678";
+    let container = |id: char| {
+        format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD}.slice/\
+             cri-containerd-{}.scope\n",
+            id.to_string().repeat(64)
+        )
+    };
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        "t4",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+    )
+    .await;
+    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let mut holder = shim_kit()
+        .probe(Some(&dir))
+        .args(["alloc:1000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    d.wait_for_container("charged", |c| c.used_mib == Some(1300))
+        .await;
+
+    // The holder runs in container a. Beside it in the same container, a
+    // process that did not load the shim (a static binary, say) holds
+    // 500 MiB; container b of another pod reached the GPU without asking
+    // for it, and a host daemon holds some too.
+    d.set_process_in(holder.id(), 1300, &container('a'));
+    d.set_process_in(900_001, 500, &container('a'));
+    d.set_process_in(900_002, 700, &container('b'));
+    d.set_process_in(900_003, 200, "0::/system.slice/monitoring.service\n");
+    // The shim-less process counts against its container's cap at once.
+    let c = d
+        .wait_for_container("the shim-less process counted", |c| {
+            c.untracked_mib == Some(500)
+        })
+        .await;
+    assert_eq!(c.used_mib, Some(1800));
+    let status = d.status().await;
+    assert_eq!(status.gpus[0].unmanaged_mib, Some(900), "{status:?}");
+    assert!(
+        status
+            .table(false)
+            .contains("warning: GPU0 has 900 MiB held outside every gpumem container"),
+        "{}",
+        status.table(false)
+    );
+    let (_, metrics) = d.get("/metrics").await;
+    let expected = "gpumem_gpu_unmanaged_bytes{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 943718400";
+    assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
+
+    // And the container's processes see it: 4308 - 1800 MiB left.
+    let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(&dir)).args(["nvml"]));
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        common::field(&lines[0], "used"),
+        1800 * common::MIB,
+        "{lines:?}"
+    );
+
+    holder.kill().unwrap();
+    holder.wait().unwrap();
     d.stop().await;
 }
 

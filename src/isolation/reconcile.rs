@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::isolation::accounting::{self, Processes};
+use crate::isolation::attribution::{self, Owner};
 use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
 
 /// The seam where per-process GPU memory enters: NVML on a node, the fake
@@ -23,6 +24,11 @@ use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
 pub trait ProcessUsage: Send + 'static {
     /// Device memory per process on each GPU, by UUID and host PID.
     fn usage(&mut self) -> Result<ProcessMemory, GpuError>;
+
+    /// The pod and container a listed process runs in, from its cgroup.
+    fn owner(&self, pid: u32) -> Option<Owner> {
+        attribution::of_pid(Path::new("/proc"), pid)
+    }
 }
 
 /// NVML's running compute processes (about 26 µs per GPU on an H100).
@@ -70,22 +76,35 @@ impl ProcessUsage for NvmlProcesses {
 }
 
 /// The `[[gpu.process]]` tables of a fake GPU file, re-read on every call
-/// so tests can change them while the daemon runs.
+/// so tests can change them while the daemon runs; a process's `cgroup`
+/// there stands in for its `/proc/<pid>/cgroup`.
 pub struct FakeProcesses {
     path: PathBuf,
+    last: Option<FakeGpus>,
 }
 
 impl FakeProcesses {
     pub fn new(path: &Path) -> Self {
         FakeProcesses {
             path: path.to_owned(),
+            last: None,
         }
     }
 }
 
 impl ProcessUsage for FakeProcesses {
     fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
-        Ok(FakeGpus::from_file(&self.path)?.processes().clone())
+        let fake = FakeGpus::from_file(&self.path)?;
+        let memory = fake.processes().clone();
+        self.last = Some(fake);
+        Ok(memory)
+    }
+
+    fn owner(&self, pid: u32) -> Option<Owner> {
+        match self.last.as_ref().and_then(|fake| fake.cgroup(pid)) {
+            Some(cgroup) => attribution::parse(cgroup),
+            None => attribution::of_pid(Path::new("/proc"), pid),
+        }
     }
 }
 
@@ -136,6 +155,78 @@ pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<Option<u6
             Some(excess)
         })
         .collect()
+}
+
+/// GPU memory held by processes in no gpumem container (host daemons, pods
+/// that reached a GPU without asking for it), per GPU UUID. Shared with the
+/// metrics endpoint.
+pub type Unmanaged = Arc<Mutex<HashMap<String, u64>>>;
+
+/// Where the processes NVML lists belong, beyond the slot holders.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Attributed {
+    /// Per file and device: what processes of that container that hold no
+    /// slot (they did not load the shim) use there.
+    unslotted: Vec<Vec<u64>>,
+    /// Per GPU UUID: what processes in no gpumem container use.
+    unmanaged: HashMap<String, u64>,
+    /// Those processes: GPU UUID, PID, bytes, and their pod if any.
+    strangers: Vec<(String, u32, u64, Option<Owner>)>,
+}
+
+/// Attributes every process NVML lists on a GPU by its cgroup: a slot
+/// holder is its container's already; another process in the same
+/// container (same container ID as a slot holder) counts against that
+/// container on the GPUs its file caps; anything else is unmanaged.
+fn attribute(
+    loaded: &[(PathBuf, Processes)],
+    memory: &ProcessMemory,
+    owner: impl Fn(u32) -> Option<Owner>,
+) -> Attributed {
+    let mut holders = HashSet::new();
+    let mut containers: HashMap<String, usize> = HashMap::new();
+    for (index, (_, processes)) in loaded.iter().enumerate() {
+        for pid in processes.live.iter().filter_map(|p| p.pid) {
+            holders.insert(pid);
+            if let Some(id) = owner(pid).and_then(|o| o.container_id) {
+                containers.entry(id).or_insert(index);
+            }
+        }
+    }
+    let mut attributed = Attributed {
+        unslotted: loaded
+            .iter()
+            .map(|(_, p)| vec![0; p.devices.len()])
+            .collect(),
+        ..Attributed::default()
+    };
+    for (uuid, per_pid) in memory {
+        let unmanaged = attributed.unmanaged.entry(uuid.clone()).or_default();
+        for (&pid, &bytes) in per_pid {
+            if holders.contains(&pid) {
+                continue;
+            }
+            let who = owner(pid);
+            let home = who
+                .as_ref()
+                .and_then(|o| containers.get(o.container_id.as_ref()?))
+                .and_then(|&index| {
+                    let devices = &loaded[index].1.devices;
+                    Some((index, devices.iter().position(|d| &d.uuid == uuid)?))
+                });
+            match home {
+                Some((index, dev)) => {
+                    let sum = &mut attributed.unslotted[index][dev];
+                    *sum = sum.saturating_add(bytes);
+                }
+                None => {
+                    *unmanaged = unmanaged.saturating_add(bytes);
+                    attributed.strangers.push((uuid.clone(), pid, bytes, who));
+                }
+            }
+        }
+    }
+    attributed
 }
 
 /// Processes remembered per GPU for the overhead estimate.
@@ -193,6 +284,9 @@ pub struct Reconciler {
     last_error: Option<String>,
     footprints: Footprints,
     overheads: Overheads,
+    unmanaged: Unmanaged,
+    /// Unmanaged processes already logged, so each is said once.
+    reported: HashSet<(String, u32)>,
 }
 
 impl Reconciler {
@@ -204,7 +298,15 @@ impl Reconciler {
             last_error: None,
             footprints: Footprints::default(),
             overheads: Overheads::default(),
+            unmanaged: Unmanaged::default(),
+            reported: HashSet::new(),
         }
+    }
+
+    /// Memory per GPU held outside every gpumem container, kept current by
+    /// `tick`.
+    pub fn unmanaged(&self) -> Unmanaged {
+        self.unmanaged.clone()
     }
 
     /// The per-GPU overhead estimate, kept current by `tick`.
@@ -229,20 +331,27 @@ impl Reconciler {
                 return;
             }
         };
-        let mut seen = HashSet::new();
-        for file in files {
-            let processes = match accounting::processes(file) {
-                Ok(p) => p,
+        let loaded: Vec<(PathBuf, Processes)> = files
+            .iter()
+            .filter_map(|file| match accounting::processes(file) {
+                Ok(p) => Some((file.clone(), p)),
                 // Removed meanwhile, or being replaced: next tick.
                 Err(err) => {
                     debug!(file = %file.display(), %err, "skipping accounting file");
-                    continue;
+                    None
                 }
-            };
-            self.warn_if_hidden(file, &processes);
-            self.note_footprints(&processes, &memory);
-            for (dev, sample) in untracked(&processes, &memory).into_iter().enumerate() {
-                let Some(sample) = sample else {
+            })
+            .collect();
+        let attributed = attribute(&loaded, &memory, |pid| self.source.owner(pid));
+        self.report_unmanaged(&attributed);
+        let mut seen = HashSet::new();
+        for ((file, processes), unslotted) in loaded.iter().zip(&attributed.unslotted) {
+            self.warn_if_hidden(file, processes);
+            self.note_footprints(processes, &memory);
+            for (dev, sample) in untracked(processes, &memory).into_iter().enumerate() {
+                // Processes of the container that did not load the shim
+                // count whole: nothing charged them.
+                let Some(sample) = sample.map(|s| s.saturating_add(unslotted[dev])) else {
                     continue;
                 };
                 let key = (file.clone(), dev);
@@ -272,6 +381,32 @@ impl Reconciler {
         }
         self.previous.retain(|key, _| seen.contains(key));
         self.publish_overheads();
+    }
+
+    /// Keeps the per-GPU unmanaged figures current and logs each process
+    /// that holds GPU memory outside every gpumem container, once.
+    fn report_unmanaged(&mut self, attributed: &Attributed) {
+        let mut present = HashSet::new();
+        for (uuid, pid, bytes, owner) in &attributed.strangers {
+            let key = (uuid.clone(), *pid);
+            if !self.reported.contains(&key) {
+                let (pod_uid, container_id) = owner.as_ref().map_or(("", ""), |o| {
+                    (o.pod_uid.as_str(), o.container_id.as_deref().unwrap_or(""))
+                });
+                warn!(
+                    gpu = %uuid,
+                    pid,
+                    used_mib = bytes >> 20,
+                    pod_uid,
+                    container_id,
+                    "GPU memory held outside every gpumem container (a host process, or a pod \
+                     that reached the GPU without asking for it)"
+                );
+            }
+            present.insert(key);
+        }
+        self.reported = present;
+        *self.unmanaged.lock().unwrap_or_else(|e| e.into_inner()) = attributed.unmanaged.clone();
     }
 
     /// Remembers what each live process holds beyond what it was charged.

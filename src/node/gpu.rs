@@ -59,11 +59,13 @@ pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 /// A node described in TOML (`[[gpu]]` tables with `uuid`, `name`,
 /// `memory_mib`, optional `index` and `healthy`, and optional
 /// `[[gpu.process]]` tables with `pid` and `used_mib` standing in for
-/// NVML's per-process usage).
+/// NVML's per-process usage, and `cgroup` for what `/proc/<pid>/cgroup`
+/// says of that process).
 #[derive(Debug, Clone)]
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
     processes: ProcessMemory,
+    cgroups: HashMap<u32, String>,
 }
 
 #[derive(Deserialize)]
@@ -91,6 +93,7 @@ struct FakeEntry {
 struct FakeProcess {
     pid: u32,
     used_mib: u64,
+    cgroup: Option<String>,
 }
 
 fn default_healthy() -> bool {
@@ -129,6 +132,7 @@ impl FakeGpus {
         let mut indices = HashSet::new();
         let mut gpus = Vec::with_capacity(file.gpu.len());
         let mut processes = ProcessMemory::new();
+        let mut cgroups = HashMap::new();
         for (position, entry) in file.gpu.into_iter().enumerate() {
             let index = match entry.index {
                 Some(index) => index,
@@ -181,6 +185,9 @@ impl FakeGpus {
                         format!("{} appears twice", p.pid),
                     ));
                 }
+                if let Some(cgroup) = &p.cgroup {
+                    cgroups.insert(p.pid, cgroup.clone());
+                }
             }
             processes.insert(entry.uuid.clone(), memory);
             gpus.push(Gpu {
@@ -192,12 +199,21 @@ impl FakeGpus {
             });
         }
         gpus.sort_by_key(|g| g.index);
-        Ok(FakeGpus { gpus, processes })
+        Ok(FakeGpus {
+            gpus,
+            processes,
+            cgroups,
+        })
     }
 
     /// The per-process usage the file describes.
     pub fn processes(&self) -> &ProcessMemory {
         &self.processes
+    }
+
+    /// What the file says `/proc/<pid>/cgroup` holds for a process it lists.
+    pub fn cgroup(&self, pid: u32) -> Option<&str> {
+        self.cgroups.get(&pid).map(String::as_str)
     }
 }
 

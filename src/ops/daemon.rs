@@ -59,6 +59,7 @@ pub async fn run(
             pod_resources: pod_resources.clone(),
             isolation: isolation.clone(),
             overheads: reconciler.as_ref().map(|(r, _)| r.overheads()),
+            unmanaged: reconciler.as_ref().map(|(r, _)| r.unmanaged()),
         };
         let stop = stop.clone();
         tasks.spawn(async move {

@@ -27,7 +27,7 @@ use crate::deviceplugin::plugin::PluginStatus;
 use crate::deviceplugin::podresources::{Holding, PodResources, PodResourcesError};
 use crate::deviceplugin::service::Counters;
 use crate::isolation::inject::Isolation;
-use crate::isolation::reconcile::Overheads;
+use crate::isolation::reconcile::{Overheads, Unmanaged};
 use crate::node::inventory::Inventory;
 use crate::ops::status::{ContainerStatus, GpuStatus, NodeStatus};
 
@@ -44,6 +44,8 @@ pub struct Observed {
     pub isolation: Arc<Isolation>,
     /// Per-GPU process overhead, where untracked usage is reconciled.
     pub overheads: Option<Overheads>,
+    /// Per-GPU memory outside every gpumem container, where reconciled.
+    pub unmanaged: Option<Unmanaged>,
 }
 
 impl Observed {
@@ -58,13 +60,20 @@ impl Observed {
     /// Reads the accounting files: blocking.
     fn build(&self, holdings: Result<Vec<Holding>, PodResourcesError>) -> NodeStatus {
         let inventory = self.inventory.borrow().clone();
-        NodeStatus::build(
+        let mut status = NodeStatus::build(
             &inventory,
             &self.resource,
             self.plugin.borrow().registered,
             holdings,
             &self.isolation,
-        )
+        );
+        if let Some(unmanaged) = &self.unmanaged {
+            let unmanaged = unmanaged.lock().unwrap_or_else(|e| e.into_inner());
+            for gpu in &mut status.gpus {
+                gpu.unmanaged_mib = Some(unmanaged.get(&gpu.uuid).map_or(0, |b| b / MIB));
+            }
+        }
+        status
     }
 
     /// Reads the node for one scrape: blocking.
@@ -363,6 +372,14 @@ impl Collector for NodeCollector {
              loaded lazily, library workspaces, pool reserves): what reconciliation catches",
             gpus,
             |g| overheads.get(&g.uuid).copied(),
+        )?;
+        per_gpu(
+            e,
+            "gpu_unmanaged_bytes",
+            "GPU memory held by processes in no gpumem container (host daemons, pods that \
+             reached the GPU without asking for it), where reconciled",
+            gpus,
+            |g| g.unmanaged_mib.map(|mib| mib.saturating_mul(MIB)),
         )?;
 
         let containers = &status.containers;

@@ -39,6 +39,11 @@ pub struct GpuStatus {
     pub allocated_units: u32,
     /// Sum of the caps of the containers on this GPU.
     pub allocated_mib: u64,
+    /// Memory processes in no gpumem container hold here (host daemons,
+    /// pods that reached the GPU without asking); `None` where it is not
+    /// reconciled.
+    #[serde(default)]
+    pub unmanaged_mib: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +97,7 @@ impl NodeStatus {
                 units: g.units,
                 allocated_units: 0,
                 allocated_mib: 0,
+                unmanaged_mib: None,
             })
             .collect();
         let state = match isolation {
@@ -155,6 +161,16 @@ impl NodeStatus {
         );
         if let Some(err) = &self.pod_resources_error {
             let _ = writeln!(out, "warning: allocations unknown: {err}");
+        }
+        for g in &self.gpus {
+            if let Some(mib) = g.unmanaged_mib.filter(|&mib| mib > 0) {
+                let _ = writeln!(
+                    out,
+                    "warning: GPU{} has {mib} MiB held outside every gpumem container (the \
+                     plugin's log names the processes)",
+                    g.index
+                );
+            }
         }
         if details {
             let _ = writeln!(
