@@ -6,6 +6,7 @@ pub mod accounting;
 pub mod attribution;
 pub mod cleanup;
 pub mod containers;
+pub mod enforce;
 pub mod inject;
 pub mod install;
 pub mod reconcile;

@@ -11,6 +11,7 @@ use tracing::info;
 
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::deviceplugin::podresources::{self, PodResources};
+use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem::isolation::reconcile::{self, ProcessUsage};
 use gpumem::node::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
@@ -218,6 +219,24 @@ struct PluginArgs {
     /// (docs/OPERATIONS.md).
     #[arg(long, env = "GPUMEM_HEALTH_RECOVERY_SECS", default_value_t = 60)]
     health_recovery_secs: u64,
+
+    /// What to do with a container whose GPU memory, as NVML counts it from
+    /// outside (every process in its cgroup, with or without the shim),
+    /// stays above its cap for longer than --over-cap-grace-secs: kill its
+    /// GPU processes, newest first, until it is under (as Kubernetes kills a
+    /// container over its memory limit), or only report it. Needs shim
+    /// isolation and reconciliation.
+    #[arg(
+        long,
+        env = "GPUMEM_OVER_CAP_ACTION",
+        value_name = "kill|report",
+        default_value_t = OverCapAction::Kill
+    )]
+    over_cap_action: OverCapAction,
+
+    /// Seconds a container may stay over its cap before the over-cap action.
+    #[arg(long, env = "GPUMEM_OVER_CAP_GRACE_SECS", default_value_t = 10)]
+    over_cap_grace_secs: u64,
 
     /// Seconds a finished container's accounting directory is kept before removal.
     #[arg(long, env = "GPUMEM_STATE_GRACE_SECS", default_value_t = 300)]
@@ -506,6 +525,10 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
         metrics,
         state_grace: Duration::from_secs(args.state_grace_secs),
         reconcile,
+        over_cap: Some((
+            args.over_cap_action,
+            Duration::from_secs(args.over_cap_grace_secs),
+        )),
     };
     daemon::run(config, inventory, health, shutdown).await?;
     Ok(())

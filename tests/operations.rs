@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::{PluginConfig, PluginError};
+use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem::isolation::reconcile::FakeProcesses;
 use gpumem::node::gpu::{FakeGpus, GpuSource};
@@ -50,6 +51,16 @@ impl Daemon {
         grace: Duration,
         pod_resources: bool,
     ) -> Daemon {
+        Daemon::start_full(fixture_name, isolation, grace, pod_resources, None).await
+    }
+
+    async fn start_full(
+        fixture_name: &str,
+        isolation: Isolation,
+        grace: Duration,
+        pod_resources: bool,
+        over_cap: Option<(OverCapAction, Duration)>,
+    ) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let node_file = dir.path().join("node.toml");
         std::fs::copy(fixture(fixture_name), &node_file).unwrap();
@@ -72,6 +83,7 @@ impl Daemon {
             metrics: Some(listener),
             state_grace: grace,
             reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
+            over_cap,
         };
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(daemon::run(
@@ -145,6 +157,16 @@ impl Daemon {
         self.rewrite_node_file(format!(
             "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\ncgroup = {cgroup:?}\n"
         ));
+    }
+
+    /// Makes the fake NVML stop listing `pid`, as NVML does once it exits.
+    fn drop_process(&self, pid: u32) {
+        let text = std::fs::read_to_string(&self.node_file).unwrap();
+        let kept: Vec<&str> = text
+            .split("\n[[gpu.process]]\n")
+            .filter(|block| !block.starts_with(&format!("pid = {pid}\n")))
+            .collect();
+        self.rewrite_node_file(kept.join("\n[[gpu.process]]\n"));
     }
 
     /// Write then rename: the watchers never read half a file.
@@ -489,14 +511,7 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
 
 #[tokio::test]
 async fn every_gpu_process_is_attributed_by_its_cgroup() {
-    const POD: &str = "0a1b2c3d_4e5f_4678_9abc_def012345678";
-    let container = |id: char| {
-        format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD}.slice/\
-             cri-containerd-{}.scope\n",
-            id.to_string().repeat(64)
-        )
-    };
+    let container = in_container;
     let host = common::installed_shim();
     let state = tempfile::tempdir().unwrap();
     let d = Daemon::start(
@@ -557,6 +572,114 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
     holder.kill().unwrap();
     holder.wait().unwrap();
     d.stop().await;
+}
+
+/// A container's cgroup in pod `POD`, for container ID `id` × 64.
+fn in_container(id: char) -> String {
+    const POD: &str = "0a1b2c3d_4e5f_4678_9abc_def012345678";
+    format!(
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD}.slice/\
+         cri-containerd-{}.scope\n",
+        id.to_string().repeat(64)
+    )
+}
+
+/// A container over its cap through a process without the shim: with
+/// `action`, what happens to it, its capped neighbour and a stranger.
+async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let grace = Duration::from_millis(400);
+    let d = Daemon::start_full(
+        "t4",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+        true,
+        Some((action, grace)),
+    )
+    .await;
+    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let mut holder = shim_kit()
+        .probe(Some(&dir))
+        .args(["alloc:1000", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    d.wait_for_container("charged", |c| c.used_mib == Some(1300))
+        .await;
+    // Real processes, so a kill is real: one of the container's without the
+    // shim, taking it to 5300 MiB of its 4308, and one of another pod.
+    let mut rogue = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let mut stranger = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    d.set_process_in(holder.id(), 1300, &in_container('a'));
+    d.set_process_in(rogue.id(), 4000, &in_container('a'));
+    d.set_process_in(stranger.id(), 6000, &in_container('b'));
+    let started = std::time::Instant::now();
+    let counter = match action {
+        OverCapAction::Kill => "gpumem_over_cap_kills_total 1",
+        OverCapAction::Report => "gpumem_over_cap_reports_total 1",
+    };
+    let metrics = loop {
+        let (_, metrics) = d.get("/metrics").await;
+        if metrics.contains(counter) {
+            break metrics;
+        }
+        assert!(started.elapsed() < WAIT, "no {counter}:\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Not before the grace period.
+    assert!(started.elapsed() >= grace, "{:?}", started.elapsed());
+    let rogue_status = match action {
+        OverCapAction::Kill => rogue.wait().unwrap(),
+        OverCapAction::Report => {
+            assert!(rogue.try_wait().unwrap().is_none(), "reported only");
+            rogue.kill().unwrap();
+            rogue.wait().unwrap()
+        }
+    };
+    d.drop_process(rogue.id());
+    // The container is under its cap again; its neighbour and the stranger
+    // (never killed: it is no gpumem container's) live on.
+    tokio::time::sleep(grace * 3).await;
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "the capped neighbour lives"
+    );
+    assert!(stranger.try_wait().unwrap().is_none(), "the stranger lives");
+    stranger.kill().unwrap();
+    stranger.wait().unwrap();
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    d.stop().await;
+    (rogue_status, metrics)
+}
+
+#[tokio::test]
+async fn a_container_over_its_cap_loses_its_newest_process_after_the_grace_period() {
+    use std::os::unix::process::ExitStatusExt;
+    let (status, metrics) = over_cap(OverCapAction::Kill).await;
+    assert_eq!(status.signal(), Some(9), "SIGKILL");
+    assert!(
+        metrics.contains("# TYPE gpumem_over_cap_kills counter"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn with_report_a_container_over_its_cap_is_only_reported() {
+    let (_, metrics) = over_cap(OverCapAction::Report).await;
+    assert!(
+        metrics.contains("gpumem_over_cap_kills_total 0"),
+        "{metrics}"
+    );
 }
 
 // Multi-threaded: the test blocks on `gpumem inspect` while the daemon it

@@ -17,6 +17,7 @@ use tracing::{debug, info, warn};
 
 use crate::isolation::accounting::{self, Processes};
 use crate::isolation::attribution::{self, Owner};
+use crate::isolation::enforce::{self, Actions, Enforcer, Footprint, OverCapAction};
 use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
 
 /// The seam where per-process GPU memory enters: NVML on a node, the fake
@@ -165,9 +166,9 @@ pub type Unmanaged = Arc<Mutex<HashMap<String, u64>>>;
 /// Where the processes NVML lists belong, beyond the slot holders.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Attributed {
-    /// Per file and device: what processes of that container that hold no
-    /// slot (they did not load the shim) use there.
-    unslotted: Vec<Vec<u64>>,
+    /// Per file and device: the processes of that container that hold no
+    /// slot (they did not load the shim), with what they use there.
+    unslotted: Vec<Vec<Vec<(u32, u64)>>>,
     /// Per GPU UUID: what processes in no gpumem container use.
     unmanaged: HashMap<String, u64>,
     /// Those processes: GPU UUID, PID, bytes, and their pod if any.
@@ -196,7 +197,7 @@ fn attribute(
     let mut attributed = Attributed {
         unslotted: loaded
             .iter()
-            .map(|(_, p)| vec![0; p.devices.len()])
+            .map(|(_, p)| vec![Vec::new(); p.devices.len()])
             .collect(),
         ..Attributed::default()
     };
@@ -215,10 +216,7 @@ fn attribute(
                     Some((index, devices.iter().position(|d| &d.uuid == uuid)?))
                 });
             match home {
-                Some((index, dev)) => {
-                    let sum = &mut attributed.unslotted[index][dev];
-                    *sum = sum.saturating_add(bytes);
-                }
+                Some((index, dev)) => attributed.unslotted[index][dev].push((pid, bytes)),
                 None => {
                     *unmanaged = unmanaged.saturating_add(bytes);
                     attributed.strangers.push((uuid.clone(), pid, bytes, who));
@@ -287,6 +285,8 @@ pub struct Reconciler {
     unmanaged: Unmanaged,
     /// Unmanaged processes already logged, so each is said once.
     reported: HashSet<(String, u32)>,
+    /// The over-cap action, where it is on.
+    enforcer: Option<Enforcer>,
 }
 
 impl Reconciler {
@@ -300,7 +300,19 @@ impl Reconciler {
             overheads: Overheads::default(),
             unmanaged: Unmanaged::default(),
             reported: HashSet::new(),
+            enforcer: None,
         }
+    }
+
+    /// Acts on containers over their cap for longer than `grace`.
+    pub fn with_over_cap(mut self, action: OverCapAction, grace: Duration) -> Self {
+        self.enforcer = Some(Enforcer::new(action, grace));
+        self
+    }
+
+    /// Over-cap actions taken, where the action is on.
+    pub fn actions(&self) -> Option<Arc<Actions>> {
+        self.enforcer.as_ref().map(Enforcer::actions)
     }
 
     /// Memory per GPU held outside every gpumem container, kept current by
@@ -342,8 +354,12 @@ impl Reconciler {
                 }
             })
             .collect();
+        // Processes that start after this instant are not the ones NVML
+        // listed: the over-cap action never kills them.
+        let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
         let attributed = attribute(&loaded, &memory, |pid| self.source.owner(pid));
         self.report_unmanaged(&attributed);
+        self.enforce(&loaded, &memory, &attributed, sampled_at);
         let mut seen = HashSet::new();
         for ((file, processes), unslotted) in loaded.iter().zip(&attributed.unslotted) {
             self.warn_if_hidden(file, processes);
@@ -351,7 +367,8 @@ impl Reconciler {
             for (dev, sample) in untracked(processes, &memory).into_iter().enumerate() {
                 // Processes of the container that did not load the shim
                 // count whole: nothing charged them.
-                let Some(sample) = sample.map(|s| s.saturating_add(unslotted[dev])) else {
+                let shimless = unslotted[dev].iter().map(|&(_, b)| b);
+                let Some(sample) = sample.map(|s| shimless.fold(s, u64::saturating_add)) else {
                     continue;
                 };
                 let key = (file.clone(), dev);
@@ -381,6 +398,38 @@ impl Reconciler {
         }
         self.previous.retain(|key, _| seen.contains(key));
         self.publish_overheads();
+    }
+
+    /// Each container's footprint on each GPU as NVML counts it: its slot
+    /// holders and its processes without the shim.
+    fn enforce(
+        &mut self,
+        loaded: &[(PathBuf, Processes)],
+        memory: &ProcessMemory,
+        attributed: &Attributed,
+        sampled_at: Option<u64>,
+    ) {
+        let Some(enforcer) = self.enforcer.as_mut() else {
+            return;
+        };
+        let mut footprints = Vec::new();
+        for ((file, processes), unslotted) in loaded.iter().zip(&attributed.unslotted) {
+            for (dev, device) in processes.devices.iter().enumerate() {
+                let Some(listed) = listed(processes, memory, dev) else {
+                    continue;
+                };
+                let mut members: Vec<(u32, u64)> =
+                    listed.map(|(pid, actual, _)| (pid, actual)).collect();
+                members.extend(&unslotted[dev]);
+                footprints.push(Footprint {
+                    file,
+                    gpu: &device.uuid,
+                    cap: device.cap_bytes,
+                    processes: members,
+                });
+            }
+        }
+        enforcer.check(&footprints, sampled_at);
     }
 
     /// Keeps the per-GPU unmanaged figures current and logs each process

@@ -12,6 +12,7 @@ use tracing::error;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::cleanup;
+use crate::isolation::enforce::OverCapAction;
 use crate::isolation::inject::Isolation;
 use crate::isolation::reconcile::{self, ProcessUsage, Reconciler};
 use crate::node::health::{self, HealthWatch};
@@ -28,6 +29,9 @@ pub struct DaemonConfig {
     /// Per-process GPU memory and how often to compare it with the
     /// containers' charges (shim isolation only).
     pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
+    /// What to do with a container over its cap for longer than the grace
+    /// period, seen from outside by reconciliation; `None`: nothing.
+    pub over_cap: Option<(OverCapAction, Duration)>,
 }
 
 /// Runs until `shutdown` (or until the plugin fails to start).
@@ -47,7 +51,14 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
 
     let reconciler = match (&*isolation, config.reconcile) {
-        (Isolation::Shim(_), Some((source, every))) => Some((Reconciler::new(source), every)),
+        (Isolation::Shim(_), Some((source, every))) => {
+            let reconciler = Reconciler::new(source);
+            let reconciler = match config.over_cap {
+                Some((action, grace)) => reconciler.with_over_cap(action, grace),
+                None => reconciler,
+            };
+            Some((reconciler, every))
+        }
         _ => None,
     };
     if let Some(listener) = config.metrics {
@@ -60,6 +71,7 @@ pub async fn run(
             isolation: isolation.clone(),
             overheads: reconciler.as_ref().map(|(r, _)| r.overheads()),
             unmanaged: reconciler.as_ref().map(|(r, _)| r.unmanaged()),
+            over_cap: reconciler.as_ref().and_then(|(r, _)| r.actions()),
         };
         let stop = stop.clone();
         tasks.spawn(async move {

@@ -26,6 +26,7 @@ use tracing::error;
 use crate::deviceplugin::plugin::PluginStatus;
 use crate::deviceplugin::podresources::{Holding, PodResources, PodResourcesError};
 use crate::deviceplugin::service::Counters;
+use crate::isolation::enforce::Actions;
 use crate::isolation::inject::Isolation;
 use crate::isolation::reconcile::{Overheads, Unmanaged};
 use crate::node::inventory::Inventory;
@@ -46,6 +47,8 @@ pub struct Observed {
     pub overheads: Option<Overheads>,
     /// Per-GPU memory outside every gpumem container, where reconciled.
     pub unmanaged: Option<Unmanaged>,
+    /// Over-cap actions taken, where the action is on.
+    pub over_cap: Option<Arc<Actions>>,
 }
 
 impl Observed {
@@ -83,10 +86,17 @@ impl Observed {
             .as_ref()
             .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).clone())
             .unwrap_or_default();
+        let over_cap = self.over_cap.as_ref().map(|a| {
+            (
+                a.kills.load(std::sync::atomic::Ordering::Relaxed),
+                a.reports.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        });
         Reading {
             status: self.build(holdings),
             overheads,
             registrations: self.plugin.borrow().registrations,
+            over_cap,
         }
     }
 }
@@ -236,6 +246,8 @@ struct Reading {
     /// Per-GPU process overhead by UUID, where it is reconciled.
     overheads: HashMap<String, u64>,
     registrations: u64,
+    /// Over-cap kills and reports so far, where the action is on.
+    over_cap: Option<(u64, u64)>,
 }
 
 /// Reports the latest reading: GPUs and containers come and go, and their
@@ -331,6 +343,7 @@ impl Collector for NodeCollector {
             status,
             overheads,
             registrations,
+            over_cap,
         }) = reading.as_ref()
         else {
             return Ok(());
@@ -422,6 +435,22 @@ impl Collector for NodeCollector {
             |c| c.refused_allocations.map(ConstCounter::new),
         )?;
 
+        if let Some((kills, reports)) = over_cap {
+            single(
+                e,
+                "over_cap_kills",
+                "GPU processes killed because their container stayed over its cap (as NVML \
+                 counts it) for longer than the grace period",
+                ConstCounter::new(*kills),
+            )?;
+            single(
+                e,
+                "over_cap_reports",
+                "Times a container stayed over its cap for longer than the grace period with \
+                 --over-cap-action report",
+                ConstCounter::new(*reports),
+            )?;
+        }
         single(
             e,
             "registrations",
@@ -474,6 +503,7 @@ mod tests {
                 pod_resources_error: None,
             },
             overheads: HashMap::new(),
+            over_cap: None,
             registrations: 2,
         }
     }

@@ -14,3 +14,15 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
 {{- end -}}
+
+{{/* The plugin's: KILL only for --over-cap-action kill, to signal tenants' processes of other users. */}}
+{{- define "gpumem.pluginSecurityContext" -}}
+runAsUser: 0
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+  {{- if eq .Values.overCapAction "kill" }}
+  add: ["KILL"]
+  {{- end }}
+{{- end -}}
