@@ -130,7 +130,7 @@ impl Shim {
         match SLOT.load(SeqCst) {
             NO_SLOT => None,
             PRIVATE_SLOT => Some(&OVERFLOW[dev]),
-            index => Some(self.region.used_counter(index, dev)),
+            index => Some(self.region.file().used_counter(index, dev)),
         }
     }
 
@@ -166,7 +166,7 @@ impl Shim {
                     &FULL,
                     &format!(
                         "all {} accounting slots are in use; this process is capped on its own",
-                        self.region.slot_count()
+                        self.region.file().slot_count()
                     ),
                 );
                 PRIVATE_SLOT
@@ -175,7 +175,7 @@ impl Shim {
         }
         match slot {
             PRIVATE_SLOT => &OVERFLOW[dev],
-            index => self.region.used_counter(index, dev),
+            index => self.region.file().used_counter(index, dev),
         }
     }
 
@@ -186,7 +186,7 @@ impl Shim {
         } else {
             0
         };
-        self.region.used(dev).saturating_add(private)
+        self.region.file().used(dev).saturating_add(private)
     }
 
     /// Adds `bytes` to this process's charge unless the container would go
@@ -201,7 +201,7 @@ impl Shim {
         let cap = self.cap(dev);
         if bytes > cap {
             // Never add a sum that could wrap the shared counter.
-            self.region.note_oom(dev);
+            self.region.file().note_oom(dev);
             return Err(Refusal::OutOfMemory);
         }
         let counter = self.counter(dev);
@@ -215,7 +215,7 @@ impl Shim {
         counter.fetch_add(bytes, SeqCst);
         let total = self.used(dev);
         if total <= cap {
-            self.region.note_peak(dev, total);
+            self.region.file().note_peak(dev, total);
             return true;
         }
         counter.fetch_sub(bytes, SeqCst);
@@ -245,7 +245,7 @@ impl Shim {
                 return Ok(());
             }
         }
-        self.region.note_oom(dev);
+        self.region.file().note_oom(dev);
         log::debug(|| format!("refused {bytes} bytes on device {dev}: cap {cap}"));
         Err(Refusal::OutOfMemory)
     }
@@ -253,7 +253,7 @@ impl Shim {
     /// Frees the slots of dead processes (not on the allocation fast path:
     /// at registration, on a refusal, and before reporting usage).
     fn reap(&self) {
-        let own = Some(SLOT.load(SeqCst)).filter(|&s| s < self.region.slot_count());
+        let own = Some(SLOT.load(SeqCst)).filter(|&s| s < self.region.file().slot_count());
         self.region.reap(own);
     }
 

@@ -1,14 +1,16 @@
-//! The container's accounting file, mapped shared: per-process slots claimed
-//! with record locks the kernel drops when a process dies, and lock-free sums.
+//! The container's accounting file, mapped shared: the mapping, its
+//! descriptor and record locks, and what /proc says about a slot's owner.
+//! The protocol's rules on it are `gpumem_layout::protocol`'s.
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use gpumem_layout::{self as layout, device, header, slot, state, DeviceSpec, Geometry};
+use gpumem_layout::protocol::{self, AccountingFile, Owner, Words};
+use gpumem_layout::{self as layout, DeviceSpec};
 
 #[derive(Debug)]
 pub enum RegionError {
@@ -31,23 +33,46 @@ impl std::fmt::Display for RegionError {
 /// never closed, because closing any descriptor of the file would drop this
 /// process's record locks and make its slot look dead.
 pub struct Region {
-    base: *mut u8,
+    file: AccountingFile<Mapping>,
     fd: libc::c_int,
-    geometry: Geometry,
     devices: Vec<DeviceSpec>,
     /// The file's device and inode, to find it in other processes' maps.
     ident: (u64, u64),
 }
 
+/// The file's words in the shared mapping, which is never unmapped.
+pub struct Mapping {
+    base: *mut u8,
+    len: usize,
+}
+
 // SAFETY: the mapping is shared memory accessed only through atomics (the
 // mutable fields) or read-only after validation (the device records).
-unsafe impl Send for Region {}
+unsafe impl Send for Mapping {}
 // SAFETY: as above.
-unsafe impl Sync for Region {}
+unsafe impl Sync for Mapping {}
 
-/// Reads of a changing `OBSERVED_EXTRA` before giving up on a stable one:
-/// a few microseconds, longer than the daemon's update takes.
-const OBSERVED_SPINS: u32 = 256;
+impl Words for Mapping {
+    #[inline]
+    fn u64_at(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.len);
+        // SAFETY: only `Region::file`, made for the geometry validated
+        // against this mapping, reaches the mapping; it asks for fields of
+        // slots below the slot count (its own loops, or a slot its claim
+        // returned) and of devices below the device count (the shim looks
+        // them up in the file's own records): 8-aligned (records are
+        // 64-aligned, fields 8-aligned) and inside the mapping, which is
+        // never unmapped.
+        unsafe { &*self.base.add(offset).cast::<AtomicU64>() }
+    }
+
+    #[inline]
+    fn u32_at(&self, offset: usize) -> &AtomicU32 {
+        debug_assert!(offset.is_multiple_of(4) && offset + 4 <= self.len);
+        // SAFETY: as for u64_at, with 4-byte alignment.
+        unsafe { &*self.base.add(offset).cast::<AtomicU32>() }
+    }
+}
 
 /// Whether another process holds the lock of a slot.
 enum Holder {
@@ -113,9 +138,14 @@ impl Region {
         let checked = layout::validate(bytes).map(|g| (g, layout::devices(bytes, g)));
         match checked {
             Ok((geometry, devices)) => Ok(Region {
-                base: base.cast(),
+                file: AccountingFile::new(
+                    Mapping {
+                        base: base.cast(),
+                        len,
+                    },
+                    geometry,
+                ),
                 fd,
-                geometry,
                 devices,
                 ident: (st.st_dev, st.st_ino),
             }),
@@ -132,163 +162,30 @@ impl Region {
         &self.devices
     }
 
-    pub fn slot_count(&self) -> usize {
-        self.geometry.slots
+    /// The file's shared words, with the protocol's rules on them.
+    #[inline]
+    pub fn file(&self) -> &AccountingFile<Mapping> {
+        &self.file
     }
 
-    fn u64_at(&self, offset: usize) -> &AtomicU64 {
-        debug_assert!(offset.is_multiple_of(8) && offset + 8 <= self.geometry.file_len());
-        // SAFETY: offsets come from the layout crate for a validated
-        // geometry, so they are 8-aligned (records are 64-aligned, fields
-        // 8-aligned) and inside the mapping, which is never unmapped.
-        unsafe { &*self.base.add(offset).cast::<AtomicU64>() }
-    }
-
-    fn u32_at(&self, offset: usize) -> &AtomicU32 {
-        debug_assert!(offset.is_multiple_of(4) && offset + 4 <= self.geometry.file_len());
-        // SAFETY: as for u64_at, with 4-byte alignment.
-        unsafe { &*self.base.add(offset).cast::<AtomicU32>() }
-    }
-
-    fn slot_at(&self, index: usize) -> usize {
-        layout::slot_offset(self.geometry.devices, index)
-    }
-
-    /// The counter slot `index` keeps for device `dev`.
-    pub fn used_counter(&self, index: usize, dev: usize) -> &AtomicU64 {
-        self.u64_at(self.slot_at(index) + slot::USED + 8 * dev)
-    }
-
-    fn state(&self, index: usize) -> &AtomicU64 {
-        self.u64_at(self.slot_at(index) + slot::STATE)
-    }
-
-    fn hwm(&self) -> usize {
-        (self.u32_at(header::SLOT_HWM).load(SeqCst) as usize).min(self.geometry.slots)
-    }
-
-    /// Bytes charged on `dev` by every process, plus what the node daemon
-    /// observed beyond that.
-    pub fn used(&self, dev: usize) -> u64 {
-        let slots = (0..self.hwm())
-            .map(|i| self.used_counter(i, dev).load(SeqCst))
-            .fold(0u64, u64::saturating_add);
-        slots.saturating_add(self.observed_extra(dev))
-    }
-
-    /// The daemon's last complete `OBSERVED_EXTRA` for `dev`. The daemon
-    /// writes it with plain file writes between two writes of the sequence
-    /// word (odd in between); a value read while the sequence is odd or
-    /// changes may be half-written, so it is read again. A daemon that died
-    /// mid-update leaves the sequence odd but the value whole: after a
-    /// short spin (an update takes microseconds) the value is taken as is.
-    pub fn observed_extra(&self, dev: usize) -> u64 {
-        let at = layout::device_offset(dev);
-        let seq = self.u64_at(at + device::OBSERVED_SEQ);
-        let value = self.u64_at(at + device::OBSERVED_EXTRA);
-        let mut read = 0;
-        for _ in 0..OBSERVED_SPINS {
-            let before = seq.load(SeqCst);
-            read = value.load(SeqCst);
-            if before & 1 == 0 && seq.load(SeqCst) == before {
-                return read;
-            }
-            std::hint::spin_loop();
-        }
-        read
-    }
-
-    pub fn note_peak(&self, dev: usize, total: u64) {
-        let peak = self.u64_at(layout::device_offset(dev) + device::PEAK);
-        // A read first: once the peak is reached, charges stop writing the
-        // device record's cache line, which every check reads.
-        if total > peak.load(SeqCst) {
-            peak.fetch_max(total, SeqCst);
-        }
-    }
-
-    pub fn note_oom(&self, dev: usize) {
-        self.u64_at(layout::device_offset(dev) + device::OOM_COUNT)
-            .fetch_add(1, SeqCst);
-    }
-
-    /// Claims a free slot for this process: take its record lock first, so
-    /// a claimer killed at any step leaves either a FREE slot (the kernel
-    /// drops the lock) or an ALIVE slot without a lock, which reaping frees.
-    /// Only the lock holder writes a FREE slot, and reapers touch only ALIVE
-    /// ones, so pid, start time and counters are set before ALIVE is
-    /// published. A live slot therefore always shows a lock.
+    /// Claims a free slot for this process, under the slot's record lock
+    /// (which it then keeps for as long as it lives).
     pub fn claim(&self, pid: u32, start_time: u64) -> Option<usize> {
-        for index in 0..self.geometry.slots {
-            let word = self.state(index);
-            let current = word.load(SeqCst);
-            if current & 0xff != state::FREE || !self.lock(index) {
-                continue;
-            }
-            // Reaped and reclaimed meanwhile? Only FREE under our lock is ours.
-            let current = word.load(SeqCst);
-            if current & 0xff != state::FREE {
-                self.unlock(index);
-                continue;
-            }
-            let at = self.slot_at(index);
-            for dev in 0..self.geometry.devices {
-                self.used_counter(index, dev).store(0, SeqCst);
-            }
-            self.u64_at(at + slot::PID).store(u64::from(pid), SeqCst);
-            self.u64_at(at + slot::START_TIME).store(start_time, SeqCst);
-            self.u32_at(header::SLOT_HWM)
-                .fetch_max(index as u32 + 1, SeqCst);
-            let alive = ((current >> 8).wrapping_add(1) << 8) | state::ALIVE;
-            if word
-                .compare_exchange(current, alive, SeqCst, SeqCst)
-                .is_err()
-            {
-                self.unlock(index);
-                continue;
-            }
-            return Some(index);
-        }
-        None
+        let owner = Owner {
+            pid: u64::from(pid),
+            start_time,
+        };
+        self.file
+            .claim(owner, |index| self.lock(index), |index| self.unlock(index))
     }
 
     /// Frees the slots of processes that died without cleaning up (SIGKILL,
     /// OOM kill) or exec'd (the descriptor is close-on-exec, so the lock
     /// went, but the pid lives on). Returns how many were reaped.
     pub fn reap(&self, own: Option<usize>) -> usize {
-        let mut reaped = 0;
-        for index in 0..self.hwm() {
-            if Some(index) == own {
-                continue;
-            }
-            let word = self.state(index);
-            let current = word.load(SeqCst);
-            if current & 0xff != state::ALIVE {
-                continue;
-            }
-            if !matches!(self.holder(index), Holder::Gone) {
-                continue;
-            }
-            let at = self.slot_at(index);
-            let pid = self.u64_at(at + slot::PID).load(SeqCst);
-            let start = self.u64_at(at + slot::START_TIME).load(SeqCst);
-            if !self.abandoned(pid, start) {
-                continue;
-            }
-            let reaping = (current & !0xff) | state::REAPING;
-            if word
-                .compare_exchange(current, reaping, SeqCst, SeqCst)
-                .is_err()
-            {
-                continue;
-            }
-            for dev in 0..self.geometry.devices {
-                self.used_counter(index, dev).store(0, SeqCst);
-            }
-            word.store((current & !0xff) | state::FREE, SeqCst);
-            reaped += 1;
-        }
-        reaped
+        self.file.reap(own, |index, owner| {
+            matches!(self.holder(index), Holder::Gone) && self.abandoned(owner)
+        })
     }
 
     /// Whether the process of a slot whose lock is gone left it behind: it
@@ -296,11 +193,11 @@ impl Region {
     /// closed our descriptor by accident still has the file mapped: its
     /// usage is real and it keeps its slot. If its maps cannot be read, the
     /// slot is kept too.
-    fn abandoned(&self, pid: u64, start: u64) -> bool {
-        let Ok(pid) = u32::try_from(pid) else {
+    fn abandoned(&self, owner: Owner) -> bool {
+        let Ok(pid) = u32::try_from(owner.pid) else {
             return true;
         };
-        if start == 0 || start_time_of(pid) != Some(start) {
+        if owner.start_time == 0 || start_time_of(pid) != Some(owner.start_time) {
             return true;
         }
         // Ours, but not this image's slot (the caller skips that one): an
@@ -318,7 +215,7 @@ impl Region {
         static LOCAL: Mutex<()> = Mutex::new(());
         const PATIENCE: Duration = Duration::from_millis(50);
         let local = LOCAL.lock().unwrap_or_else(|e| e.into_inner());
-        let offset = layout::charge_lock_offset(self.geometry);
+        let offset = protocol::charge_lock_offset(self.file.geometry());
         let deadline = Instant::now() + PATIENCE;
         let locked = loop {
             if self.lock_byte(offset) {
@@ -360,16 +257,20 @@ impl Region {
         unsafe { libc::fcntl(self.fd, libc::F_SETLK, &request) };
     }
 
+    fn slot_lock(&self, index: usize) -> usize {
+        protocol::slot_lock_offset(self.file.geometry(), index)
+    }
+
     fn lock(&self, index: usize) -> bool {
-        self.lock_byte(self.slot_at(index))
+        self.lock_byte(self.slot_lock(index))
     }
 
     fn unlock(&self, index: usize) {
-        self.unlock_byte(self.slot_at(index))
+        self.unlock_byte(self.slot_lock(index))
     }
 
     fn holder(&self, index: usize) -> Holder {
-        let mut request = Self::lock_request(self.slot_at(index), libc::F_WRLCK as libc::c_short);
+        let mut request = Self::lock_request(self.slot_lock(index), libc::F_WRLCK as libc::c_short);
         // SAFETY: fd is open; request is a valid in/out flock.
         if unsafe { libc::fcntl(self.fd, libc::F_GETLK, &mut request) } != 0 {
             return Holder::Unknown;

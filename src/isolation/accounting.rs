@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use nix::fcntl::{fcntl, FcntlArg};
 use nix::libc;
 
+use gpumem_layout::protocol::{self, AccountingFile, Snapshot};
 use gpumem_layout::{self as layout, DeviceSpec};
 
 const MIB: u64 = 1 << 20;
@@ -111,17 +112,29 @@ pub struct Usage {
     pub refusals: u64,
 }
 
-/// Opens an accounting file and reads it through the same descriptor, so a
-/// file replaced meanwhile is never half this one and half the next.
-/// Asking who holds a lock needs only read access.
-fn open_validated(path: &Path, write: bool) -> io::Result<(fs::File, Vec<u8>, layout::Geometry)> {
+/// An accounting file read through one descriptor, so a file replaced
+/// meanwhile is never half this one and half the next.
+struct Opened {
+    file: fs::File,
+    bytes: Vec<u8>,
+    /// The same bytes, read by the protocol's rules.
+    snapshot: AccountingFile<Snapshot>,
+}
+
+/// Opens and reads an accounting file. Asking who holds a lock needs only
+/// read access.
+fn open_validated(path: &Path, write: bool) -> io::Result<Opened> {
     use std::io::Read;
     let mut file = fs::OpenOptions::new().read(true).write(write).open(path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    let geometry =
-        layout::validate(&bytes).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-    Ok((file, bytes, geometry))
+    let snapshot = AccountingFile::snapshot(&bytes)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok(Opened {
+        file,
+        bytes,
+        snapshot,
+    })
 }
 
 /// Reads current usage: the charges of live processes plus the
@@ -156,13 +169,18 @@ pub struct Processes {
 pub fn processes(path: &Path) -> io::Result<Processes> {
     // Never takes a lock: any lock of ours would be dropped, and others'
     // misread, by closing this descriptor.
-    let (file, bytes, geometry) = open_validated(path, false)?;
+    let Opened {
+        file,
+        bytes,
+        snapshot,
+    } = open_validated(path, false)?;
+    let geometry = snapshot.geometry();
     let mut live = Vec::new();
-    for slot in layout::slots(&bytes, geometry) {
+    for slot in snapshot.slots() {
         if slot.state != layout::state::ALIVE {
             continue;
         }
-        let mut probe = write_lock(layout::slot_offset(geometry.devices, slot.index));
+        let mut probe = write_lock(protocol::slot_lock_offset(geometry, slot.index));
         fcntl(file.as_fd(), FcntlArg::F_GETLK(&mut probe)).map_err(io::Error::from)?;
         if probe.l_type == libc::F_UNLCK as libc::c_short {
             continue;
@@ -176,7 +194,7 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
         .iter()
         .enumerate()
         .map(|(dev, d)| {
-            let untracked_bytes = layout::observed_extra(&bytes, dev);
+            let untracked_bytes = snapshot.observed_extra(dev);
             Usage {
                 uuid: layout::format_uuid(&d.uuid),
                 cap_bytes: d.cap_bytes,
@@ -186,8 +204,8 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
                     .map(|p| p.used[dev])
                     .fold(untracked_bytes, u64::saturating_add),
                 untracked_bytes,
-                peak_bytes: layout::peak(&bytes, dev),
-                refusals: layout::refusals(&bytes, dev),
+                peak_bytes: snapshot.peak(dev),
+                refusals: snapshot.refusals(dev),
             }
         })
         .collect();
@@ -201,31 +219,29 @@ pub fn has_live_process(path: &Path) -> io::Result<bool> {
 
 /// Publishes the untracked usage of device `dev` for the shims to fold into
 /// their checks. The daemon has no atomics on the shared page, only file
-/// writes, so they go under the sequence word: odd, value, even.
+/// writes: the protocol's publishing writes, in order, under the
+/// publishers' lock.
 pub fn publish_untracked(path: &Path, dev: usize, bytes: u64) -> io::Result<()> {
-    let (file, _, geometry) = open_validated(path, true)?;
+    let Opened { file, snapshot, .. } = open_validated(path, true)?;
+    let geometry = snapshot.geometry();
     if dev >= geometry.devices {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("{} has no device {dev}", path.display()),
         ));
     }
-    let record = layout::device_offset(dev) as u64;
     // Held until `file` closes; this process holds no slot lock that the
     // close could drop.
-    let turn = write_lock(layout::publisher_lock_offset(geometry));
+    let turn = write_lock(protocol::publisher_lock_offset(geometry));
     fcntl(file.as_fd(), FcntlArg::F_SETLKW(&turn)).map_err(io::Error::from)?;
-    let seq_at = record + layout::device::OBSERVED_SEQ as u64;
+    // Read again under the lock: the snapshot may predate another
+    // publisher's turn.
     let mut seq = [0u8; 8];
-    file.read_exact_at(&mut seq, seq_at)?;
-    // Even after a previous writer died mid-update.
-    let seq = u64::from_le_bytes(seq).wrapping_add(1) | 1;
-    file.write_all_at(&seq.to_le_bytes(), seq_at)?;
-    file.write_all_at(
-        &bytes.to_le_bytes(),
-        record + layout::device::OBSERVED_EXTRA as u64,
-    )?;
-    file.write_all_at(&seq.wrapping_add(1).to_le_bytes(), seq_at)
+    file.read_exact_at(&mut seq, protocol::observed_seq_offset(dev) as u64)?;
+    for (at, value) in protocol::publish_writes(dev, u64::from_le_bytes(seq), bytes) {
+        file.write_all_at(&value.to_le_bytes(), at as u64)?;
+    }
+    Ok(())
 }
 
 /// A write-lock request (or query) for the byte at `offset`.
@@ -303,10 +319,7 @@ mod tests {
         let path = prepare(dir.path(), &t4(4308)).unwrap();
         let seq = |path: &Path| {
             let bytes = fs::read(path).unwrap();
-            layout::get_u64(
-                &bytes,
-                layout::device_offset(0) + layout::device::OBSERVED_SEQ,
-            )
+            layout::get_u64(&bytes, protocol::observed_seq_offset(0))
         };
         publish_untracked(&path, 0, 600 * MIB).unwrap();
         assert_eq!(seq(&path), 2);
@@ -315,7 +328,7 @@ mod tests {
 
         // A publisher that died between its writes left the sequence odd.
         let file = fs::OpenOptions::new().write(true).open(&path).unwrap();
-        let at = (layout::device_offset(0) + layout::device::OBSERVED_SEQ) as u64;
+        let at = protocol::observed_seq_offset(0) as u64;
         file.write_all_at(&3u64.to_le_bytes(), at).unwrap();
         publish_untracked(&path, 0, 100 * MIB).unwrap();
         assert_eq!(seq(&path), 6);

@@ -8,12 +8,15 @@
 //! ```
 //! Every field is a little-endian integer at a fixed offset; the shim reads
 //! and writes the mutable ones as atomics in a shared mapping. Slots are
-//! 64-byte aligned so each process writes its own cache lines.
+//! 64-byte aligned so each process writes its own cache lines. The rules
+//! both sides follow on them are in [`protocol`].
 
 #![forbid(unsafe_code)]
 
 #[cfg(not(target_endian = "little"))]
 compile_error!("the accounting file is little-endian; big-endian hosts are not supported");
+
+pub mod protocol;
 
 /// File name inside the per-container state directory.
 pub const FILE_NAME: &str = "accounting";
@@ -90,32 +93,21 @@ const _: () = assert!(slot::USED + 8 * MAX_DEVICES <= SLOT_LEN);
 const _: () = assert!(device::OBSERVED_SEQ + 8 <= DEVICE_LEN);
 
 /// Offset of device record `index`.
+#[inline]
 pub fn device_offset(index: usize) -> usize {
     HEADER_LEN + index * DEVICE_LEN
 }
 
 /// Offset of the first slot for a file with `devices` device records.
+#[inline]
 pub fn slots_offset(devices: usize) -> usize {
     (HEADER_LEN + devices * DEVICE_LEN).next_multiple_of(64)
 }
 
 /// Offset of slot `index`.
+#[inline]
 pub fn slot_offset(devices: usize, index: usize) -> usize {
     slots_offset(devices) + index * SLOT_LEN
-}
-
-/// The byte a node daemon locks while it rewrites `OBSERVED_EXTRA`, so two
-/// publishers (two `gpumem exec` sharing a directory) take turns: just past
-/// the end of the file, where no slot lock can be.
-pub fn publisher_lock_offset(geometry: Geometry) -> usize {
-    geometry.file_len()
-}
-
-/// The byte a shim locks while it retries a charge that lost a race near
-/// the cap, so that of several processes racing for the last bytes one
-/// wins instead of all backing out together.
-pub fn charge_lock_offset(geometry: Geometry) -> usize {
-    geometry.file_len() + 1
 }
 
 /// Total file length.
@@ -246,49 +238,6 @@ pub fn devices(bytes: &[u8], geometry: Geometry) -> Vec<DeviceSpec> {
         .collect()
 }
 
-/// The daemon-observed extra of device `dev` in a snapshot.
-pub fn observed_extra(bytes: &[u8], dev: usize) -> u64 {
-    get_u64(bytes, device_offset(dev) + device::OBSERVED_EXTRA)
-}
-
-/// The highest total a successful charge saw on device `dev`.
-pub fn peak(bytes: &[u8], dev: usize) -> u64 {
-    get_u64(bytes, device_offset(dev) + device::PEAK)
-}
-
-/// Allocations refused for the cap on device `dev`.
-pub fn refusals(bytes: &[u8], dev: usize) -> u64 {
-    get_u64(bytes, device_offset(dev) + device::OOM_COUNT)
-}
-
-/// A slot's state, owner pid (in the owner's PID namespace) and usage per
-/// device, from a snapshot of the file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlotView {
-    pub index: usize,
-    pub state: u64,
-    pub pid: u64,
-    pub used: Vec<u64>,
-}
-
-/// The slots ever claimed in a snapshot (up to the high-water mark).
-pub fn slots(bytes: &[u8], geometry: Geometry) -> Vec<SlotView> {
-    let hwm = (get_u32(bytes, header::SLOT_HWM) as usize).min(geometry.slots);
-    (0..hwm)
-        .map(|index| {
-            let at = slot_offset(geometry.devices, index);
-            SlotView {
-                index,
-                state: get_u64(bytes, at + slot::STATE) & 0xff,
-                pid: get_u64(bytes, at + slot::PID),
-                used: (0..geometry.devices)
-                    .map(|d| get_u64(bytes, at + slot::USED + 8 * d))
-                    .collect(),
-            }
-        })
-        .collect()
-}
-
 /// Parses `GPU-6b1c2d3e-0000-4000-8000-000000000400` (or the bare hex form)
 /// into the 16 bytes CUDA reports.
 pub fn parse_uuid(text: &str) -> Option<[u8; 16]> {
@@ -388,8 +337,9 @@ mod tests {
             }
         );
         assert_eq!(devices(&bytes, g), [spec]);
-        assert_eq!(observed_extra(&bytes, 0), 0);
-        assert!(slots(&bytes, g).is_empty());
+        let file = protocol::AccountingFile::snapshot(&bytes).unwrap();
+        assert_eq!(file.observed_extra(0), 0);
+        assert!(file.slots().is_empty());
     }
 
     #[test]
