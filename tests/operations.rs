@@ -159,6 +159,15 @@ impl Daemon {
         ));
     }
 
+    /// Makes the fake NVML list `pid` with `used_mib`, and
+    /// `/proc/<pid>/mountinfo` read `mountinfo`.
+    fn set_process_mounting(&self, pid: u32, used_mib: u64, mountinfo: &str) {
+        let text = std::fs::read_to_string(&self.node_file).unwrap();
+        self.rewrite_node_file(format!(
+            "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\nmountinfo = {mountinfo:?}\n"
+        ));
+    }
+
     /// Makes the fake NVML stop listing `pid`, as NVML does once it exits.
     fn drop_process(&self, pid: u32) {
         let text = std::fs::read_to_string(&self.node_file).unwrap();
@@ -671,6 +680,46 @@ async fn a_container_over_its_cap_loses_its_newest_process_after_the_grace_perio
         metrics.contains("# TYPE gpumem_over_cap_kills counter"),
         "{metrics}"
     );
+}
+
+#[tokio::test]
+async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts() {
+    use std::os::unix::process::ExitStatusExt;
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let d = Daemon::start_full(
+        "t4",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+        true,
+        Some((OverCapAction::Kill, Duration::from_millis(400))),
+    )
+    .await;
+    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+    // No process of the container holds a slot; this one has the
+    // container's state directory mounted, as Allocate's mounts give every
+    // process of it, and holds 5000 MiB of its 4308.
+    let mut rogue = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let mountinfo = format!(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 8:1 {} /var/run/gpumem rw - ext4 /dev/sda1 rw\n",
+        dir.display()
+    );
+    d.set_process_mounting(rogue.id(), 5000, &mountinfo);
+    let deadline = std::time::Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = rogue.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "not killed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.signal(), Some(9));
+    assert_eq!(d.status().await.gpus[0].unmanaged_mib, Some(0));
+    d.stop().await;
 }
 
 #[tokio::test]

@@ -42,6 +42,32 @@ pub fn parse(cgroup: &str) -> Option<Owner> {
         .find_map(owner_of_path)
 }
 
+/// The gpumem container directory a process's mount table has at the
+/// shim's state path (`/var/run/gpumem`), from the contents of its
+/// `/proc/<pid>/mountinfo`: Allocate mounted it there, so every process of
+/// the container has it, loaded the shim or not, and an unprivileged
+/// container cannot change it. The name is the directory's under
+/// `<state-dir>/containers`.
+pub fn mounted_container(mountinfo: &str) -> Option<String> {
+    mountinfo.lines().find_map(|line| {
+        // ID, parent ID, major:minor, root, mount point, …
+        let mut fields = line.split(' ');
+        let root = fields.nth(3)?;
+        let point = fields.next()?;
+        if point != gpumem_layout::CONTAINER_DIR {
+            return None;
+        }
+        let (parent, name) = root.rsplit_once('/')?;
+        (parent.ends_with("/containers") || parent == "/containers").then(|| name.to_owned())
+    })
+}
+
+/// The gpumem container directory of process `pid`, read under `proc_root`.
+pub fn container_dir_of(proc_root: &Path, pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("mountinfo")).ok()?;
+    mounted_container(&text)
+}
+
 /// The owner of process `pid`, read under `proc_root` (`/proc` on a node);
 /// `None` if the process is gone or in no pod.
 pub fn of_pid(proc_root: &Path, pid: u32) -> Option<Owner> {
@@ -160,6 +186,33 @@ mod tests {
         ] {
             assert_eq!(parse(host), None, "{host:?}");
         }
+    }
+
+    #[test]
+    fn the_state_mount_names_the_container() {
+        let name = "a1b2c3d4e5f6-4u-0123456789abcdef";
+        for root in [
+            format!("/var/lib/gpumem/containers/{name}"),
+            // The state directory on a file system of its own.
+            format!("/containers/{name}"),
+        ] {
+            let mountinfo = format!(
+                "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
+                 2 1 8:1 {root} /var/run/gpumem rw - ext4 /dev/sda1 rw\n"
+            );
+            assert_eq!(mounted_container(&mountinfo).as_deref(), Some(name));
+        }
+        // A host process, and a mount elsewhere.
+        assert_eq!(
+            mounted_container("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"),
+            None
+        );
+        assert_eq!(
+            mounted_container(&format!(
+                "2 1 8:1 /x/containers/{name} /mnt rw - ext4 a rw\n"
+            )),
+            None
+        );
     }
 
     #[test]

@@ -30,6 +30,11 @@ pub trait ProcessUsage: Send + 'static {
     fn owner(&self, pid: u32) -> Option<Owner> {
         attribution::of_pid(Path::new("/proc"), pid)
     }
+
+    /// The gpumem container directory mounted in a listed process.
+    fn container_dir(&self, pid: u32) -> Option<String> {
+        attribution::container_dir_of(Path::new("/proc"), pid)
+    }
 }
 
 /// NVML's running compute processes (about 26 µs per GPU on an H100).
@@ -107,6 +112,13 @@ impl ProcessUsage for FakeProcesses {
             None => attribution::of_pid(Path::new("/proc"), pid),
         }
     }
+
+    fn container_dir(&self, pid: u32) -> Option<String> {
+        match self.last.as_ref().and_then(|fake| fake.mountinfo(pid)) {
+            Some(mountinfo) => attribution::mounted_container(mountinfo),
+            None => attribution::container_dir_of(Path::new("/proc"), pid),
+        }
+    }
 }
 
 /// The per-process usage source for a GPU source: the fake file, or NVML.
@@ -175,15 +187,22 @@ struct Attributed {
     strangers: Vec<(String, u32, u64, Option<Owner>)>,
 }
 
-/// Attributes every process NVML lists on a GPU by its cgroup: a slot
-/// holder is its container's already; another process in the same
-/// container (same container ID as a slot holder) counts against that
-/// container on the GPUs its file caps; anything else is unmanaged.
+/// Attributes every process NVML lists on a GPU: a slot holder is its
+/// container's already; another process whose mount table has a
+/// container's state directory, or that shares a slot holder's container ID
+/// (cgroup), counts against that container on the GPUs its file caps;
+/// anything else is unmanaged.
 fn attribute(
     loaded: &[(PathBuf, Processes)],
     memory: &ProcessMemory,
     owner: impl Fn(u32) -> Option<Owner>,
+    container_dir: impl Fn(u32) -> Option<String>,
 ) -> Attributed {
+    let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
+        .iter()
+        .enumerate()
+        .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
+        .collect();
     let mut holders = HashSet::new();
     let mut containers: HashMap<String, usize> = HashMap::new();
     for (index, (_, processes)) in loaded.iter().enumerate() {
@@ -208,10 +227,14 @@ fn attribute(
                 continue;
             }
             let who = owner(pid);
-            let home = who
-                .as_ref()
-                .and_then(|o| containers.get(o.container_id.as_ref()?))
-                .and_then(|&index| {
+            let mounted = container_dir(pid)
+                .and_then(|name| by_dir.get(std::ffi::OsStr::new(&name)).copied());
+            let home = mounted
+                .or_else(|| {
+                    who.as_ref()
+                        .and_then(|o| containers.get(o.container_id.as_ref()?).copied())
+                })
+                .and_then(|index| {
                     let devices = &loaded[index].1.devices;
                     Some((index, devices.iter().position(|d| &d.uuid == uuid)?))
                 });
@@ -357,7 +380,12 @@ impl Reconciler {
         // Processes that start after this instant are not the ones NVML
         // listed: the over-cap action never kills them.
         let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
-        let attributed = attribute(&loaded, &memory, |pid| self.source.owner(pid));
+        let attributed = attribute(
+            &loaded,
+            &memory,
+            |pid| self.source.owner(pid),
+            |pid| self.source.container_dir(pid),
+        );
         self.report_unmanaged(&attributed);
         self.enforce(&loaded, &memory, &attributed, sampled_at);
         let mut seen = HashSet::new();

@@ -59,13 +59,14 @@ pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 /// A node described in TOML (`[[gpu]]` tables with `uuid`, `name`,
 /// `memory_mib`, optional `index` and `healthy`, and optional
 /// `[[gpu.process]]` tables with `pid` and `used_mib` standing in for
-/// NVML's per-process usage, and `cgroup` for what `/proc/<pid>/cgroup`
-/// says of that process).
+/// NVML's per-process usage, and `cgroup` and `mountinfo` for what
+/// `/proc/<pid>/cgroup` and `/proc/<pid>/mountinfo` say of that process).
 #[derive(Debug, Clone)]
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
     processes: ProcessMemory,
     cgroups: HashMap<u32, String>,
+    mountinfos: HashMap<u32, String>,
 }
 
 #[derive(Deserialize)]
@@ -94,6 +95,7 @@ struct FakeProcess {
     pid: u32,
     used_mib: u64,
     cgroup: Option<String>,
+    mountinfo: Option<String>,
 }
 
 fn default_healthy() -> bool {
@@ -133,6 +135,7 @@ impl FakeGpus {
         let mut gpus = Vec::with_capacity(file.gpu.len());
         let mut processes = ProcessMemory::new();
         let mut cgroups = HashMap::new();
+        let mut mountinfos = HashMap::new();
         for (position, entry) in file.gpu.into_iter().enumerate() {
             let index = match entry.index {
                 Some(index) => index,
@@ -188,6 +191,9 @@ impl FakeGpus {
                 if let Some(cgroup) = &p.cgroup {
                     cgroups.insert(p.pid, cgroup.clone());
                 }
+                if let Some(mountinfo) = &p.mountinfo {
+                    mountinfos.insert(p.pid, mountinfo.clone());
+                }
             }
             processes.insert(entry.uuid.clone(), memory);
             gpus.push(Gpu {
@@ -203,6 +209,7 @@ impl FakeGpus {
             gpus,
             processes,
             cgroups,
+            mountinfos,
         })
     }
 
@@ -214,6 +221,11 @@ impl FakeGpus {
     /// What the file says `/proc/<pid>/cgroup` holds for a process it lists.
     pub fn cgroup(&self, pid: u32) -> Option<&str> {
         self.cgroups.get(&pid).map(String::as_str)
+    }
+
+    /// What the file says `/proc/<pid>/mountinfo` holds for a process.
+    pub fn mountinfo(&self, pid: u32) -> Option<&str> {
+        self.mountinfos.get(&pid).map(String::as_str)
     }
 }
 
