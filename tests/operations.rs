@@ -618,6 +618,18 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     common::wait_for_line(&mut holder, "holding");
     d.wait_for_container("charged", |c| c.used_mib == Some(1300))
         .await;
+    // The tenant rewrites the cap in its own accounting file: the outside
+    // action keeps to the cap Allocate gave.
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(gpumem_layout::FILE_NAME))
+            .unwrap();
+        let at = gpumem_layout::device_offset(0) + gpumem_layout::device::CAP;
+        file.write_all_at(&(1u64 << 50).to_le_bytes(), at as u64)
+            .unwrap();
+    }
     // Real processes, so a kill is real: one of the container's without the
     // shim, taking it to 5300 MiB of its 4308, and one of another pod.
     let mut rogue = std::process::Command::new("sleep")

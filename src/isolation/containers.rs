@@ -107,6 +107,23 @@ impl ContainerName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The name of the directory at `path`.
+    pub fn of_dir(path: &Path) -> Option<Self> {
+        Some(ContainerName(path.file_name()?.to_str()?.to_owned()))
+    }
+
+    /// The cap Allocate gave the container on the GPU with `uuid`, in MiB,
+    /// from what the name records and the node's inventory: unlike the cap
+    /// in its accounting file, which the container can write.
+    pub fn granted_mib(&self, inv: &Inventory, uuid: &str) -> Option<u64> {
+        let key = self.0.split('-').next()?;
+        let gpu = inv
+            .gpus()
+            .iter()
+            .find(|g| g.gpu.uuid == uuid && g.key.to_string() == key)?;
+        Some(gpu.cap_mib(self.units()?))
+    }
 }
 
 impl fmt::Display for ContainerName {

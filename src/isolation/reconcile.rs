@@ -310,7 +310,14 @@ pub struct Reconciler {
     reported: HashSet<(String, u32)>,
     /// The over-cap action, where it is on.
     enforcer: Option<Enforcer>,
+    /// The cap Allocate gave a container (accounting file, GPU UUID) in
+    /// bytes, where the daemon knows it; else the file's cap is used.
+    granted: Option<GrantedCap>,
 }
+
+/// Where the over-cap action learns a container's cap without trusting the
+/// file the container can write.
+pub type GrantedCap = Box<dyn Fn(&Path, &str) -> Option<u64> + Send>;
 
 impl Reconciler {
     pub fn new(source: Box<dyn ProcessUsage>) -> Self {
@@ -324,7 +331,14 @@ impl Reconciler {
             unmanaged: Unmanaged::default(),
             reported: HashSet::new(),
             enforcer: None,
+            granted: None,
         }
+    }
+
+    /// Takes the over-cap action's caps from `granted`.
+    pub fn with_granted_caps(mut self, granted: GrantedCap) -> Self {
+        self.granted = Some(granted);
+        self
     }
 
     /// Acts on containers over their cap for longer than `grace`.
@@ -449,10 +463,11 @@ impl Reconciler {
                 let mut members: Vec<(u32, u64)> =
                     listed.map(|(pid, actual, _)| (pid, actual)).collect();
                 members.extend(&unslotted[dev]);
+                let granted = self.granted.as_ref().and_then(|g| g(file, &device.uuid));
                 footprints.push(Footprint {
                     file,
                     gpu: &device.uuid,
-                    cap: device.cap_bytes,
+                    cap: granted.unwrap_or(device.cap_bytes),
                     processes: members,
                 });
             }

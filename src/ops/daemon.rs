@@ -12,6 +12,7 @@ use tracing::error;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::cleanup;
+use crate::isolation::containers::ContainerName;
 use crate::isolation::enforce::OverCapAction;
 use crate::isolation::inject::Isolation;
 use crate::isolation::reconcile::{self, ProcessUsage, Reconciler};
@@ -52,7 +53,15 @@ pub async fn run(
 
     let reconciler = match (&*isolation, config.reconcile) {
         (Isolation::Shim(_), Some((source, every))) => {
-            let reconciler = Reconciler::new(source);
+            // The over-cap action's caps come from the directory's name and
+            // the inventory, never from the file the container can write.
+            let inventory = inventory_rx.clone();
+            let reconciler =
+                Reconciler::new(source).with_granted_caps(Box::new(move |file, uuid| {
+                    let name = ContainerName::of_dir(file.parent()?)?;
+                    let mib = name.granted_mib(&inventory.borrow(), uuid)?;
+                    Some(mib.saturating_mul(1 << 20))
+                }));
             let reconciler = match config.over_cap {
                 Some((action, grace)) => reconciler.with_over_cap(action, grace),
                 None => reconciler,
