@@ -423,38 +423,72 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     d.stop().await;
 }
 
+/// A daemon with shim isolation, one admitted pod and a process in it that
+/// holds 1000 MiB under the shim (1300 MiB charged with its context).
+struct Holding {
+    d: Daemon,
+    dir: PathBuf,
+    holder: std::process::Child,
+    _host: TempDir,
+    state: TempDir,
+}
+
+impl Holding {
+    async fn start(over_cap: Option<(OverCapAction, Duration)>) -> Holding {
+        let host = common::installed_shim();
+        let state = tempfile::tempdir().unwrap();
+        let d = Daemon::start_full(
+            "t4",
+            shim(host.path(), state.path()),
+            Duration::from_secs(300),
+            true,
+            over_cap,
+        )
+        .await;
+        let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+        let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+        let mut holder = shim_kit()
+            .probe(Some(&dir))
+            .args(["alloc:1000", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        common::wait_for_line(&mut holder, "holding");
+        d.wait_for_container("charged", |c| c.used_mib == Some(1300))
+            .await;
+        Holding {
+            d,
+            dir,
+            holder,
+            _host: host,
+            state,
+        }
+    }
+
+    async fn stop(mut self) {
+        self.holder.kill().unwrap();
+        self.holder.wait().unwrap();
+        self.d.stop().await;
+    }
+}
+
 #[tokio::test]
 async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
-    let d = Daemon::start(
-        "t4",
-        shim(host.path(), state.path()),
-        Duration::from_secs(300),
-    )
-    .await;
-    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
-    let container = PathBuf::from(&allocation.response.mounts[2].host_path);
-    let mut holder = shim_kit()
-        .probe(Some(&container))
-        .args(["alloc:1000", "hold"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::wait_for_line(&mut holder, "holding");
+    let mut h = Holding::start(None).await;
+    let (d, container, state) = (&h.d, &h.dir, h.state.path());
     let c = d
         .wait_for_container("charged", |c| c.used_mib == Some(1300))
         .await;
     assert_eq!(c.untracked_mib, Some(0));
 
     // A broken file beside it is skipped, not fatal.
-    let junk = state.path().join("containers/junk");
+    let junk = state.join("containers/junk");
     std::fs::create_dir_all(&junk).unwrap();
     std::fs::write(junk.join("accounting"), b"not an accounting file").unwrap();
 
     // NVML shows the process at 1600 MiB: 300 MiB of libraries beside its
     // 1000 MiB allocation and 300 MiB context.
-    d.set_process_memory(holder.id(), 1600);
+    d.set_process_memory(h.holder.id(), 1600);
     let c = d
         .wait_for_container("untracked usage published", |c| {
             c.untracked_mib == Some(300)
@@ -472,7 +506,7 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
 
     // Another process of the container sees 4308 - 1600 MiB left, less its
     // own context, and the cap holds there, not 300 MiB later.
-    let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(&container)).args([
+    let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(container)).args([
         "info",
         "nvml",
         "alloc:2409",
@@ -509,43 +543,26 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
     }
 
     // The process exits: its untracked usage goes with it.
-    holder.kill().unwrap();
-    holder.wait().unwrap();
+    h.holder.kill().unwrap();
+    h.holder.wait().unwrap();
     d.wait_for_container("released", |c| {
         c.untracked_mib == Some(0) && c.used_mib == Some(0)
     })
     .await;
-    d.stop().await;
+    h.d.stop().await;
 }
 
 #[tokio::test]
 async fn every_gpu_process_is_attributed_by_its_cgroup() {
     let container = in_container;
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
-    let d = Daemon::start(
-        "t4",
-        shim(host.path(), state.path()),
-        Duration::from_secs(300),
-    )
-    .await;
-    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
-    let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
-    let mut holder = shim_kit()
-        .probe(Some(&dir))
-        .args(["alloc:1000", "hold"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::wait_for_line(&mut holder, "holding");
-    d.wait_for_container("charged", |c| c.used_mib == Some(1300))
-        .await;
+    let h = Holding::start(None).await;
+    let (d, dir) = (&h.d, &h.dir);
 
     // The holder runs in container a. Beside it in the same container, a
     // process that did not load the shim (a static binary, say) holds
     // 500 MiB; container b of another pod reached the GPU without asking
     // for it, and a host daemon holds some too.
-    d.set_process_in(holder.id(), 1300, &container('a'));
+    d.set_process_in(h.holder.id(), 1300, &container('a'));
     d.set_process_in(900_001, 500, &container('a'));
     d.set_process_in(900_002, 700, &container('b'));
     d.set_process_in(900_003, 200, "0::/system.slice/monitoring.service\n");
@@ -570,7 +587,7 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
     assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
 
     // And the container's processes see it: 4308 - 1800 MiB left.
-    let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(&dir)).args(["nvml"]));
+    let (ok, lines, stderr) = common::run_lines(shim_kit().probe(Some(dir)).args(["nvml"]));
     assert!(ok, "{stderr}");
     assert_eq!(
         common::field(&lines[0], "used"),
@@ -578,9 +595,7 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
         "{lines:?}"
     );
 
-    holder.kill().unwrap();
-    holder.wait().unwrap();
-    d.stop().await;
+    h.stop().await;
 }
 
 /// A container's cgroup in pod `POD`, for container ID `id` × 64.
@@ -596,28 +611,9 @@ fn in_container(id: char) -> String {
 /// A container over its cap through a process without the shim: with
 /// `action`, what happens to it, its capped neighbour and a stranger.
 async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
     let grace = Duration::from_millis(400);
-    let d = Daemon::start_full(
-        "t4",
-        shim(host.path(), state.path()),
-        Duration::from_secs(300),
-        true,
-        Some((action, grace)),
-    )
-    .await;
-    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
-    let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
-    let mut holder = shim_kit()
-        .probe(Some(&dir))
-        .args(["alloc:1000", "hold"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::wait_for_line(&mut holder, "holding");
-    d.wait_for_container("charged", |c| c.used_mib == Some(1300))
-        .await;
+    let mut h = Holding::start(Some((action, grace))).await;
+    let (d, dir) = (&h.d, &h.dir);
     // The tenant rewrites the cap in its own accounting file: the outside
     // action keeps to the cap Allocate gave.
     {
@@ -640,7 +636,7 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
         .arg("60")
         .spawn()
         .unwrap();
-    d.set_process_in(holder.id(), 1300, &in_container('a'));
+    d.set_process_in(h.holder.id(), 1300, &in_container('a'));
     d.set_process_in(rogue.id(), 4000, &in_container('a'));
     d.set_process_in(stranger.id(), 6000, &in_container('b'));
     let started = std::time::Instant::now();
@@ -671,15 +667,13 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     // (never killed: it is no gpumem container's) live on.
     tokio::time::sleep(grace * 3).await;
     assert!(
-        holder.try_wait().unwrap().is_none(),
+        h.holder.try_wait().unwrap().is_none(),
         "the capped neighbour lives"
     );
     assert!(stranger.try_wait().unwrap().is_none(), "the stranger lives");
     stranger.kill().unwrap();
     stranger.wait().unwrap();
-    holder.kill().unwrap();
-    holder.wait().unwrap();
-    d.stop().await;
+    h.stop().await;
     (rogue_status, metrics)
 }
 
