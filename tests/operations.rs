@@ -142,30 +142,16 @@ impl Daemon {
         self.rewrite_node_file(lines.join("\n") + "\n");
     }
 
-    /// Makes the fake NVML list `pid` with `used_mib` on the (last) GPU.
-    fn set_process_memory(&self, pid: u32, used_mib: u64) {
-        let text = std::fs::read_to_string(&self.node_file).unwrap();
-        self.rewrite_node_file(format!(
-            "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\n"
-        ));
-    }
-
-    /// Makes the fake NVML list `pid` with `used_mib`, and `/proc/<pid>/cgroup`
-    /// read `cgroup`.
-    fn set_process_in(&self, pid: u32, used_mib: u64, cgroup: &str) {
-        let text = std::fs::read_to_string(&self.node_file).unwrap();
-        self.rewrite_node_file(format!(
-            "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\ncgroup = {cgroup:?}\n"
-        ));
-    }
-
-    /// Makes the fake NVML list `pid` with `used_mib`, and
-    /// `/proc/<pid>/mountinfo` read `mountinfo`.
-    fn set_process_mounting(&self, pid: u32, used_mib: u64, mountinfo: &str) {
-        let text = std::fs::read_to_string(&self.node_file).unwrap();
-        self.rewrite_node_file(format!(
-            "{text}\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\nmountinfo = {mountinfo:?}\n"
-        ));
+    /// Makes the fake NVML list `pid` with `used_mib` on the (last) GPU,
+    /// and each `(name, text)` of `proc_files` stand for its
+    /// `/proc/<pid>/<name>` (`cgroup`, `mountinfo`).
+    fn list_process(&self, pid: u32, used_mib: u64, proc_files: &[(&str, &str)]) {
+        let mut text = std::fs::read_to_string(&self.node_file).unwrap();
+        text += &format!("\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\n");
+        for (name, file) in proc_files {
+            text += &format!("{name} = {file:?}\n");
+        }
+        self.rewrite_node_file(text);
     }
 
     /// Makes the fake NVML stop listing `pid`, as NVML does once it exits.
@@ -423,18 +409,17 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     d.stop().await;
 }
 
-/// A daemon with shim isolation, one admitted pod and a process in it that
-/// holds 1000 MiB under the shim (1300 MiB charged with its context).
-struct Holding {
+/// A daemon with shim isolation and one admitted pod.
+struct Admitted {
     d: Daemon,
+    /// The pod's accounting directory.
     dir: PathBuf,
-    holder: std::process::Child,
     _host: TempDir,
     state: TempDir,
 }
 
-impl Holding {
-    async fn start(over_cap: Option<(OverCapAction, Duration)>) -> Holding {
+impl Admitted {
+    async fn start(over_cap: Option<(OverCapAction, Duration)>) -> Admitted {
         let host = common::installed_shim();
         let state = tempfile::tempdir().unwrap();
         let d = Daemon::start_full(
@@ -447,6 +432,33 @@ impl Holding {
         .await;
         let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
         let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+        Admitted {
+            d,
+            dir,
+            _host: host,
+            state,
+        }
+    }
+}
+
+/// `Admitted`, with a process in the pod that holds 1000 MiB under the shim
+/// (1300 MiB charged with its context).
+struct Holding {
+    d: Daemon,
+    dir: PathBuf,
+    holder: std::process::Child,
+    _host: TempDir,
+    state: TempDir,
+}
+
+impl Holding {
+    async fn start(over_cap: Option<(OverCapAction, Duration)>) -> Holding {
+        let Admitted {
+            d,
+            dir,
+            _host,
+            state,
+        } = Admitted::start(over_cap).await;
         let mut holder = shim_kit()
             .probe(Some(&dir))
             .args(["alloc:1000", "hold"])
@@ -460,7 +472,7 @@ impl Holding {
             d,
             dir,
             holder,
-            _host: host,
+            _host,
             state,
         }
     }
@@ -488,7 +500,7 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
 
     // NVML shows the process at 1600 MiB: 300 MiB of libraries beside its
     // 1000 MiB allocation and 300 MiB context.
-    d.set_process_memory(h.holder.id(), 1600);
+    d.list_process(h.holder.id(), 1600, &[]);
     let c = d
         .wait_for_container("untracked usage published", |c| {
             c.untracked_mib == Some(300)
@@ -562,10 +574,14 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
     // process that did not load the shim (a static binary, say) holds
     // 500 MiB; container b of another pod reached the GPU without asking
     // for it, and a host daemon holds some too.
-    d.set_process_in(h.holder.id(), 1300, &container('a'));
-    d.set_process_in(900_001, 500, &container('a'));
-    d.set_process_in(900_002, 700, &container('b'));
-    d.set_process_in(900_003, 200, "0::/system.slice/monitoring.service\n");
+    d.list_process(h.holder.id(), 1300, &[("cgroup", &container('a'))]);
+    d.list_process(900_001, 500, &[("cgroup", &container('a'))]);
+    d.list_process(900_002, 700, &[("cgroup", &container('b'))]);
+    d.list_process(
+        900_003,
+        200,
+        &[("cgroup", "0::/system.slice/monitoring.service\n")],
+    );
     // The shim-less process counts against its container's cap at once.
     let c = d
         .wait_for_container("the shim-less process counted", |c| {
@@ -636,9 +652,9 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
         .arg("60")
         .spawn()
         .unwrap();
-    d.set_process_in(h.holder.id(), 1300, &in_container('a'));
-    d.set_process_in(rogue.id(), 4000, &in_container('a'));
-    d.set_process_in(stranger.id(), 6000, &in_container('b'));
+    d.list_process(h.holder.id(), 1300, &[("cgroup", &in_container('a'))]);
+    d.list_process(rogue.id(), 4000, &[("cgroup", &in_container('a'))]);
+    d.list_process(stranger.id(), 6000, &[("cgroup", &in_container('b'))]);
     let started = std::time::Instant::now();
     let counter = match action {
         OverCapAction::Kill => "gpumem_over_cap_kills_total 1",
@@ -691,18 +707,8 @@ async fn a_container_over_its_cap_loses_its_newest_process_after_the_grace_perio
 #[tokio::test]
 async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts() {
     use std::os::unix::process::ExitStatusExt;
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
-    let d = Daemon::start_full(
-        "t4",
-        shim(host.path(), state.path()),
-        Duration::from_secs(300),
-        true,
-        Some((OverCapAction::Kill, Duration::from_millis(400))),
-    )
-    .await;
-    let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
-    let dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let (d, dir) = (&a.d, &a.dir);
     // No process of the container holds a slot; this one has the
     // container's state directory mounted, as Allocate's mounts give every
     // process of it, and holds 5000 MiB of its 4308.
@@ -714,7 +720,7 @@ async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts(
         "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 8:1 {} /var/run/gpumem rw - ext4 /dev/sda1 rw\n",
         dir.display()
     );
-    d.set_process_mounting(rogue.id(), 5000, &mountinfo);
+    d.list_process(rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
     let deadline = std::time::Instant::now() + WAIT;
     let status = loop {
         if let Some(status) = rogue.try_wait().unwrap() {
@@ -725,7 +731,7 @@ async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts(
     };
     assert_eq!(status.signal(), Some(9));
     assert_eq!(d.status().await.gpus[0].unmanaged_mib, Some(0));
-    d.stop().await;
+    a.d.stop().await;
 }
 
 #[tokio::test]

@@ -327,8 +327,5 @@ fn maps_file(pid: u32, (device, inode): (u64, u64)) -> Option<bool> {
 /// Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22).
 pub fn start_time_of(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses; fields
-    // after the last ')' are plain. Field 22 is the 20th after it.
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(19)?.parse().ok()
+    layout::protocol::start_time_in_stat(&stat)
 }

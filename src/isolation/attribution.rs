@@ -62,17 +62,10 @@ pub fn mounted_container(mountinfo: &str) -> Option<String> {
     })
 }
 
-/// The gpumem container directory of process `pid`, read under `proc_root`.
-pub fn container_dir_of(proc_root: &Path, pid: u32) -> Option<String> {
-    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("mountinfo")).ok()?;
-    mounted_container(&text)
-}
-
-/// The owner of process `pid`, read under `proc_root` (`/proc` on a node);
-/// `None` if the process is gone or in no pod.
-pub fn of_pid(proc_root: &Path, pid: u32) -> Option<Owner> {
-    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok()?;
-    parse(&text)
+/// The text of `<proc_root>/<pid>/<name>` (`/proc` on a node); `None` once
+/// the process is gone.
+pub fn proc_file(proc_root: &Path, pid: u32, name: &str) -> Option<String> {
+    std::fs::read_to_string(proc_root.join(pid.to_string()).join(name)).ok()
 }
 
 fn owner_of_path(path: &str) -> Option<Owner> {
@@ -221,7 +214,8 @@ mod tests {
         let dir = root.path().join("4242");
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(dir.join("cgroup"), format!("0::/kubepods/pod{UID}/{ID}\n")).unwrap();
-        assert_eq!(of_pid(root.path(), 4242), owner(true));
-        assert_eq!(of_pid(root.path(), 4243), None, "gone");
+        let read = |pid| parse(&proc_file(root.path(), pid, "cgroup")?);
+        assert_eq!(read(4242), owner(true));
+        assert_eq!(read(4243), None, "gone");
     }
 }

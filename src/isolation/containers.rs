@@ -94,14 +94,20 @@ impl ContainerName {
         ))
     }
 
-    /// The units the name records; `None` for a directory not named here.
-    pub fn units(&self) -> Option<u32> {
+    /// The GPU key and units the name records; `None` for a directory not
+    /// named here.
+    fn parts(&self) -> Option<(&str, u32)> {
         let mut parts = self.0.split('-');
-        let (_key, units, _hash) = (parts.next()?, parts.next()?, parts.next()?);
+        let (key, units, _hash) = (parts.next()?, parts.next()?, parts.next()?);
         if parts.next().is_some() {
             return None;
         }
-        units.strip_suffix('u')?.parse().ok()
+        Some((key, units.strip_suffix('u')?.parse().ok()?))
+    }
+
+    /// The units the name records; `None` for a directory not named here.
+    pub fn units(&self) -> Option<u32> {
+        self.parts().map(|(_, units)| units)
     }
 
     pub fn as_str(&self) -> &str {
@@ -117,12 +123,12 @@ impl ContainerName {
     /// from what the name records and the node's inventory: unlike the cap
     /// in its accounting file, which the container can write.
     pub fn granted_mib(&self, inv: &Inventory, uuid: &str) -> Option<u64> {
-        let key = self.0.split('-').next()?;
+        let (key, units) = self.parts()?;
         let gpu = inv
             .gpus()
             .iter()
             .find(|g| g.gpu.uuid == uuid && g.key.to_string() == key)?;
-        Some(gpu.cap_mib(self.units()?))
+        Some(gpu.cap_mib(units))
     }
 }
 

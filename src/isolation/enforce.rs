@@ -92,7 +92,6 @@ impl Footprint<'_> {
 pub struct Enforcer {
     action: OverCapAction,
     grace: Duration,
-    proc_root: PathBuf,
     /// When each (file, GPU) was first seen over, in the current episode.
     over_since: HashMap<(PathBuf, String), Instant>,
     actions: Arc<Actions>,
@@ -103,7 +102,6 @@ impl Enforcer {
         Enforcer {
             action,
             grace,
-            proc_root: PathBuf::from("/proc"),
             over_since: HashMap::new(),
             actions: Arc::default(),
         }
@@ -189,17 +187,14 @@ impl Enforcer {
     }
 
     fn start_time(&self, pid: u32) -> Option<u64> {
-        start_time(&self.proc_root, pid)
+        start_time(Path::new("/proc"), pid)
     }
 }
 
 /// A process's start time in clock ticks since boot (/proc/PID/stat field 22).
 pub fn start_time(proc_root: &Path, pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses; fields
-    // after the last ')' are plain. Field 22 is the 20th after it.
-    let after = &stat[stat.rfind(')')? + 1..];
-    after.split_whitespace().nth(19)?.parse().ok()
+    gpumem_layout::protocol::start_time_in_stat(&stat)
 }
 
 /// The system's uptime in clock ticks (the unit of start times), read from

@@ -26,14 +26,10 @@ pub trait ProcessUsage: Send + 'static {
     /// Device memory per process on each GPU, by UUID and host PID.
     fn usage(&mut self) -> Result<ProcessMemory, GpuError>;
 
-    /// The pod and container a listed process runs in, from its cgroup.
-    fn owner(&self, pid: u32) -> Option<Owner> {
-        attribution::of_pid(Path::new("/proc"), pid)
-    }
-
-    /// The gpumem container directory mounted in a listed process.
-    fn container_dir(&self, pid: u32) -> Option<String> {
-        attribution::container_dir_of(Path::new("/proc"), pid)
+    /// What `/proc/<pid>/<name>` says of a listed process (`cgroup`,
+    /// `mountinfo`): where attribution reads who it belongs to.
+    fn proc_file(&self, pid: u32, name: &str) -> Option<String> {
+        attribution::proc_file(Path::new("/proc"), pid, name)
     }
 }
 
@@ -83,7 +79,7 @@ impl ProcessUsage for NvmlProcesses {
 
 /// The `[[gpu.process]]` tables of a fake GPU file, re-read on every call
 /// so tests can change them while the daemon runs; a process's `cgroup`
-/// there stands in for its `/proc/<pid>/cgroup`.
+/// and `mountinfo` there stand in for its files under `/proc/<pid>/`.
 pub struct FakeProcesses {
     path: PathBuf,
     last: Option<FakeGpus>,
@@ -106,17 +102,14 @@ impl ProcessUsage for FakeProcesses {
         Ok(memory)
     }
 
-    fn owner(&self, pid: u32) -> Option<Owner> {
-        match self.last.as_ref().and_then(|fake| fake.cgroup(pid)) {
-            Some(cgroup) => attribution::parse(cgroup),
-            None => attribution::of_pid(Path::new("/proc"), pid),
-        }
-    }
-
-    fn container_dir(&self, pid: u32) -> Option<String> {
-        match self.last.as_ref().and_then(|fake| fake.mountinfo(pid)) {
-            Some(mountinfo) => attribution::mounted_container(mountinfo),
-            None => attribution::container_dir_of(Path::new("/proc"), pid),
+    fn proc_file(&self, pid: u32, name: &str) -> Option<String> {
+        match self
+            .last
+            .as_ref()
+            .and_then(|fake| fake.proc_file(pid, name))
+        {
+            Some(text) => Some(text.to_owned()),
+            None => attribution::proc_file(Path::new("/proc"), pid, name),
         }
     }
 }
@@ -397,8 +390,8 @@ impl Reconciler {
         let attributed = attribute(
             &loaded,
             &memory,
-            |pid| self.source.owner(pid),
-            |pid| self.source.container_dir(pid),
+            |pid| attribution::parse(&self.source.proc_file(pid, "cgroup")?),
+            |pid| attribution::mounted_container(&self.source.proc_file(pid, "mountinfo")?),
         );
         self.report_unmanaged(&attributed);
         self.enforce(&loaded, &memory, &attributed, sampled_at);

@@ -65,8 +65,8 @@ pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
     processes: ProcessMemory,
-    cgroups: HashMap<u32, String>,
-    mountinfos: HashMap<u32, String>,
+    /// `(pid, file name)` → what `/proc/<pid>/<file name>` holds.
+    proc_files: HashMap<(u32, String), String>,
 }
 
 #[derive(Deserialize)]
@@ -134,8 +134,7 @@ impl FakeGpus {
         let mut indices = HashSet::new();
         let mut gpus = Vec::with_capacity(file.gpu.len());
         let mut processes = ProcessMemory::new();
-        let mut cgroups = HashMap::new();
-        let mut mountinfos = HashMap::new();
+        let mut proc_files = HashMap::new();
         for (position, entry) in file.gpu.into_iter().enumerate() {
             let index = match entry.index {
                 Some(index) => index,
@@ -188,11 +187,10 @@ impl FakeGpus {
                         format!("{} appears twice", p.pid),
                     ));
                 }
-                if let Some(cgroup) = &p.cgroup {
-                    cgroups.insert(p.pid, cgroup.clone());
-                }
-                if let Some(mountinfo) = &p.mountinfo {
-                    mountinfos.insert(p.pid, mountinfo.clone());
+                for (name, text) in [("cgroup", &p.cgroup), ("mountinfo", &p.mountinfo)] {
+                    if let Some(text) = text {
+                        proc_files.insert((p.pid, name.to_owned()), text.clone());
+                    }
                 }
             }
             processes.insert(entry.uuid.clone(), memory);
@@ -208,8 +206,7 @@ impl FakeGpus {
         Ok(FakeGpus {
             gpus,
             processes,
-            cgroups,
-            mountinfos,
+            proc_files,
         })
     }
 
@@ -218,14 +215,12 @@ impl FakeGpus {
         &self.processes
     }
 
-    /// What the file says `/proc/<pid>/cgroup` holds for a process it lists.
-    pub fn cgroup(&self, pid: u32) -> Option<&str> {
-        self.cgroups.get(&pid).map(String::as_str)
-    }
-
-    /// What the file says `/proc/<pid>/mountinfo` holds for a process.
-    pub fn mountinfo(&self, pid: u32) -> Option<&str> {
-        self.mountinfos.get(&pid).map(String::as_str)
+    /// What the file says `/proc/<pid>/<name>` holds for a process it lists
+    /// (`cgroup`, `mountinfo`).
+    pub fn proc_file(&self, pid: u32, name: &str) -> Option<&str> {
+        self.proc_files
+            .get(&(pid, name.to_owned()))
+            .map(String::as_str)
     }
 }
 

@@ -135,6 +135,16 @@ pub struct Owner {
     pub start_time: u64,
 }
 
+/// A process's start time in clock ticks since boot, from the text of its
+/// `/proc/<pid>/stat` (field 22): what tells a reused pid apart, for the
+/// shim's reaping and the daemon's over-cap action alike.
+pub fn start_time_in_stat(stat: &str) -> Option<u64> {
+    // The command name (field 2) may hold spaces and parentheses; fields
+    // after the last ')' are plain. Field 22 is the 20th after it.
+    let after = &stat[stat.rfind(')')? + 1..];
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// A slot's state, owner pid and usage per device, as read at one moment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotView {

@@ -149,20 +149,28 @@ pub struct NvmlMemoryV2 {
     used: u64,
 }
 
+/// The device a memory query is about, or the answer NVML gives instead: a
+/// bad handle or out-pointer, or the device's health failure.
+fn memory_query<T>(handle: *mut c_void, memory: *mut T) -> Result<usize, NvmlReturn> {
+    let dev = nvml_device(handle).ok_or(NVML_INVALID_ARGUMENT)?;
+    if memory.is_null() {
+        return Err(NVML_INVALID_ARGUMENT);
+    }
+    match health::query_error(dev) {
+        Some(error) => Err(error),
+        None => Ok(dev),
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     handle: *mut c_void,
     memory: *mut NvmlMemory,
 ) -> NvmlReturn {
-    let Some(dev) = nvml_device(handle) else {
-        return NVML_INVALID_ARGUMENT;
+    let dev = match memory_query(handle, memory) {
+        Ok(dev) => dev,
+        Err(error) => return error,
     };
-    if memory.is_null() {
-        return NVML_INVALID_ARGUMENT;
-    }
-    if let Some(error) = health::query_error(dev) {
-        return error;
-    }
     let c = config();
     let used = c.nvml_used + c.nvml_reserved + node::used_by_processes(dev);
     // SAFETY: checked non-null; an out-parameter, valid for writes (NVML's contract).
@@ -181,15 +189,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     handle: *mut c_void,
     memory: *mut NvmlMemoryV2,
 ) -> NvmlReturn {
-    let Some(dev) = nvml_device(handle) else {
-        return NVML_INVALID_ARGUMENT;
+    let dev = match memory_query(handle, memory) {
+        Ok(dev) => dev,
+        Err(error) => return error,
     };
-    if memory.is_null() {
-        return NVML_INVALID_ARGUMENT;
-    }
-    if let Some(error) = health::query_error(dev) {
-        return error;
-    }
     let c = config();
     let used = c.nvml_used + node::used_by_processes(dev);
     // SAFETY: checked non-null; the caller's versioned struct, read and written.
