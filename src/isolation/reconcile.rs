@@ -219,9 +219,10 @@ fn attribute(
             if holders.contains(&pid) {
                 continue;
             }
-            let who = owner(pid);
             let mounted = container_dir(pid)
                 .and_then(|name| by_dir.get(std::ffi::OsStr::new(&name)).copied());
+            // The cgroup is read only where the mounts did not say.
+            let who = if mounted.is_some() { None } else { owner(pid) };
             let home = mounted
                 .or_else(|| {
                     who.as_ref()
@@ -235,6 +236,7 @@ fn attribute(
                 Some((index, dev)) => attributed.unslotted[index][dev].push((pid, bytes)),
                 None => {
                     *unmanaged = unmanaged.saturating_add(bytes);
+                    let who = who.or_else(|| owner(pid));
                     attributed.strangers.push((uuid.clone(), pid, bytes, who));
                 }
             }
