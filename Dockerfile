@@ -8,7 +8,7 @@
 
 # The builder's Rust is the workspace's rust-version, the declared minimum
 # (.ci/check-msrv.py keeps the two equal).
-FROM rust:1.88-bookworm AS build
+FROM rust:1.89-bookworm AS build
 # ziglang goes into a virtual environment of its own, not into Debian's
 # externally managed Python; cargo-zigbuild runs `python -m ziglang` with the
 # Python CARGO_ZIGBUILD_PYTHON_PATH names.

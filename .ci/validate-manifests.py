@@ -38,7 +38,53 @@ VARIANTS = {
         "nodeSelector": {"cgpu": "true"},
         "image": {"repository": "registry.example.com/gpumem", "tag": "dev", "pullPolicy": "Always"},
     },
+    "volume-mounts": {"deviceListStrategy": "volume-mounts"},
+    "cdi": {"deviceListStrategy": "cdi"},
+    "kubelet-only": {"apiServer": False},
+    "gpushare-extender": {"scheduler": "gpushare-extender", "extender": {"enabled": True}},
 }
+
+# kube-scheduler decodes its configuration strictly: the fields of an
+# extender (kubescheduler.config.k8s.io/v1 Extender) and what they hold.
+EXTENDER_FIELDS = {
+    "urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb",
+    "enableHTTPS", "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable",
+}
+# The routes `gpumem extender` serves.
+EXTENDER_VERBS = {"filterVerb": "filter", "prioritizeVerb": "prioritize", "bindVerb": "bind"}
+
+
+def check_scheduler_config(name, config, extender_docs, resource, failures):
+    """The KubeSchedulerConfiguration reaches the extender as deployed."""
+    if config.get("apiVersion") != "kubescheduler.config.k8s.io/v1" or config.get("kind") != "KubeSchedulerConfiguration":
+        failures.append(f"{name}: not a kubescheduler.config.k8s.io/v1 KubeSchedulerConfiguration")
+        return
+    unknown = set(config) - {"apiVersion", "kind", "clientConnection", "extenders", "profiles",
+                              "leaderElection", "parallelism", "percentageOfNodesToScore",
+                              "podInitialBackoffSeconds", "podMaxBackoffSeconds", "featureGates"}
+    if unknown:
+        failures.append(f"{name}: unknown fields {sorted(unknown)}")
+    extenders = config.get("extenders") or []
+    if len(extenders) != 1:
+        failures.append(f"{name}: expected one extender, found {len(extenders)}")
+        return
+    ext = extenders[0]
+    if set(ext) - EXTENDER_FIELDS:
+        failures.append(f"{name}: unknown extender fields {sorted(set(ext) - EXTENDER_FIELDS)}")
+    for verb, route in EXTENDER_VERBS.items():
+        if ext.get(verb) != route:
+            failures.append(f"{name}: {verb} should be {route!r}, the extender's route")
+    if not re.fullmatch(r"\d+(\.\d+)?(ms|s|m)", str(ext.get("httpTimeout", "5s"))):
+        failures.append(f"{name}: httpTimeout {ext.get('httpTimeout')!r} is not a duration")
+    managed = [m.get("name") for m in ext.get("managedResources") or []]
+    if managed != [resource]:
+        failures.append(f"{name}: managedResources {managed} should be [{resource!r}]")
+    if not ext.get("nodeCacheCapable"):
+        failures.append(f"{name}: nodeCacheCapable should be true (the extender keeps a node cache)")
+    port = next((p.get("nodePort") for d in extender_docs if d.get("kind") == "Service"
+                 for p in d["spec"]["ports"]), None)
+    if ext.get("urlPrefix") != f"http://127.0.0.1:{port}":
+        failures.append(f"{name}: urlPrefix {ext.get('urlPrefix')!r} does not reach the Service's NodePort {port}")
 
 
 def documents(name, text):
@@ -235,11 +281,17 @@ def main():
     commands.append(check_argv(image, "Dockerfile ENTRYPOINT + CMD", image.argv(None, None), image_failures))
     commands += check_docs(image, image_failures)
 
-    manifest = ROOT / "daemonset" / "gpumem.yaml"
-    for name, doc in documents(str(manifest.relative_to(ROOT)), manifest.read_text()):
-        validate(name, doc, failures)
-        checked += 1
-        commands += check_containers(image, name, doc, image_failures)
+    for file in ("gpumem.yaml", "extender.yaml"):
+        manifest = ROOT / "daemonset" / file
+        for name, doc in documents(str(manifest.relative_to(ROOT)), manifest.read_text()):
+            validate(name, doc, failures)
+            checked += 1
+            commands += check_containers(image, name, doc, image_failures)
+    extender_docs = [doc for _, doc in documents("extender", (ROOT / "daemonset" / "extender.yaml").read_text())]
+    config = ROOT / "daemonset" / "kube-scheduler-config.yaml"
+    check_scheduler_config(str(config.relative_to(ROOT)), yaml.safe_load(config.read_text()),
+                           extender_docs, "aliyun.com/gpu-mem", failures)
+    checked += 1
 
     chart = helm.Chart.load(ROOT / "deploy" / "helm" / "gpumem")
     for variant, values in VARIANTS.items():

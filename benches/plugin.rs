@@ -108,6 +108,7 @@ async fn socket_latency() {
         resource_name: Default::default(),
         policy: Policy::Binpack,
         isolation: Isolation::None,
+        device_list: Default::default(),
     });
     let task = tokio::spawn(plugin.run(rx, shutdown.clone()));
     kubelet

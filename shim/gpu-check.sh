@@ -5,12 +5,15 @@
 #   mkdir -p carry/fake && cp target/release/{gpumem,libgpumem_shim.so,gpumem-probe} carry/
 #   for l in libcuda.so.1 libnvidia-ml.so.1; do cp target/release/libgpumem_fakegpu.so carry/fake/$l; done
 # then on the GPU host, in a checkout with carry/ copied in:
-#   bash shim/gpu-check.sh carry LOGDIR [checks|footprint|train|fakebench|all]...
-# (`checks footprint` takes under ten minutes on an H100, `train` about as long).
+#   bash shim/gpu-check.sh carry LOGDIR [checks|footprint|train|fakebench|outside|all]...
+# (`checks footprint` takes under ten minutes on an H100, `train` about as
+# long, `outside` under a minute).
 # Every command and its output go to LOGDIR/gpu-check.log; paste the results
 # into docs/GPU_VERIFICATION.md and docs/BENCHMARKS.md.
+# GPU_CHECK_FAKE=1 runs `outside` without a GPU, on the fake driver in
+# CARRY_DIR/fake: a rehearsal of the script, not a check of the driver.
 set -u
-usage="usage: shim/gpu-check.sh CARRY_DIR OUT_DIR [checks|footprint|train|fakebench|all]..."
+usage="usage: shim/gpu-check.sh CARRY_DIR OUT_DIR [checks|footprint|train|fakebench|outside|all]..."
 bin=${1:?$usage}
 out=${2:?$usage}
 shift 2
@@ -149,6 +152,191 @@ for secs in 2 0; do
 done
 }
 
+# The over-cap action (docs/ISOLATION.md, "Untracked memory"): a process
+# that does not load the shim fills the GPU inside an emulated container and
+# is SIGKILLed within the grace period and a reconcile period, while its
+# capped neighbour keeps running. `gpumem plugin` runs on the real NVML with
+# no kubelet (it keeps serving while Register fails). The container's
+# directory is named as Allocate names one holding units 0-3 of GPU 0, so the
+# plugin holds it to the cap its name grants; `gpumem exec --state-dir` makes
+# its accounting file and runs the neighbour under the shim there. The
+# container is a mount namespace with that directory at /var/run/gpumem, as
+# Allocate mounts it, or where that is refused a cgroup named like a pod's
+# container (the hog is then found through the neighbour's container ID);
+# OUTSIDE_VIA=cgroup asks for the second.
+over_cap_outside() (
+    local grace=5 every=1 slack=3 held=4
+    local dir cdir uuid total name cap via cgroup="" made_cgroup="" made_mount_point=""
+    local port=$((20000 + RANDOM % 20000)) neighbour hog plugin
+    dir=$(mktemp -d "$work/outside.XXXX")
+    echo "### outside: over-cap action kill, grace ${grace}s, reconcile every ${every}s" | tee -a "$log"
+    local neighbour_py='import os, sys, time, torch
+x = torch.ones(256 << 20, device="cuda")  # 1 GiB
+torch.cuda.synchronize()
+print("READY pid=%d" % os.getpid(), flush=True)
+start = time.time()
+while not os.path.exists(sys.argv[1]):
+    if time.time() - start > 120: sys.exit("no stop file in 120 s")
+    time.sleep(0.2)
+x.add_(1); torch.cuda.synchronize()  # in place: nothing new to charge
+print("neighbour still computes:", x[0].item(), flush=True)'
+    local hog_py='import os, sys, time, torch
+x = torch.empty(int(sys.argv[1]) << 20, dtype=torch.uint8, device="cuda")
+x.fill_(1); torch.cuda.synchronize()
+print("holding pid=%d mib=%s" % (os.getpid(), sys.argv[1]), flush=True)
+time.sleep(60)
+print("UNEXPECTED: alive after 60 s", flush=True)'
+    local -a neighbour_cmd hog_cmd
+    if [ "${GPU_CHECK_FAKE:-0}" = 1 ]; then
+        export LD_LIBRARY_PATH="$bin/fake${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export FAKEGPU_NODE_FILE="$dir/fake-node" FAKEGPU_MEMORY_MIB=81559 FAKEGPU_CONTEXT_MIB=518
+        export FAKEGPU_UUIDS=GPU-3c1f6a2e-8d4b-4e7a-9f10-5b2c8d7e6a41
+        uuid=$FAKEGPU_UUIDS total=$FAKEGPU_MEMORY_MIB
+        echo "### outside: GPU_CHECK_FAKE=1: the fake driver in $bin/fake, gpumem-probe for PyTorch" | tee -a "$log"
+    else
+        IFS=', ' read -r uuid total < <(nvidia-smi -i 0 --query-gpu=uuid,memory.total --format=csv,noheader,nounits)
+    fi
+    # ContainerName::of: the GPU key (FNV-1a 32 of the UUID), the units, and
+    # FNV-1a 64 of the sorted device IDs; units::cap_mib for the cap.
+    read -r name cap < <(python3 - "$uuid" "$total" "$held" <<'EOF'
+import sys
+uuid, total, held = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def fnv(text, h, prime, bits):
+    for b in text.encode():
+        h = ((h ^ b) * prime) % (1 << bits)
+    return h
+key = "%08x" % fnv(uuid, 0x811C9DC5, 0x01000193, 32)
+ids = ",".join(sorted("%s-%d" % (key, u) for u in range(held)))
+name = "%s-%du-%016x" % (key, held, fnv(ids, 0xCBF29CE484222325, 0x100000001B3, 64))
+print(name, held * total // (total // 1024))
+EOF
+)
+    cdir="$dir/state/containers/$name"
+    if [ "${GPU_CHECK_FAKE:-0}" = 1 ]; then
+        neighbour_cmd=("$bin/gpumem-probe" alloc:1024 "wait:$dir/stop" free:0)
+        hog_cmd=("$bin/gpumem-probe" "alloc:$((cap + 2048))" hold)
+    else
+        neighbour_cmd=(python3 -c "$neighbour_py" "$dir/stop")
+        hog_cmd=(python3 -c "$hog_py" "$((cap + 2048))")
+    fi
+    echo "### outside: GPU $uuid ($total MiB), container $name, cap $cap MiB" | tee -a "$log"
+
+    # How a container is emulated here: a mount namespace, else a cgroup.
+    mkdir -p "$cdir"
+    if [ ! -e /var/run/gpumem ]; then
+        mkdir -p /var/run/gpumem && made_mount_point=/var/run/gpumem
+    fi
+    if [ "${OUTSIDE_VIA:-mount}" = mount ] &&
+        unshare -m bash -c 'mount --bind "$0" /var/run/gpumem' "$cdir" 2>>"$log"; then
+        via=mount
+    else
+        local pod cid
+        pod=$(python3 -c 'import uuid; print(uuid.uuid4())')
+        cid=$(python3 -c 'import os; print(os.urandom(32).hex())')
+        if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+            cgroup="/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod${pod//-/_}.slice/cri-containerd-$cid.scope"
+        else
+            cgroup="/sys/fs/cgroup/pids/kubepods/burstable/pod$pod/$cid"
+        fi
+        # The outermost directory made here, for the clean-up.
+        made_cgroup=$cgroup
+        while [ ! -e "$(dirname "$made_cgroup")" ]; do made_cgroup=$(dirname "$made_cgroup"); done
+        if mkdir -p "$cgroup" 2>>"$log" && bash -c 'echo $$ >"$0/cgroup.procs"' "$cgroup" 2>>"$log"; then
+            via=cgroup
+        else
+            echo "OUTSIDE SKIPPED: neither a mount namespace (unshare -m) nor a cgroup ($cgroup) could be made here" | tee -a "$log"
+            rmdir "$made_cgroup" $made_mount_point 2>/dev/null
+            return 1
+        fi
+    fi
+    echo "### outside: the container is a $via (${cgroup:-$cdir at /var/run/gpumem})" | tee -a "$log"
+    # emulate OUT COMMAND...: COMMAND in the container, in the background.
+    emulate() {
+        local out=$1
+        shift
+        case $via in
+        mount) unshare -m bash -c 'mount --bind "$0" /var/run/gpumem && exec "$@"' "$cdir" "$@" >"$out" 2>&1 & ;;
+        cgroup) bash -c 'echo $$ >"$0/cgroup.procs" && exec "$@"' "$cgroup" "$@" >"$out" 2>&1 & ;;
+        esac
+    }
+    kills() {
+        python3 -c 'import sys, urllib.request
+text = urllib.request.urlopen("http://127.0.0.1:%s/metrics" % sys.argv[1], timeout=2).read().decode()
+print(next(l.split()[-1] for l in text.splitlines() if l.startswith("gpumem_over_cap_kills_total ")))' "$port" 2>/dev/null
+    }
+    # wait_for FILE PATTERN: up to 60 s for a line.
+    wait_for() {
+        local i
+        for i in $(seq 600); do
+            grep -q "$2" "$1" 2>/dev/null && return 0
+            sleep 0.1
+        done
+        return 1
+    }
+
+    mkdir -p "$dir/kubelet"
+    step "$G" install-shim --from "$bin/libgpumem_shim.so" --to "$dir/host"
+    echo "### $G plugin ... --over-cap-action kill --over-cap-grace-secs $grace --reconcile-secs $every" | tee -a "$log"
+    "$G" plugin --kubelet-dir "$dir/kubelet" --pod-resources-socket "$dir/kubelet/pod-resources.sock" \
+        --shim-host-dir "$dir/host" --state-dir "$dir/state" --metrics-addr "127.0.0.1:$port" \
+        --over-cap-action kill --over-cap-grace-secs $grace --reconcile-secs $every >"$dir/plugin.log" 2>&1 &
+    plugin=$!
+    local i before="" after
+    for i in $(seq 100); do
+        before=$(kills) && break
+        sleep 0.3
+    done
+    echo "### outside: plugin $plugin up, gpumem_over_cap_kills_total ${before:-missing}" | tee -a "$log"
+
+    emulate "$dir/neighbour.out" "$G" exec "$S" --state-dir "$cdir" --mem "${cap}MiB" --reconcile-secs 0 -- "${neighbour_cmd[@]}"
+    neighbour=$!
+    wait_for "$dir/neighbour.out" '^READY\|^alloc:1024 0 ' ||
+        echo "### outside: the neighbour never got its memory" | tee -a "$log"
+    step "$G" inspect -d --metrics-addr "127.0.0.1:$port"
+    emulate "$dir/hog.out" env -u LD_PRELOAD -u GPUMEM_STATE_DIR "${hog_cmd[@]}"
+    hog=$!
+    local t0 t1 hog_rc neighbour_rc alive=no maps
+    wait_for "$dir/hog.out" '^holding' || echo "### outside: the hog never got its memory" | tee -a "$log"
+    t0=$(date +%s.%N)
+    maps=$(grep -c libgpumem_shim "/proc/$hog/maps" 2>/dev/null)
+    echo "### outside: hog $hog holds $((cap + 2048)) MiB without the shim (maps it ${maps:-?} times); its mounts and cgroup:" | tee -a "$log"
+    { grep gpumem "/proc/$hog/mountinfo"; head -3 "/proc/$hog/cgroup"; } >>"$log" 2>&1
+    [ "${GPU_CHECK_FAKE:-0}" = 1 ] || step nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+    # Killed, or still there a minute later (then it is stopped here).
+    for i in $(seq 600); do
+        kill -0 "$hog" 2>/dev/null || break
+        sleep 0.1
+    done
+    t1=$(date +%s.%N)
+    kill "$hog" 2>/dev/null
+    wait "$hog"
+    hog_rc=$?
+    kill -0 "$neighbour" 2>/dev/null && alive=yes
+    touch "$dir/stop"
+    wait "$neighbour"
+    neighbour_rc=$?
+    after=$(kills)
+    local elapsed limit=$((grace + every + slack)) verdict=OK
+    elapsed=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    if [ "$hog_rc" != 137 ] || awk -v e="$elapsed" -v l="$limit" 'BEGIN { exit !(e > l) }' ||
+        [ $alive != yes ] || [ "$neighbour_rc" != 0 ] || [ "${after:-0}" -le "${before:-0}" ]; then
+        verdict=FAIL
+    fi
+    kill "$plugin" 2>/dev/null
+    wait "$plugin"
+    for f in neighbour.out hog.out plugin.log; do
+        echo "### outside: $f" >>"$log"
+        cat "$dir/$f" >>"$log" 2>&1
+    done
+    local d=$cgroup
+    while [ -n "$made_cgroup" ] && rmdir "$d" 2>/dev/null && [ "$d" != "$made_cgroup" ]; do d=$(dirname "$d"); done
+    [ -n "$made_mount_point" ] && rmdir "$made_mount_point" 2>/dev/null
+    echo "OUTSIDE via=$via hog exit=$hog_rc ${elapsed}s after it held the memory (limit ${limit}s)" \
+        "neighbour alive=$alive exit=$neighbour_rc gpumem_over_cap_kills_total ${before:-missing} -> ${after:-missing} $verdict" |
+        tee -a "$log"
+    [ $verdict = OK ]
+)
+
 # The footprint checks: each container is held to its cap as the GPU sees it
 # from outside (nvidia-smi's per-process memory, summed over the
 # container's processes), read while the processes hold what they got.
@@ -240,4 +428,5 @@ wants checks && checks
 wants footprint && footprints
 wants train && { probe_bench; train; }
 wants fakebench && fake_bench
+wants outside && over_cap_outside
 echo "done: $log"

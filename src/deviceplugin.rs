@@ -3,6 +3,7 @@
 //! translates between kubelet's wire format and the layers below.
 
 pub mod api;
+pub mod authority;
 pub mod kubelet;
 pub mod plugin;
 pub mod podresources;

@@ -1,9 +1,11 @@
 //! Isolation: turns a placement into what holds a container to its cap (the
-//! env, the shim and its mounts, the per-container accounting file), keeps
-//! that state, and reconciles it with what the driver really holds.
+//! env, the shim and its mounts, the per-container accounting file, and how
+//! the runtime is told which GPU: env, mounts or CDI), keeps that state, and
+//! reconciles it with what the driver really holds.
 
 pub mod accounting;
 pub mod attribution;
+pub mod cdi;
 pub mod cleanup;
 pub mod containers;
 pub mod enforce;

@@ -11,8 +11,9 @@ use tracing::info;
 
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::deviceplugin::podresources::{self, PodResources};
+use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::enforce::OverCapAction;
-use gpumem::isolation::inject::{Isolation, ShimConfig};
+use gpumem::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
 use gpumem::isolation::reconcile::{self, ProcessUsage};
 use gpumem::node::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
 use gpumem::node::health::{self, XidList};
@@ -61,6 +62,9 @@ enum Command {
     /// Install the shim and ld.so.preload into the host directory, atomically
     /// (the DaemonSet's init container).
     InstallShim(InstallArgs),
+    /// Run gpumem's kube-scheduler extender: filters and scores nodes by
+    /// each GPU's free units and binds pods with gpushare's annotations.
+    Extender(ExtenderArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -73,6 +77,14 @@ enum LogFormat {
 enum IsolationMode {
     Shim,
     None,
+}
+
+/// NVIDIA's device plugin's device-list strategies (docs/OPERATIONS.md).
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DeviceListMode {
+    Envvar,
+    VolumeMounts,
+    Cdi,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -170,6 +182,46 @@ struct ReconcileArgs {
     reconcile_secs: u64,
 }
 
+/// How Allocate names the container's GPU to the container runtime.
+#[derive(Args)]
+struct DeviceListArgs {
+    /// How the container runtime learns the container's GPU: envvar
+    /// (NVIDIA_VISIBLE_DEVICES, which any pod can also set itself),
+    /// volume-mounts (/dev/null mounts under /var/run/nvidia-container-devices;
+    /// the NVIDIA toolkit set to read them and to ignore the env in
+    /// unprivileged containers), or cdi (CDI device names: the GPU as
+    /// nvidia.com/gpu=<UUID>, the container's env and shim mounts in a spec
+    /// under --cdi-spec-dir; needs CDI in the runtime).
+    #[arg(
+        long,
+        env = "GPUMEM_DEVICE_LIST_STRATEGY",
+        default_value = "envvar",
+        value_name = "envvar|volume-mounts|cdi"
+    )]
+    device_list_strategy: DeviceListMode,
+
+    /// Host directory for the containers' CDI specs (with
+    /// --device-list-strategy cdi): one the runtime reads (its cdi_spec_dirs).
+    #[arg(long, env = "GPUMEM_CDI_SPEC_DIR", default_value = cdi::DEFAULT_SPEC_DIR)]
+    cdi_spec_dir: PathBuf,
+}
+
+impl DeviceListArgs {
+    fn strategy(&self) -> DeviceListStrategy {
+        self.device_list_strategy.strategy(&self.cdi_spec_dir)
+    }
+}
+
+impl DeviceListMode {
+    fn strategy(self, cdi_spec_dir: &Path) -> DeviceListStrategy {
+        match self {
+            DeviceListMode::Envvar => DeviceListStrategy::Envvar,
+            DeviceListMode::VolumeMounts => DeviceListStrategy::VolumeMounts,
+            DeviceListMode::Cdi => DeviceListStrategy::Cdi(SpecDir::new(cdi_spec_dir)),
+        }
+    }
+}
+
 impl ReconcileArgs {
     fn source(&self, fake_gpus: Option<&Path>) -> Option<(Box<dyn ProcessUsage>, Duration)> {
         if self.reconcile_secs == 0 {
@@ -243,7 +295,67 @@ struct PluginArgs {
     state_grace_secs: u64,
 
     #[command(flatten)]
+    device_list: DeviceListArgs,
+
+    #[command(flatten)]
     reconcile: ReconcileArgs,
+
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// The API server: optional, for what only it knows.
+#[derive(Args)]
+struct ClusterArgs {
+    /// This node's name (the DaemonSet sets it from spec.nodeName). With it
+    /// gpumem uses the API server: it writes gpushare's pod annotations and
+    /// GPU count (for `kubectl inspect gpushare`), publishes each GPU's
+    /// units and health on the Node, and can follow gpushare's scheduler
+    /// extender. Without it, kubelet is all gpumem talks to.
+    #[arg(long, env = "GPUMEM_NODE_NAME", value_name = "NAME")]
+    node_name: Option<String>,
+
+    /// kubeconfig for the API server (default: the pod's service account,
+    /// then $KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "GPUMEM_KUBECONFIG", value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+
+    /// Who chooses each container's GPU: gpumem at admission (default: by
+    /// --placement), or gpushare's scheduler extender through its pod
+    /// annotations (gpushare-extender; needs --node-name).
+    #[arg(
+        long,
+        env = "GPUMEM_SCHEDULER",
+        default_value = "default",
+        value_name = "default|gpushare-extender"
+    )]
+    scheduler: SchedulerMode,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum SchedulerMode {
+    Default,
+    GpushareExtender,
+}
+
+impl ClusterArgs {
+    async fn connect(&self) -> anyhow::Result<Option<daemon::Cluster>> {
+        let Some(node) = self.node_name.clone().filter(|n| !n.is_empty()) else {
+            if self.scheduler == SchedulerMode::GpushareExtender {
+                anyhow::bail!(
+                    "--scheduler gpushare-extender needs --node-name (GPUMEM_NODE_NAME): the \
+                     extender's choice is read from the pods bound to this node"
+                );
+            }
+            return Ok(None);
+        };
+        let client = gpumem::cluster::client::connect(self.kubeconfig.as_deref()).await?;
+        Ok(Some(daemon::Cluster {
+            client,
+            node,
+            gpushare_extender: self.scheduler == SchedulerMode::GpushareExtender,
+        }))
+    }
 }
 
 #[cfg(feature = "demo")]
@@ -265,6 +377,16 @@ struct DemoArgs {
     /// --workspace` puts them; skipped if they are not there).
     #[arg(long, env = "GPUMEM_DEMO_TENANT_DIR", value_name = "DIR")]
     tenant_dir: Option<PathBuf>,
+
+    /// How Allocate names the GPU to the runtime: envvar, volume-mounts or
+    /// cdi (the demo writes CDI specs into its own temporary directory).
+    #[arg(
+        long,
+        env = "GPUMEM_DEVICE_LIST_STRATEGY",
+        default_value = "envvar",
+        value_name = "envvar|volume-mounts|cdi"
+    )]
+    device_list_strategy: DeviceListMode,
 }
 
 #[derive(Args)]
@@ -336,6 +458,31 @@ struct InstallArgs {
 }
 
 #[derive(Args)]
+struct ExtenderArgs {
+    /// Address for kube-scheduler's calls (POST /filter, /prioritize,
+    /// /bind) and GET /healthz (HOST:PORT or :PORT).
+    #[arg(long, env = "GPUMEM_EXTENDER_LISTEN_ADDR", default_value = ":12345")]
+    listen_addr: String,
+
+    /// kubeconfig for the API server (default: the pod's service account,
+    /// then $KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "GPUMEM_KUBECONFIG", value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+
+    /// Extended resource whose units are placed (the plugins' --resource-name).
+    #[arg(long, env = "GPUMEM_RESOURCE_NAME", default_value = DEFAULT_RESOURCE_NAME)]
+    resource_name: ResourceName,
+
+    #[command(flatten)]
+    placement: PlacementArgs,
+
+    /// Seconds a bind's booking of GPU units waits for the pod watch to
+    /// show the pod bound before it is dropped.
+    #[arg(long, env = "GPUMEM_ASSUME_TIMEOUT_SECS", default_value_t = 60)]
+    assume_timeout_secs: u64,
+}
+
+#[derive(Args)]
 struct InspectArgs {
     /// Show each pod and container with its units, cap and usage
     /// (GPUMEM_INSPECT_DETAILS: true or false).
@@ -373,7 +520,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Plugin(_) => "info",
-        Command::InstallShim(_) => "info",
+        Command::InstallShim(_) | Command::Extender(_) => "info",
         #[cfg(feature = "demo")]
         Command::Demo(_) => "warn",
         Command::Exec(_) | Command::Inspect(_) => "warn",
@@ -404,6 +551,9 @@ fn main() -> ExitCode {
                             policy: args.placement.placement,
                             resource_name: args.resource.resource_name,
                             tenant_dir: args.tenant_dir,
+                            device_list: args
+                                .device_list_strategy
+                                .strategy(Path::new(cdi::DEFAULT_SPEC_DIR)),
                         })
                         .await?;
                         print!("{report}");
@@ -411,6 +561,7 @@ fn main() -> ExitCode {
                     }
                     Command::Exec(args) => exec(args).await,
                     Command::Inspect(args) => inspect(args).await.map(|()| ExitCode::SUCCESS),
+                    Command::Extender(args) => extender(args).await.map(|()| ExitCode::SUCCESS),
                     Command::InstallShim(args) => {
                         let from = match args.from {
                             Some(path) => path,
@@ -505,9 +656,11 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
         placement = %args.placement.placement,
         metrics = %args.metrics_addr,
         ignore_xids = ?args.ignore_xids.0,
+        device_list = %args.device_list.strategy(),
         "starting"
     );
 
+    let cluster = args.cluster.connect().await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let reconcile = match args.node.isolation {
@@ -520,6 +673,7 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
             resource_name: args.resource.resource_name,
             policy: args.placement.placement,
             isolation: args.node.isolation(),
+            device_list: args.device_list.strategy(),
         },
         pod_resources_socket: args.node.pod_resources_socket,
         metrics,
@@ -529,8 +683,34 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
             args.over_cap_action,
             Duration::from_secs(args.over_cap_grace_secs),
         )),
+        cluster,
     };
     daemon::run(config, inventory, health, shutdown).await?;
+    Ok(())
+}
+
+async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {
+    let addr = metrics::parse_address(&args.listen_addr)
+        .ok()
+        .flatten()
+        .with_context(|| {
+            format!(
+                "invalid --listen-addr {:?}: expected HOST:PORT or :PORT",
+                args.listen_addr
+            )
+        })?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("--listen-addr {addr}: cannot listen"))?;
+    let client = gpumem::cluster::client::connect(args.kubeconfig.as_deref()).await?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let config = gpumem::extender::ExtenderConfig {
+        resource_name: args.resource_name,
+        policy: args.placement.placement,
+        assume_timeout: Duration::from_secs(args.assume_timeout_secs),
+    };
+    gpumem::extender::run(config, client, listener, shutdown).await?;
     Ok(())
 }
 

@@ -687,7 +687,14 @@ fn os_errors_are_printed_once_and_name_the_source() {
 /// GPUMEM_<FLAG> or, where that would clash, GPUMEM_<COMMAND>_<FLAG>.
 #[test]
 fn every_flag_has_an_env_var_named_after_it() {
-    for command in ["plugin", "demo", "exec", "inspect", "install-shim"] {
+    for command in [
+        "plugin",
+        "demo",
+        "exec",
+        "inspect",
+        "install-shim",
+        "extender",
+    ] {
         let (out, help) = run(gpumem().args([command, "--help"]));
         assert!(out.status.success(), "{help}");
         let options = help.split("\nOptions:\n").nth(1).unwrap();

@@ -46,6 +46,30 @@ fn each_admitted_container_runs_a_process_held_to_its_cap() {
 }
 
 #[test]
+fn the_pod_no_single_gpu_fits_is_filtered_out_by_the_extender() {
+    let (out, stdout, stderr) = run(gpumem().args(["demo", "--tenant-dir"]).arg(kit_dir()));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let scenario = stdout
+        .split_once("Scheduling by GPU:")
+        .map(|(_, s)| s)
+        .unwrap_or_else(|| panic!("no scheduling scenario: {stdout}{stderr}"));
+    for line in [
+        "train-a          5 GiB: bound by the extender, admitted on GPU0",
+        "train-b          5 GiB: bound by the extender, admitted on GPU1",
+        "big-notebook    15 GiB: stays Pending, filtered out by the extender: no single healthy \
+         GPU has 15 free units (free per GPU: GPU0 10, GPU1 10)",
+        "small-notebook   4 GiB: bound by the extender, admitted on GPU0",
+        "small-notebook  ALIYUN_COM_GPU_MEM_IDX=0 ALIYUN_COM_GPU_MEM_POD=4 \
+         ALIYUN_COM_GPU_MEM_DEV=15 ALIYUN_COM_GPU_MEM_ASSIGNED=true",
+        "big-notebook    ALIYUN_COM_GPU_MEM_IDX=- ",
+        // 4 of a V100's 15 units: floor(4 × 16160 / 15) MiB.
+        "In small-notebook: nvidia-smi: 0MiB / 4309MiB; 3840 MiB allocated",
+    ] {
+        assert!(scenario.contains(line), "missing {line:?} in:\n{scenario}");
+    }
+}
+
+#[test]
 fn without_the_shim_built_the_demo_says_how_to_see_it() {
     // A copy of gpumem in a directory with nothing beside it.
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -76,6 +76,8 @@ fn the_helm_chart_passes_only_flags_the_plugin_accepts() {
         "nodeSelector",
         "isolation",
         "image",
+        "apiServer",
+        "scheduler",
     ] {
         assert!(
             values.contains(&format!("{key}:")),
@@ -86,4 +88,40 @@ fn the_helm_chart_passes_only_flags_the_plugin_accepts() {
             "template ignores {key}"
         );
     }
+}
+
+#[test]
+fn the_extender_deployments_pass_only_flags_the_extender_accepts() {
+    let (_, help) = gpumem(&["extender", "--help"]);
+    for path in [
+        "daemonset/extender.yaml",
+        "deploy/helm/gpumem/templates/extender.yaml",
+    ] {
+        let manifest = read(path);
+        assert!(
+            manifest.contains(r#"command: ["/opt/gpumem/gpumem", "extender"]"#),
+            "{path}"
+        );
+        let args = plugin_args(&manifest);
+        assert!(args.len() >= 3, "{path}: {args:?}");
+        for arg in &args {
+            let flag = arg.split('=').next().unwrap();
+            assert!(
+                help.contains(&format!("{flag} ")),
+                "{path}: {flag} is not a `gpumem extender` flag"
+            );
+        }
+    }
+    // The plain manifest's values parse: the extender gets as far as the
+    // kubeconfig, which does not exist.
+    let args = plugin_args(&read("daemonset/extender.yaml"));
+    let mut full: Vec<&str> = vec!["extender"];
+    full.extend(args.iter().map(String::as_str));
+    full.extend(["--kubeconfig", "/nonexistent/gpumem-deploy-test"]);
+    let (ok, text) = gpumem(&full);
+    assert!(!ok);
+    assert!(
+        text.contains("gpumem-deploy-test"),
+        "clap refused the Deployment's args: {text}"
+    );
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use common::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::{PluginConfig, PluginError};
+use gpumem::fake_apiserver::{FakeApiServer, Kind};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem::isolation::reconcile::FakeProcesses;
@@ -36,7 +37,14 @@ struct Daemon {
     addr: std::net::SocketAddr,
     shutdown: CancellationToken,
     task: JoinHandle<Result<(), PluginError>>,
+    /// The API server, for daemons started with one.
+    api: Option<FakeApiServer>,
 }
+
+/// The node the daemons with an API server run on.
+const NODE: &str = "gpu-node-1";
+/// The UID of the pod `in_container` puts processes in.
+const POD_UID: &str = "0a1b2c3d-4e5f-4678-9abc-def012345678";
 
 impl Daemon {
     async fn start(fixture_name: &str, isolation: Isolation, grace: Duration) -> Daemon {
@@ -51,17 +59,43 @@ impl Daemon {
         grace: Duration,
         pod_resources: bool,
     ) -> Daemon {
-        Daemon::start_full(fixture_name, isolation, grace, pod_resources, None).await
+        Daemon::start_full(fixture_name, isolation, grace, pod_resources, None, false).await
     }
 
+    /// With `api`, the daemon talks to a fake API server that holds the
+    /// simulated kubelet's pod `nb` (UID `POD_UID`).
     async fn start_full(
         fixture_name: &str,
         isolation: Isolation,
         grace: Duration,
         pod_resources: bool,
         over_cap: Option<(OverCapAction, Duration)>,
+        api: bool,
     ) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
+        let (api, cluster) = if api {
+            let server = FakeApiServer::start().await.unwrap();
+            let kubeconfig = dir.path().join("kubeconfig");
+            server.write_kubeconfig(&kubeconfig).unwrap();
+            server.put(serde_json::json!({"kind": "Node", "metadata": {"name": NODE}}));
+            server.put(serde_json::json!({
+                "kind": "Pod",
+                "metadata": {"name": "nb", "namespace": "default", "uid": POD_UID},
+                "spec": {"nodeName": NODE, "containers": [{"name": "main"}]},
+                "status": {"phase": "Running"},
+            }));
+            let client = gpumem::cluster::client::connect(Some(&kubeconfig))
+                .await
+                .unwrap();
+            let cluster = daemon::Cluster {
+                client,
+                node: NODE.to_owned(),
+                gpushare_extender: false,
+            };
+            (Some(server), Some(cluster))
+        } else {
+            (None, None)
+        };
         let node_file = dir.path().join("node.toml");
         std::fs::copy(fixture(fixture_name), &node_file).unwrap();
         let kubelet = KubeletSim::start(dir.path()).unwrap();
@@ -74,6 +108,7 @@ impl Daemon {
                 resource_name: Default::default(),
                 policy: Policy::Binpack,
                 isolation,
+                device_list: Default::default(),
             },
             pod_resources_socket: if pod_resources {
                 kubelet.pod_resources_socket()
@@ -84,6 +119,7 @@ impl Daemon {
             state_grace: grace,
             reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
             over_cap,
+            cluster,
         };
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(daemon::run(
@@ -103,6 +139,7 @@ impl Daemon {
             addr,
             shutdown,
             task,
+            api,
         }
     }
 
@@ -428,6 +465,7 @@ impl Admitted {
             Duration::from_secs(300),
             true,
             over_cap,
+            over_cap.is_some(),
         )
         .await;
         let allocation = d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
@@ -616,9 +654,9 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
 
 /// A container's cgroup in pod `POD`, for container ID `id` × 64.
 fn in_container(id: char) -> String {
-    const POD: &str = "0a1b2c3d_4e5f_4678_9abc_def012345678";
+    let pod = POD_UID.replace('-', "_");
     format!(
-        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{POD}.slice/\
+        "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod}.slice/\
          cri-containerd-{}.scope\n",
         id.to_string().repeat(64)
     )
@@ -689,6 +727,39 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     assert!(stranger.try_wait().unwrap().is_none(), "the stranger lives");
     stranger.kill().unwrap();
     stranger.wait().unwrap();
+    // Both show on the pod as Events, as `kubectl describe pod` lists them.
+    let api = d.api.as_ref().expect("started with an API server");
+    let (over, unmanaged) = loop {
+        let events = api.list(Kind::Event);
+        let reason = |r: &str| {
+            events
+                .iter()
+                .find(|e| e["reason"] == r && e.pointer("/regarding/name") == Some(&"nb".into()))
+                .cloned()
+        };
+        if let (Some(over), Some(unmanaged)) =
+            (reason("GPUMemoryOverCap"), reason("GPUMemoryUnmanaged"))
+        {
+            break (over, unmanaged);
+        }
+        assert!(started.elapsed() < WAIT, "no Events: {events:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let note = over["note"].as_str().unwrap();
+    let expected = match action {
+        OverCapAction::Kill => format!("Killed process {} of container main", rogue.id()),
+        OverCapAction::Report => "Container main holds 5300 MiB on GPU".to_owned(),
+    };
+    assert!(note.contains(&expected), "{note}");
+    assert_eq!(over["type"], "Warning");
+    assert_eq!(over.pointer("/regarding/uid"), Some(&POD_UID.into()));
+    assert!(
+        unmanaged["note"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("Process {} holds 6000 MiB", stranger.id())),
+        "{unmanaged}"
+    );
     h.stop().await;
     (rogue_status, metrics)
 }

@@ -345,6 +345,7 @@ async fn refuses_to_start_beside_a_live_instance() {
             resource_name: Default::default(),
             policy: Policy::Binpack,
             isolation: gpumem::isolation::inject::Isolation::None,
+            device_list: Default::default(),
         });
     let (_tx, rx) = tokio::sync::watch::channel(std::sync::Arc::new(common::inventory(
         "t4",

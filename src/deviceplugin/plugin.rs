@@ -12,11 +12,12 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::cluster::gpushare::Extender;
 use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePluginServer;
 use crate::deviceplugin::api::deviceplugin::{RegisterRequest, VERSION};
 use crate::deviceplugin::kubelet::{self, SocketId, KUBELET_SOCKET};
 use crate::deviceplugin::service::{plugin_options, Counters, DevicePluginService};
-use crate::isolation::inject::Isolation;
+use crate::isolation::inject::{DeviceListStrategy, Isolation};
 use crate::node::inventory::Inventory;
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
@@ -43,6 +44,8 @@ pub struct PluginConfig {
     pub resource_name: ResourceName,
     pub policy: Policy,
     pub isolation: Isolation,
+    /// How Allocate names the GPU to the container runtime.
+    pub device_list: DeviceListStrategy,
 }
 
 /// What the plugin is doing now, for probes and for callers that wait.
@@ -71,6 +74,7 @@ pub struct Plugin {
     isolation: Arc<Isolation>,
     counters: Arc<Counters>,
     status: watch::Sender<PluginStatus>,
+    extender: Option<Arc<Extender>>,
 }
 
 enum Registration {
@@ -86,7 +90,14 @@ impl Plugin {
             counters: Arc::default(),
             config,
             status: watch::Sender::new(PluginStatus::default()),
+            extender: None,
         }
+    }
+
+    /// Places containers where gpushare's scheduler extender chose.
+    pub fn with_extender(mut self, extender: Extender) -> Self {
+        self.extender = Some(Arc::new(extender));
+        self
     }
 
     pub fn status(&self) -> watch::Receiver<PluginStatus> {
@@ -174,13 +185,16 @@ impl Plugin {
             inventory.clone(),
             self.config.policy,
             self.isolation.clone(),
+            self.config.device_list.clone(),
             self.counters.clone(),
             generation.clone(),
-        );
+        )
+        .with_extender(self.extender.clone());
         let server = tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST))
             .serve_with_incoming_shutdown(
-                UnixListenerStream::new(listener),
+                // kubelet <= 1.25 sends our socket path as :authority.
+                crate::deviceplugin::authority::lenient(UnixListenerStream::new(listener)),
                 generation.clone().cancelled_owned(),
             );
         let generation = generation.clone();

@@ -11,13 +11,15 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
+use crate::cluster::gpushare::{Extender, GpushareError};
+use crate::cluster::pods::PodsError;
 use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePlugin;
 use crate::deviceplugin::api::deviceplugin::{
     AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
     Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
     PreferredAllocationRequest, PreferredAllocationResponse,
 };
-use crate::isolation::inject::{self, InjectError, Isolation};
+use crate::isolation::inject::{self, DeviceListStrategy, InjectError, Isolation};
 use crate::node::inventory::Inventory;
 use crate::node::placement::{self, PlacementError, Policy};
 
@@ -32,7 +34,10 @@ pub fn plugin_options() -> DevicePluginOptions {
 impl From<InjectError> for Status {
     fn from(err: InjectError) -> Self {
         match err {
-            InjectError::ShimMissing(_) => Status::failed_precondition(err.to_string()),
+            // The node is not set up as the flags say: tell the user.
+            InjectError::ShimMissing(_) | InjectError::Cdi(_) => {
+                Status::failed_precondition(err.to_string())
+            }
             InjectError::Accounting(_) => Status::internal(err.to_string()),
         }
     }
@@ -44,6 +49,19 @@ impl From<PlacementError> for Status {
             Status::invalid_argument(err.to_string())
         } else {
             Status::resource_exhausted(err.to_string())
+        }
+    }
+}
+
+impl From<GpushareError> for Status {
+    fn from(err: GpushareError) -> Self {
+        match err {
+            GpushareError::Placement(err) => err.into(),
+            GpushareError::Pods(PodsError::Timeout(_)) => {
+                Status::deadline_exceeded(err.to_string())
+            }
+            GpushareError::Pods(_) => Status::unavailable(err.to_string()),
+            _ => Status::failed_precondition(err.to_string()),
         }
     }
 }
@@ -62,8 +80,11 @@ pub struct DevicePluginService {
     inventory: watch::Receiver<Arc<Inventory>>,
     policy: Policy,
     isolation: Arc<Isolation>,
+    device_list: Arc<DeviceListStrategy>,
     counters: Arc<Counters>,
     stop: CancellationToken,
+    /// Placement decided by gpushare's scheduler extender, if it runs.
+    extender: Option<Arc<Extender>>,
 }
 
 impl DevicePluginService {
@@ -71,6 +92,7 @@ impl DevicePluginService {
         inventory: watch::Receiver<Arc<Inventory>>,
         policy: Policy,
         isolation: Arc<Isolation>,
+        device_list: DeviceListStrategy,
         counters: Arc<Counters>,
         stop: CancellationToken,
     ) -> Self {
@@ -78,9 +100,17 @@ impl DevicePluginService {
             inventory,
             policy,
             isolation,
+            device_list: Arc::new(device_list),
             counters,
             stop,
+            extender: None,
         }
+    }
+
+    /// Places each container on the GPU gpushare's extender chose for it.
+    pub fn with_extender(mut self, extender: Option<Arc<Extender>>) -> Self {
+        self.extender = extender;
+        self
     }
 
     fn snapshot(&self) -> Arc<Inventory> {
@@ -133,6 +163,23 @@ impl DevicePlugin for DevicePluginService {
         let inv = self.snapshot();
         let mut container_responses = Vec::new();
         for req in request.into_inner().container_requests {
+            if let Some(extender) = &self.extender {
+                let picked = extender
+                    .prefer(
+                        &inv,
+                        &req.available_device_i_ds,
+                        &req.must_include_device_i_ds,
+                        i64::from(req.allocation_size),
+                    )
+                    .await
+                    .inspect_err(
+                        |err| warn!(size = req.allocation_size, %err, "no preferred allocation"),
+                    )?;
+                container_responses.push(ContainerPreferredAllocationResponse {
+                    device_i_ds: picked,
+                });
+                continue;
+            }
             let picked = placement::prefer(
                 &inv,
                 self.policy,
@@ -159,11 +206,21 @@ impl DevicePlugin for DevicePluginService {
         self.counters.allocations.inc();
         let inv = self.snapshot();
         let isolation = self.isolation.clone();
+        let device_list = self.device_list.clone();
         let request = request.into_inner();
-        // Creating and syncing accounting files blocks: off the async workers.
-        let result = tokio::task::spawn_blocking(move || allocate_all(&inv, request, &isolation))
-            .await
-            .unwrap_or_else(|err| Err(Status::internal(format!("Allocate failed: {err}"))));
+        if let Some(extender) = &self.extender {
+            if let Err(status) = confirm_all(extender, &inv, &request).await {
+                self.counters.allocation_errors.inc();
+                return Err(status);
+            }
+        }
+        // Creating and syncing accounting files and CDI specs blocks: off
+        // the async workers.
+        let result = tokio::task::spawn_blocking(move || {
+            allocate_all(&inv, request, &isolation, &device_list)
+        })
+        .await
+        .unwrap_or_else(|err| Err(Status::internal(format!("Allocate failed: {err}"))));
         if result.is_err() {
             self.counters.allocation_errors.inc();
         }
@@ -178,11 +235,29 @@ impl DevicePlugin for DevicePluginService {
     }
 }
 
+/// Checks each container is where gpushare's extender put its pod, and
+/// marks the pod assigned.
+async fn confirm_all(
+    extender: &Extender,
+    inv: &Inventory,
+    request: &AllocateRequest,
+) -> Result<(), Status> {
+    for req in &request.container_requests {
+        let assignment = placement::assign(inv, &req.devices_ids)?;
+        extender
+            .confirm(inv, assignment)
+            .await
+            .inspect_err(|err| warn!(ids = ?req.devices_ids, %err, "Allocate rejected"))?;
+    }
+    Ok(())
+}
+
 /// Places and prepares every container of one Allocate call.
 fn allocate_all(
     inv: &Inventory,
     request: AllocateRequest,
     isolation: &Isolation,
+    device_list: &DeviceListStrategy,
 ) -> Result<AllocateResponse, Status> {
     let requests = request.container_requests;
     if requests.is_empty() {
@@ -204,8 +279,9 @@ fn allocate_all(
             cap_mib = gpu.cap_mib(assignment.units),
             "Allocate"
         );
-        let response = inject::container_response(inv, assignment, &req.devices_ids, isolation)
-            .inspect_err(|err| warn!(%err, "Allocate failed"))?;
+        let response =
+            inject::container_response(inv, assignment, &req.devices_ids, isolation, device_list)
+                .inspect_err(|err| warn!(%err, "Allocate failed"))?;
         container_responses.push(response);
     }
     Ok(AllocateResponse {

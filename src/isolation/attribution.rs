@@ -18,7 +18,10 @@
 //! A reader in its own cgroup namespace sees the paths with `..` in front:
 //! the segments are searched, not the prefix.
 
+use std::collections::HashMap;
 use std::path::Path;
+
+use gpumem_layout::protocol::start_time_in_stat;
 
 /// The pod and container a process runs in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -42,19 +45,25 @@ pub fn parse(cgroup: &str) -> Option<Owner> {
         .find_map(owner_of_path)
 }
 
+/// Where the shim's state path shows in a container's mount table. The
+/// runtime resolves symlinks in a mount's destination inside the image
+/// (runc's `securejoin`), and in most images (Debian, Ubuntu, Alpine, UBI)
+/// `/var/run` is a link to `/run`, so the kernel shows `/run/gpumem` there.
+const STATE_MOUNT_POINTS: [&str; 2] = [gpumem_layout::CONTAINER_DIR, "/run/gpumem"];
+
 /// The gpumem container directory a process's mount table has at the
-/// shim's state path (`/var/run/gpumem`), from the contents of its
-/// `/proc/<pid>/mountinfo`: Allocate mounted it there, so every process of
-/// the container has it, loaded the shim or not, and an unprivileged
-/// container cannot change it. The name is the directory's under
-/// `<state-dir>/containers`.
+/// shim's state path (`/var/run/gpumem`, or `/run/gpumem` where `/var/run`
+/// links there), from the contents of its `/proc/<pid>/mountinfo`:
+/// Allocate mounted it there, so every process of the container has it,
+/// loaded the shim or not, and an unprivileged container cannot change it.
+/// The name is the directory's under `<state-dir>/containers`.
 pub fn mounted_container(mountinfo: &str) -> Option<String> {
     mountinfo.lines().find_map(|line| {
         // ID, parent ID, major:minor, root, mount point, …
         let mut fields = line.split(' ');
         let root = fields.nth(3)?;
         let point = fields.next()?;
-        if point != gpumem_layout::CONTAINER_DIR {
+        if !STATE_MOUNT_POINTS.contains(&point) {
             return None;
         }
         let (parent, name) = root.rsplit_once('/')?;
@@ -66,6 +75,110 @@ pub fn mounted_container(mountinfo: &str) -> Option<String> {
 /// the process is gone.
 pub fn proc_file(proc_root: &Path, pid: u32, name: &str) -> Option<String> {
     std::fs::read_to_string(proc_root.join(pid.to_string()).join(name)).ok()
+}
+
+/// What the `/proc` files of the processes NVML lists say of them, read at
+/// most once per sweep, and kept from one sweep to the next for as long as
+/// the process lives: its mounts and cgroup are set up before it can reach a
+/// GPU, an unprivileged container can change neither, and a PID taken by a
+/// new process comes with a new start time (`stat`, one line). A
+/// container's mount table is 30–40 lines the kernel writes out at every
+/// read; a host process's has several per pod on the node.
+#[derive(Debug, Default)]
+pub(crate) struct Identities {
+    known: HashMap<u32, Known>,
+    /// The current sweep's number.
+    sweep: u64,
+}
+
+#[derive(Debug)]
+struct Known {
+    /// The last sweep that looked at the process.
+    seen: u64,
+    /// `None` where `stat` could not be read: nothing is kept then.
+    start: Option<u64>,
+    /// What each file said, once it could be read.
+    mounted: Option<Option<String>>,
+    owner: Option<Option<Owner>>,
+}
+
+impl Identities {
+    /// Starts a sweep that reads `/proc/<pid>/<name>` as `read(pid, name)`;
+    /// processes the sweep before did not look at are forgotten.
+    pub(crate) fn sweep<R: Fn(u32, &str) -> Option<String>>(&mut self, read: R) -> Sweep<'_, R> {
+        let last = self.sweep;
+        self.known.retain(|_, known| known.seen == last);
+        self.sweep += 1;
+        Sweep {
+            identities: self,
+            read,
+            holders: HashMap::new(),
+        }
+    }
+}
+
+/// One sweep's reads (see [`Identities`]).
+pub(crate) struct Sweep<'a, R> {
+    identities: &'a mut Identities,
+    read: R,
+    /// Slot holders' owners, read once per sweep: nothing here says a slot
+    /// holder's PID was not taken by a new process since the last one.
+    holders: HashMap<u32, Option<Owner>>,
+}
+
+impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
+    /// The container directory a listed process's mounts name.
+    pub(crate) fn mounted(&mut self, pid: u32) -> Option<String> {
+        let known = known(self.identities, &self.read, pid);
+        if known.mounted.is_none() {
+            known.mounted = (self.read)(pid, "mountinfo").map(|text| mounted_container(&text));
+        }
+        known.mounted.clone().flatten()
+    }
+
+    /// The pod and container a listed process's cgroup names.
+    pub(crate) fn owner(&mut self, pid: u32) -> Option<Owner> {
+        let known = known(self.identities, &self.read, pid);
+        if known.owner.is_none() {
+            known.owner = (self.read)(pid, "cgroup").map(|text| parse(&text));
+        }
+        known.owner.clone().flatten()
+    }
+
+    /// The pod and container a slot holder's cgroup names.
+    pub(crate) fn holder_owner(&mut self, pid: u32) -> Option<Owner> {
+        let read = &self.read;
+        self.holders
+            .entry(pid)
+            .or_insert_with(|| parse(&read(pid, "cgroup")?))
+            .clone()
+    }
+}
+
+/// What is known of `pid` this sweep: what the last sweep knew, where its
+/// start time is the same.
+fn known<'a>(
+    identities: &'a mut Identities,
+    read: &impl Fn(u32, &str) -> Option<String>,
+    pid: u32,
+) -> &'a mut Known {
+    let sweep = identities.sweep;
+    let known = identities.known.entry(pid).or_insert(Known {
+        seen: 0,
+        start: None,
+        mounted: None,
+        owner: None,
+    });
+    if known.seen != sweep {
+        let start = read(pid, "stat").and_then(|stat| start_time_in_stat(&stat));
+        if start.is_none() || start != known.start {
+            known.start = start;
+            known.mounted = None;
+            known.owner = None;
+        }
+        known.seen = sweep;
+    }
+    known
 }
 
 fn owner_of_path(path: &str) -> Option<Owner> {
@@ -82,7 +195,10 @@ fn owner_of_path(path: &str) -> Option<Owner> {
 /// `pod<uid>` (cgroupfs) or `kubepods[-<qos>]-pod<uid with _>.slice`.
 fn pod_uid_of(segment: &str) -> Option<String> {
     let name = segment.strip_suffix(".slice").unwrap_or(segment);
-    let (before, uid) = name.rsplit_once("pod")?;
+    // The UID is the name's last 36 characters (no "pod" fits in one):
+    // looked at first, as most segments are not a pod's.
+    let (before, uid) = name.split_at_checked(name.len().checked_sub(36)?)?;
+    let before = before.strip_suffix("pod")?;
     if !(before.is_empty() || before.starts_with("kubepods")) {
         return None;
     }
@@ -104,12 +220,11 @@ fn container_id_of(segment: &str) -> Option<String> {
 
 /// 8-4-4-4-12 hex digits.
 fn is_uid(text: &str) -> bool {
-    let groups: Vec<&str> = text.split('-').collect();
-    groups.len() == 5
-        && groups
-            .iter()
-            .zip([8, 4, 4, 4, 12])
-            .all(|(g, len)| g.len() == len && g.bytes().all(|b| b.is_ascii_hexdigit()))
+    text.len() == 36
+        && text.bytes().enumerate().all(|(at, b)| match at {
+            8 | 13 | 18 | 23 => b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
 }
 
 #[cfg(test)]
@@ -176,6 +291,12 @@ mod tests {
             // A name that merely contains "pod".
             "0::/system.slice/podman-1234.scope\n",
             "0::/kubepods/burstable/podnot-a-uid/abc\n",
+            // Not quite a UID.
+            "0::/kubepods/burstable/pod0a1b2c3d-4e5f-4678-9abc-def01234567/abc\n",
+            "0::/kubepods/burstable/pod0a1b2c3d-4e5f-4678-9abc-def012345678x/abc\n",
+            "0::/kubepods/burstable/pod0a1b2c3d-4e5f-4678-9abc-def01234567g/abc\n",
+            "0::/kubepods/burstable/pod0a1b2c3d-4e5f4-678-9abc-def012345678/abc\n",
+            "0::/kubepods/burstable/xpod0a1b2c3d-4e5f-4678-9abc-def012345678/abc\n",
         ] {
             assert_eq!(parse(host), None, "{host:?}");
         }
@@ -195,6 +316,11 @@ mod tests {
             );
             assert_eq!(mounted_container(&mountinfo).as_deref(), Some(name));
         }
+        // Where `/var/run` links to `/run` in the image, as in most.
+        let mountinfo = format!(
+            "2 1 8:1 /var/lib/gpumem/containers/{name} /run/gpumem rw - ext4 /dev/sda1 rw\n"
+        );
+        assert_eq!(mounted_container(&mountinfo).as_deref(), Some(name));
         // A host process, and a mount elsewhere.
         assert_eq!(
             mounted_container("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"),
@@ -206,6 +332,144 @@ mod tests {
             )),
             None
         );
+    }
+
+    /// A `/proc` whose files tests change, counting what is read.
+    #[derive(Default)]
+    struct Proc {
+        files: std::cell::RefCell<HashMap<(u32, &'static str), String>>,
+        reads: std::cell::RefCell<Vec<(u32, String)>>,
+    }
+
+    impl Proc {
+        fn set(&self, pid: u32, name: &'static str, text: &str) {
+            self.files.borrow_mut().insert((pid, name), text.to_owned());
+        }
+
+        fn remove(&self, pid: u32, name: &'static str) {
+            self.files.borrow_mut().remove(&(pid, name));
+        }
+
+        fn read(&self, pid: u32, name: &str) -> Option<String> {
+            self.reads.borrow_mut().push((pid, name.to_owned()));
+            let files = self.files.borrow();
+            files
+                .iter()
+                .find(|((p, n), _)| *p == pid && *n == name)
+                .map(|(_, t)| t.clone())
+        }
+
+        /// The reads since the last call, in order.
+        fn taken(&self) -> Vec<(u32, String)> {
+            std::mem::take(&mut *self.reads.borrow_mut())
+        }
+
+        /// `/proc/<pid>/stat` of a process started at `start`.
+        fn start(&self, pid: u32, start: u64) {
+            let fields: Vec<String> = (3..22).map(|f| f.to_string()).collect();
+            self.set(
+                pid,
+                "stat",
+                &format!("{pid} (python3) {} {start} 0\n", fields.join(" ")),
+            );
+        }
+    }
+
+    fn mounts(name: &str) -> String {
+        format!("2 1 8:1 /var/lib/gpumem/containers/{name} /var/run/gpumem rw - ext4 a rw\n")
+    }
+
+    fn reads(expected: &[(u32, &str)]) -> Vec<(u32, String)> {
+        expected.iter().map(|&(p, n)| (p, n.to_owned())).collect()
+    }
+
+    #[test]
+    fn a_process_is_read_once_while_its_start_time_holds() {
+        let proc = Proc::default();
+        let mut identities = Identities::default();
+        let container = format!("0::/kubepods/pod{UID}/{ID}\n");
+        proc.start(10, 100);
+        proc.set(10, "mountinfo", &mounts("a"));
+        proc.set(10, "cgroup", &container);
+
+        // First sweep: its start time, then each file once, however often asked.
+        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        for _ in 0..2 {
+            assert_eq!(sweep.mounted(10).as_deref(), Some("a"));
+            assert_eq!(sweep.owner(10), owner(true));
+        }
+        assert_eq!(
+            proc.taken(),
+            reads(&[(10, "stat"), (10, "mountinfo"), (10, "cgroup")])
+        );
+        // The next sweeps read its start time only.
+        for _ in 0..2 {
+            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            assert_eq!(sweep.mounted(10).as_deref(), Some("a"));
+            assert_eq!(sweep.owner(10), owner(true));
+            assert_eq!(proc.taken(), reads(&[(10, "stat")]));
+        }
+        // Its PID taken by a new process: read afresh.
+        proc.start(10, 200);
+        proc.set(10, "mountinfo", &mounts("b"));
+        proc.set(10, "cgroup", "0::/system.slice/x.service\n");
+        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        assert_eq!(sweep.mounted(10).as_deref(), Some("b"));
+        assert_eq!(sweep.owner(10), None);
+        assert_eq!(
+            proc.taken(),
+            reads(&[(10, "stat"), (10, "mountinfo"), (10, "cgroup")])
+        );
+        // A sweep that does not look at it forgets it.
+        drop(identities.sweep(|pid, name| proc.read(pid, name)));
+        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        assert_eq!(sweep.mounted(10).as_deref(), Some("b"));
+        assert_eq!(proc.taken(), reads(&[(10, "stat"), (10, "mountinfo")]));
+    }
+
+    #[test]
+    fn what_cannot_be_read_is_read_again() {
+        let proc = Proc::default();
+        let mut identities = Identities::default();
+        // No start time (the process is gone, or stat is hidden): nothing is
+        // kept from one sweep to the next.
+        proc.set(11, "mountinfo", &mounts("a"));
+        for _ in 0..2 {
+            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            assert_eq!(sweep.mounted(11).as_deref(), Some("a"));
+            assert_eq!(proc.taken(), reads(&[(11, "stat"), (11, "mountinfo")]));
+        }
+        // A file that could not be read is not taken to say nothing.
+        proc.start(12, 300);
+        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        assert_eq!(sweep.mounted(12), None);
+        proc.set(12, "mountinfo", &mounts("a"));
+        assert_eq!(sweep.mounted(12).as_deref(), Some("a"));
+        assert_eq!(
+            proc.taken(),
+            reads(&[(12, "stat"), (12, "mountinfo"), (12, "mountinfo")])
+        );
+        proc.remove(12, "mountinfo");
+        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        assert_eq!(
+            sweep.mounted(12).as_deref(),
+            Some("a"),
+            "kept: same process"
+        );
+    }
+
+    #[test]
+    fn a_slot_holders_cgroup_is_read_once_per_sweep() {
+        let proc = Proc::default();
+        let mut identities = Identities::default();
+        proc.start(13, 100);
+        proc.set(13, "cgroup", &format!("0::/kubepods/pod{UID}/{ID}\n"));
+        for _ in 0..2 {
+            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            assert_eq!(sweep.holder_owner(13), owner(true));
+            assert_eq!(sweep.holder_owner(13), owner(true));
+            assert_eq!(proc.taken(), reads(&[(13, "cgroup")]));
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! Removes the accounting directories of containers that are gone: never
-//! one kubelet still lists, never one a live process still uses, and only
-//! after it has been unused for the whole grace period.
+//! Removes the accounting directories of containers that are gone (and
+//! their CDI specs): never one kubelet still lists, never one a live process
+//! still uses, and only after it has been unused for the whole grace period.
+//! With CDI, also keeps a spec beside every directory that remains.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -12,17 +13,20 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::deviceplugin::podresources::PodResources;
+use crate::isolation::cdi::SpecDir;
 use crate::isolation::containers::{ContainerName, Containers};
-use crate::isolation::inject::ShimConfig;
+use crate::isolation::inject::{self, ShimConfig};
 use crate::node::inventory::Inventory;
 use crate::node::placement;
 
 /// Since when each directory has been unused.
 type UnusedSince = HashMap<ContainerName, Instant>;
 
-/// Sweeps `<state-dir>/containers` until `shutdown`.
+/// Sweeps `<state-dir>/containers` (and the CDI specs in `specs`, with the
+/// `cdi` device-list strategy) until `shutdown`.
 pub async fn run(
     shim: ShimConfig,
+    specs: Option<SpecDir>,
     inventory: watch::Receiver<Arc<Inventory>>,
     pod_resources: PodResources,
     grace: Duration,
@@ -30,11 +34,34 @@ pub async fn run(
 ) {
     let every = (grace / 4).clamp(Duration::from_millis(200), Duration::from_secs(30));
     let containers = Arc::new(shim.containers());
+    let shim = Arc::new(shim);
+    let specs = specs.map(Arc::new);
     let mut unused_since = UnusedSince::new();
+    let sync = |inv: Arc<Inventory>| {
+        let (containers, specs, shim) = (containers.clone(), specs.clone(), shim.clone());
+        async move {
+            let Some(specs) = specs else { return Ok(()) };
+            // Reading and writing files blocks: off the async workers.
+            tokio::task::spawn_blocking(move || sync_specs(&containers, &specs, &shim, &inv)).await
+        }
+    };
+    // The specs at once: after a reboot, containers kubelet restarts from its
+    // cached Allocate answers need them back. Pod-resources waits for the
+    // first sweep (its answers are cached and shared with /status).
+    let inv = inventory.borrow().clone();
+    if let Err(err) = sync(inv).await {
+        warn!(%err, "state clean-up stopped");
+        return;
+    }
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(every) => {}
+        }
+        let inv = inventory.borrow().clone();
+        if let Err(err) = sync(inv.clone()).await {
+            warn!(%err, "state clean-up stopped");
+            return;
         }
         let holdings = match pod_resources.holdings().await {
             Ok(h) => h,
@@ -44,7 +71,6 @@ pub async fn run(
                 continue;
             }
         };
-        let inv = inventory.borrow().clone();
         let live: HashSet<ContainerName> = holdings
             .iter()
             .filter_map(|h| {
@@ -53,9 +79,15 @@ pub async fn run(
             })
             .collect();
         // Reading and removing directories blocks: off the async workers.
-        let containers = containers.clone();
+        let (containers, specs) = (containers.clone(), specs.clone());
         match tokio::task::spawn_blocking(move || {
-            sweep(&containers, &live, grace, &mut unused_since);
+            sweep(
+                &containers,
+                specs.as_deref(),
+                &live,
+                grace,
+                &mut unused_since,
+            );
             unused_since
         })
         .await
@@ -71,10 +103,14 @@ pub async fn run(
 
 fn sweep(
     containers: &Containers,
+    specs: Option<&SpecDir>,
     live: &HashSet<ContainerName>,
     grace: Duration,
     unused_since: &mut UnusedSince,
 ) {
+    // Specs before directories: Allocate makes the directory first, so a
+    // spec listed here whose container is new has its directory listed below.
+    let spec_names = specs.map(SpecDir::list).unwrap_or_default();
     let present = containers.list();
     for dir in &present {
         let in_use = live.contains(&dir.name)
@@ -91,6 +127,15 @@ fn sweep(
         if since.elapsed() < grace {
             continue;
         }
+        // The spec first: a directory whose spec could not be removed stays
+        // and is tried again, so no spec is left without its directory.
+        if let Some(specs) = specs {
+            if let Err(err) = specs.remove(dir.name.as_str()) {
+                let spec = specs.path(dir.name.as_str());
+                warn!(spec = %spec.display(), %err, "cannot remove a finished container's CDI spec");
+                continue;
+            }
+        }
         match dir.remove() {
             Ok(()) => {
                 info!(dir = %dir.path.display(), "removed the accounting state of a finished container");
@@ -101,6 +146,47 @@ fn sweep(
             }
         }
     }
-    let present: HashSet<&ContainerName> = present.iter().map(|dir| &dir.name).collect();
-    unused_since.retain(|name, _| present.contains(name));
+    let present: HashSet<&str> = present.iter().map(|dir| dir.name.as_str()).collect();
+    if let Some(specs) = specs {
+        // A spec whose directory is gone (removed by hand, or by a plugin
+        // run without CDI) names a mount that no longer exists.
+        let live: HashSet<&str> = live.iter().map(ContainerName::as_str).collect();
+        for name in spec_names {
+            if present.contains(name.as_str()) || live.contains(name.as_str()) {
+                continue;
+            }
+            match specs.remove(&name) {
+                Ok(()) => {
+                    info!(spec = %specs.path(&name).display(), "removed a CDI spec without accounting state")
+                }
+                Err(err) => {
+                    warn!(spec = %specs.path(&name).display(), %err, "cannot remove a stale CDI spec")
+                }
+            }
+        }
+    }
+    unused_since.retain(|name, _| present.contains(name.as_str()));
+}
+
+/// Gives every container directory present whose spec is missing the spec
+/// Allocate wrote for it. Specs under /var/run are gone after a reboot,
+/// while kubelet restarts containers from its cached Allocate answers
+/// without asking again; a spec removed by hand would stay gone too. A spec
+/// that is there is left as Allocate wrote it, even if the flags changed
+/// since (a container keeps what it was given).
+fn sync_specs(containers: &Containers, specs: &SpecDir, shim: &ShimConfig, inv: &Inventory) {
+    for dir in containers.list() {
+        if specs.path(dir.name.as_str()).exists() {
+            continue;
+        }
+        let Some(spec) = inject::cdi_spec(inv, shim, &dir) else {
+            continue;
+        };
+        match specs.write(&spec) {
+            Ok(_) => {
+                info!(spec = %specs.path(dir.name.as_str()).display(), "wrote the missing CDI spec of a container")
+            }
+            Err(err) => warn!(%err, "cannot write a container's CDI spec"),
+        }
+    }
 }

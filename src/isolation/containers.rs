@@ -110,6 +110,15 @@ impl ContainerName {
         self.parts().map(|(_, units)| units)
     }
 
+    /// The GPU (by its position in `inv`) and the units the name records:
+    /// what Allocate gave the container, so its grant can be rebuilt without
+    /// kubelet. `None` for a directory not named here or a GPU not on the node.
+    pub fn assignment(&self, inv: &Inventory) -> Option<Assignment> {
+        let (key, units) = self.parts()?;
+        let gpu = inv.gpus().iter().position(|g| g.key.to_string() == key)?;
+        Some(Assignment { gpu, units })
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
@@ -192,7 +201,10 @@ mod tests {
         assert_ne!(name, ContainerName::of(&inv, held, &ids([3, 8])));
         assert!(name.as_str().starts_with(&format!("{key}-2u-")), "{name}");
         assert_eq!(name.units(), Some(2));
+        assert_eq!(name.assignment(&inv), Some(held));
         assert_eq!(ContainerName("junk".into()).units(), None);
+        assert_eq!(ContainerName("junk".into()).assignment(&inv), None);
+        assert_eq!(ContainerName("0badbeef-2u-0".into()).assignment(&inv), None);
         assert_eq!(ContainerName("a-b-c".into()).units(), None);
     }
 

@@ -57,6 +57,42 @@ impl FromStr for OverCapAction {
 /// not: this much per process is not "over".
 pub const TOLERANCE_PER_PROCESS: u64 = 2 << 20;
 
+/// What the over-cap action did or saw, for whoever tells the pod's owners
+/// (Kubernetes Events).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    /// The GPU's UUID.
+    pub gpu: String,
+    pub what: Noticed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Noticed {
+    /// A process of the container with this accounting file was killed.
+    Killed {
+        file: PathBuf,
+        pid: u32,
+        used_mib: u64,
+        cap_mib: u64,
+    },
+    /// The container stayed over its cap; `--over-cap-action report`.
+    OverCap {
+        file: PathBuf,
+        used_mib: u64,
+        cap_mib: u64,
+    },
+    /// A process outside every gpumem container holds GPU memory; the pod
+    /// it runs in, if any, by UID.
+    Unmanaged {
+        pid: u32,
+        used_mib: u64,
+        pod_uid: Option<String>,
+    },
+}
+
+/// Where notices go; sending never blocks the reconcile loop.
+pub type Notices = tokio::sync::mpsc::UnboundedSender<Notice>;
+
 /// Actions taken, by kind; shared with the metrics endpoint.
 #[derive(Debug, Default)]
 pub struct Actions {
@@ -114,7 +150,20 @@ impl Enforcer {
     /// Looks at one tick's footprints. `sampled_at` is the system's uptime
     /// in clock ticks when NVML was asked: a process that started later is
     /// not the one NVML listed (its PID was reused) and is never killed.
-    pub fn check(&mut self, footprints: &[Footprint<'_>], sampled_at: Option<u64>) {
+    pub fn check(
+        &mut self,
+        footprints: &[Footprint<'_>],
+        sampled_at: Option<u64>,
+        notices: Option<&Notices>,
+    ) {
+        let notify = |gpu: &str, what| {
+            if let Some(notices) = notices {
+                let _ = notices.send(Notice {
+                    gpu: gpu.to_owned(),
+                    what,
+                });
+            }
+        };
         let now = Instant::now();
         let mut still_over = HashMap::new();
         for footprint in footprints {
@@ -139,14 +188,40 @@ impl Enforcer {
                         "container over its GPU memory cap for longer than the grace period \
                          (--over-cap-action report: nothing killed)"
                     );
+                    notify(
+                        footprint.gpu,
+                        Noticed::OverCap {
+                            file: footprint.file.to_owned(),
+                            used_mib: footprint.total() >> 20,
+                            cap_mib: footprint.cap >> 20,
+                        },
+                    );
                 }
-                OverCapAction::Kill => self.kill_until_under(footprint, sampled_at),
+                OverCapAction::Kill => {
+                    for (pid, bytes) in self.kill_until_under(footprint, sampled_at) {
+                        notify(
+                            footprint.gpu,
+                            Noticed::Killed {
+                                file: footprint.file.to_owned(),
+                                pid,
+                                used_mib: bytes >> 20,
+                                cap_mib: footprint.cap >> 20,
+                            },
+                        );
+                    }
+                }
             }
         }
         self.over_since = still_over;
     }
 
-    fn kill_until_under(&self, footprint: &Footprint<'_>, sampled_at: Option<u64>) {
+    /// The processes killed, with what each held.
+    fn kill_until_under(
+        &self,
+        footprint: &Footprint<'_>,
+        sampled_at: Option<u64>,
+    ) -> Vec<(u32, u64)> {
+        let mut killed = Vec::new();
         let mut newest_first: Vec<(u64, u32, u64)> = footprint
             .processes
             .iter()
@@ -171,6 +246,7 @@ impl Enforcer {
                 Ok(()) => {
                     self.actions.kills.fetch_add(1, Ordering::Relaxed);
                     total = total.saturating_sub(bytes);
+                    killed.push((pid, bytes));
                     warn!(
                         pid,
                         file = %footprint.file.display(),
@@ -184,6 +260,7 @@ impl Enforcer {
                 Err(err) => error!(pid, %err, "cannot kill a process of a container over its cap"),
             }
         }
+        killed
     }
 
     fn start_time(&self, pid: u32) -> Option<u64> {

@@ -1,19 +1,22 @@
-//! What a container is given at Allocate: the env that pins it to its GPU
-//! and tells it its cap, and with shim isolation the preload, the library
-//! and its own accounting directory.
+//! What a container is given at Allocate: the env that tells it its cap,
+//! with shim isolation the preload, the library and its own accounting
+//! directory, and its GPU named to the runtime as the device-list strategy says.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
+use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::deviceplugin::api::deviceplugin::{ContainerAllocateResponse, Mount};
+use crate::deviceplugin::api::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
 use crate::isolation::accounting::{AccountingError, Cap};
-use crate::isolation::containers::{ContainerName, Containers};
+use crate::isolation::cdi::{self, CdiError, ContainerEdits, SpecDir};
+use crate::isolation::containers::{ContainerDir, ContainerName, Containers};
 use crate::node::inventory::Inventory;
 use crate::node::placement::Assignment;
 
 /// Env names, in one place so the demo, tests and docs agree.
 pub mod env {
-    /// GPU UUID for the NVIDIA container runtime: the only GPU the container sees.
+    /// For the NVIDIA container toolkit: the GPU's UUID (`envvar`), or where
+    /// the device-list mounts are (`volume-mounts`).
     pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
     /// The container's memory cap in MiB.
     pub const LIMIT_MIB: &str = "GPUMEM_LIMIT_MIB";
@@ -35,6 +38,56 @@ pub const SHIM_LIBRARY: &str = "libgpumem_shim.so";
 pub const PRELOAD_LIST: &str = "ld.so.preload";
 /// Where the library appears in containers; the preload list names it.
 pub const CONTAINER_SHIM_DIR: &str = "/usr/local/gpumem";
+/// Where the NVIDIA container toolkit looks for device-list mounts
+/// (`accept-nvidia-visible-devices-as-volume-mounts`), one per GPU named by
+/// the file name; NVIDIA's device plugin uses the same root.
+pub const DEVICE_LIST_MOUNT_ROOT: &str = "/var/run/nvidia-container-devices";
+/// The host side of every device-list mount: the toolkit only considers
+/// mounts of `/dev/null`.
+pub const DEVICE_LIST_MOUNT_SOURCE: &str = "/dev/null";
+
+/// How Allocate names the container's GPU to the container runtime: the
+/// device-list strategies of NVIDIA's device plugin.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum DeviceListStrategy {
+    /// `NVIDIA_VISIBLE_DEVICES=<UUID>`. With the toolkit's defaults any
+    /// container can set that env itself and get every GPU without asking.
+    #[default]
+    Envvar,
+    /// A `/dev/null` mount at `/var/run/nvidia-container-devices/<UUID>`:
+    /// only kubelet (or a hostPath volume) can give one. For toolkits that
+    /// read these mounts and ignore the env in unprivileged containers.
+    VolumeMounts,
+    /// CDI device names: the GPU as NVIDIA's spec names it
+    /// (`nvidia.com/gpu=<UUID>`) and, with the shim, the container's own
+    /// device (`gpumem.io/container=<name>`) whose spec, written here,
+    /// carries its env and mounts. No env names the GPU.
+    Cdi(SpecDir),
+}
+
+impl DeviceListStrategy {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            DeviceListStrategy::Envvar => "envvar",
+            DeviceListStrategy::VolumeMounts => "volume-mounts",
+            DeviceListStrategy::Cdi(_) => "cdi",
+        }
+    }
+
+    /// Where the containers' CDI specs go; `None` unless `cdi`.
+    pub fn cdi_specs(&self) -> Option<&SpecDir> {
+        match self {
+            DeviceListStrategy::Cdi(specs) => Some(specs),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for DeviceListStrategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// Who enforces the cap.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,69 +138,178 @@ pub enum InjectError {
     ShimMissing(PathBuf),
     #[error(transparent)]
     Accounting(#[from] AccountingError),
+    #[error(transparent)]
+    Cdi(#[from] CdiError),
+}
+
+/// What one container is given, before the strategy puts it into words.
+#[derive(Debug, Default)]
+struct Grant {
+    env: BTreeMap<String, String>,
+    /// (container path, host path, read-only).
+    mounts: Vec<(PathBuf, PathBuf, bool)>,
+}
+
+impl Grant {
+    /// The cap and the gpushare-compatible env; nothing for the shim.
+    fn env_only(inv: &Inventory, assignment: Assignment) -> Self {
+        let gpu = &inv.gpus()[assignment.gpu];
+        let env = [
+            (env::LIMIT_MIB, gpu.cap_mib(assignment.units).to_string()),
+            (env::ALIYUN_IDX, gpu.gpu.index.to_string()),
+            (env::ALIYUN_CONTAINER, assignment.units.to_string()),
+            (env::ALIYUN_DEV, gpu.units.to_string()),
+            (env::ALIYUN_UNIT, inv.unit().to_string()),
+        ];
+        Grant {
+            env: env.map(|(k, v)| (k.to_owned(), v)).into(),
+            mounts: Vec::new(),
+        }
+    }
+
+    /// Plus the preload, the library and the container's accounting
+    /// directory `dir`. A function of the directory's name, the inventory
+    /// and the flags only: so it can be rebuilt for a container without
+    /// kubelet (see `cdi_spec`).
+    fn with_shim(
+        inv: &Inventory,
+        assignment: Assignment,
+        shim: &ShimConfig,
+        dir: &ContainerDir,
+    ) -> Self {
+        let mut grant = Grant::env_only(inv, assignment);
+        grant.env.insert(
+            env::STATE_DIR.to_owned(),
+            gpumem_layout::CONTAINER_DIR.to_owned(),
+        );
+        grant.mounts = vec![
+            (
+                Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY),
+                shim.library(),
+                true,
+            ),
+            ("/etc/ld.so.preload".into(), shim.preload_list(), true),
+            (gpumem_layout::CONTAINER_DIR.into(), dir.path.clone(), false),
+        ];
+        grant
+    }
+
+    fn edits(&self) -> ContainerEdits {
+        ContainerEdits::new(
+            &self.env,
+            self.mounts
+                .iter()
+                .map(|(container, host, ro)| (container.as_path(), host.as_path(), *ro)),
+        )
+    }
+
+    fn into_response(self, cdi_devices: Vec<String>) -> ContainerAllocateResponse {
+        ContainerAllocateResponse {
+            envs: self.env.into_iter().collect(),
+            mounts: self
+                .mounts
+                .into_iter()
+                .map(|(container, host, read_only)| Mount {
+                    container_path: container.display().to_string(),
+                    host_path: host.display().to_string(),
+                    read_only,
+                })
+                .collect(),
+            cdi_devices: cdi_devices
+                .into_iter()
+                .map(|name| CdiDevice { name })
+                .collect(),
+            ..Default::default()
+        }
+    }
 }
 
 /// The response for one container holding `assignment` (the devices `ids`).
-/// With shim isolation this creates and syncs files: call it off the async
-/// workers.
+/// With shim isolation this creates and syncs files (and with `cdi` writes a
+/// spec): call it off the async workers.
 pub fn container_response(
     inv: &Inventory,
     assignment: Assignment,
     ids: &[String],
     isolation: &Isolation,
+    device_list: &DeviceListStrategy,
 ) -> Result<ContainerAllocateResponse, InjectError> {
     let gpu = &inv.gpus()[assignment.gpu];
-    let cap_mib = gpu.cap_mib(assignment.units);
-    let mut envs = HashMap::from([
-        (env::VISIBLE_DEVICES.to_owned(), gpu.gpu.uuid.clone()),
-        (env::LIMIT_MIB.to_owned(), cap_mib.to_string()),
-        (env::ALIYUN_IDX.to_owned(), gpu.gpu.index.to_string()),
-        (
-            env::ALIYUN_CONTAINER.to_owned(),
-            assignment.units.to_string(),
-        ),
-        (env::ALIYUN_DEV.to_owned(), gpu.units.to_string()),
-        (env::ALIYUN_UNIT.to_owned(), inv.unit().to_string()),
-    ]);
-    let mut mounts = Vec::new();
-    if let Isolation::Shim(shim) = isolation {
-        let library = shim.library();
-        let preload = shim.preload_list();
-        for needed in [&library, &preload] {
-            if !needed.is_file() {
-                return Err(InjectError::ShimMissing(needed.clone()));
+    let uuid = &gpu.gpu.uuid;
+    let (mut grant, dir) = match isolation {
+        Isolation::Shim(shim) => {
+            for needed in [shim.library(), shim.preload_list()] {
+                if !needed.is_file() {
+                    return Err(InjectError::ShimMissing(needed));
+                }
             }
+            let dir = shim
+                .containers()
+                .get(ContainerName::of(inv, assignment, ids));
+            dir.prepare(&[Cap {
+                uuid: uuid.clone(),
+                cap_mib: gpu.cap_mib(assignment.units),
+                context_charge_mib: shim.context_charge_mib,
+            }])?;
+            (Grant::with_shim(inv, assignment, shim, &dir), Some(dir))
         }
-        let dir = shim
-            .containers()
-            .get(ContainerName::of(inv, assignment, ids));
-        dir.prepare(&[Cap {
-            uuid: gpu.gpu.uuid.clone(),
-            cap_mib,
-            context_charge_mib: shim.context_charge_mib,
-        }])?;
-        let mount = |container: &Path, host: &Path, read_only| Mount {
-            container_path: container.display().to_string(),
-            host_path: host.display().to_string(),
-            read_only,
-        };
-        mounts = vec![
-            mount(
-                &Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY),
-                &library,
+        Isolation::None => (Grant::env_only(inv, assignment), None),
+    };
+    match device_list {
+        DeviceListStrategy::Envvar => {
+            grant
+                .env
+                .insert(env::VISIBLE_DEVICES.to_owned(), uuid.clone());
+            Ok(grant.into_response(Vec::new()))
+        }
+        DeviceListStrategy::VolumeMounts => {
+            grant.env.insert(
+                env::VISIBLE_DEVICES.to_owned(),
+                DEVICE_LIST_MOUNT_ROOT.to_owned(),
+            );
+            grant.mounts.push((
+                Path::new(DEVICE_LIST_MOUNT_ROOT).join(uuid),
+                DEVICE_LIST_MOUNT_SOURCE.into(),
                 true,
-            ),
-            mount(Path::new("/etc/ld.so.preload"), &preload, true),
-            mount(Path::new(gpumem_layout::CONTAINER_DIR), &dir.path, false),
-        ];
-        envs.insert(
-            env::STATE_DIR.to_owned(),
-            gpumem_layout::CONTAINER_DIR.to_owned(),
-        );
+            ));
+            Ok(grant.into_response(Vec::new()))
+        }
+        DeviceListStrategy::Cdi(specs) => {
+            let mut devices = vec![cdi::qualified_name(cdi::NVIDIA_GPU_KIND, uuid)];
+            let Some(dir) = dir else {
+                // Nothing of ours to mount and no state to clean up: the env
+                // goes in the response, which kubelet applies whatever the
+                // runtime does with CDI.
+                return Ok(grant.into_response(devices));
+            };
+            // The spec's device is named after the container's directory,
+            // which is named after the devices it holds: a later container
+            // given the same devices gets the same name. Runtimes cache
+            // specs, but reusing the name is safe here: the spec is a
+            // function of the name and the plugin's flags (`cdi_spec`
+            // rebuilds it from them), so a cached copy holds the same edits;
+            // a spec whose content changes (other flags) is rewritten, and
+            // runtimes reload on every change to the directory. Two live
+            // containers never share a name (kubelet never gives a unit to
+            // two), and the spec goes only with the directory.
+            let spec = cdi::container_spec(dir.name.as_str(), grant.edits())?;
+            specs.write(&spec)?;
+            devices.push(cdi::qualified_name(&spec.kind, dir.name.as_str()));
+            Ok(Grant::default().into_response(devices))
+        }
     }
-    Ok(ContainerAllocateResponse {
-        envs,
-        mounts,
-        ..Default::default()
-    })
+}
+
+/// The CDI spec of the container whose accounting directory is `dir`, as
+/// Allocate wrote it: rebuilt from the directory's name, the inventory and
+/// the flags, e.g. after a reboot emptied the spec directory while kubelet
+/// restarts containers from its cached Allocate answers. `None` for a
+/// directory not named by Allocate or a GPU no longer on the node.
+pub fn cdi_spec(inv: &Inventory, shim: &ShimConfig, dir: &ContainerDir) -> Option<cdi::Spec> {
+    let assignment = dir.name.assignment(inv)?;
+    if assignment.units == 0 || assignment.units > inv.gpus()[assignment.gpu].units {
+        return None;
+    }
+    let grant = Grant::with_shim(inv, assignment, shim, dir);
+    cdi::container_spec(dir.name.as_str(), grant.edits()).ok()
 }

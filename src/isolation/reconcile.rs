@@ -17,7 +17,9 @@ use tracing::{debug, info, warn};
 
 use crate::isolation::accounting::{self, Processes};
 use crate::isolation::attribution::{self, Owner};
-use crate::isolation::enforce::{self, Actions, Enforcer, Footprint, OverCapAction};
+use crate::isolation::enforce::{
+    self, Actions, Enforcer, Footprint, Notice, Noticed, Notices, OverCapAction,
+};
 use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
 
 /// The seam where per-process GPU memory enters: NVML on a node, the fake
@@ -184,28 +186,24 @@ struct Attributed {
 /// container's already; another process whose mount table has a
 /// container's state directory, or that shares a slot holder's container ID
 /// (cgroup), counts against that container on the GPUs its file caps;
-/// anything else is unmanaged.
-fn attribute(
+/// anything else is unmanaged. `who` reads what `/proc` says of them.
+fn attribute<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     memory: &ProcessMemory,
-    owner: impl Fn(u32) -> Option<Owner>,
-    container_dir: impl Fn(u32) -> Option<String>,
+    who: &mut attribution::Sweep<'_, R>,
 ) -> Attributed {
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
         .iter()
         .enumerate()
         .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
         .collect();
-    let mut holders = HashSet::new();
-    let mut containers: HashMap<String, usize> = HashMap::new();
-    for (index, (_, processes)) in loaded.iter().enumerate() {
-        for pid in processes.live.iter().filter_map(|p| p.pid) {
-            holders.insert(pid);
-            if let Some(id) = owner(pid).and_then(|o| o.container_id) {
-                containers.entry(id).or_insert(index);
-            }
-        }
-    }
+    let holders: HashSet<u32> = loaded
+        .iter()
+        .flat_map(|(_, processes)| processes.live.iter().filter_map(|p| p.pid))
+        .collect();
+    // The slot holders' cgroups are read only once a process's mounts did
+    // not name its container.
+    let mut containers: Option<HashMap<String, usize>> = None;
     let mut attributed = Attributed {
         unslotted: loaded
             .iter()
@@ -219,14 +217,22 @@ fn attribute(
             if holders.contains(&pid) {
                 continue;
             }
-            let mounted = container_dir(pid)
+            let mounted = who
+                .mounted(pid)
                 .and_then(|name| by_dir.get(std::ffi::OsStr::new(&name)).copied());
             // The cgroup is read only where the mounts did not say.
-            let who = if mounted.is_some() { None } else { owner(pid) };
+            let owner = if mounted.is_some() {
+                None
+            } else {
+                who.owner(pid)
+            };
             let home = mounted
                 .or_else(|| {
-                    who.as_ref()
-                        .and_then(|o| containers.get(o.container_id.as_ref()?).copied())
+                    let id = owner.as_ref()?.container_id.as_ref()?;
+                    containers
+                        .get_or_insert_with(|| holder_containers(loaded, who))
+                        .get(id)
+                        .copied()
                 })
                 .and_then(|index| {
                     let devices = &loaded[index].1.devices;
@@ -236,13 +242,30 @@ fn attribute(
                 Some((index, dev)) => attributed.unslotted[index][dev].push((pid, bytes)),
                 None => {
                     *unmanaged = unmanaged.saturating_add(bytes);
-                    let who = who.or_else(|| owner(pid));
-                    attributed.strangers.push((uuid.clone(), pid, bytes, who));
+                    let owner = owner.or_else(|| who.owner(pid));
+                    attributed.strangers.push((uuid.clone(), pid, bytes, owner));
                 }
             }
         }
     }
     attributed
+}
+
+/// The file of each slot holder's container ID (the first file's, for an
+/// ID in several).
+fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
+    loaded: &[(PathBuf, Processes)],
+    who: &mut attribution::Sweep<'_, R>,
+) -> HashMap<String, usize> {
+    let mut containers = HashMap::new();
+    for (index, (_, processes)) in loaded.iter().enumerate() {
+        for pid in processes.live.iter().filter_map(|p| p.pid) {
+            if let Some(id) = who.holder_owner(pid).and_then(|o| o.container_id) {
+                containers.entry(id).or_insert(index);
+            }
+        }
+    }
+    containers
 }
 
 /// Processes remembered per GPU for the overhead estimate.
@@ -308,6 +331,10 @@ pub struct Reconciler {
     /// The cap Allocate gave a container (accounting file, GPU UUID) in
     /// bytes, where the daemon knows it; else the file's cap is used.
     granted: Option<GrantedCap>,
+    /// What `/proc` says of the processes NVML lists, kept while they live.
+    identities: attribution::Identities,
+    /// Where over-cap actions and unmanaged processes are told.
+    notices: Option<Notices>,
 }
 
 /// Where the over-cap action learns a container's cap without trusting the
@@ -327,6 +354,8 @@ impl Reconciler {
             reported: HashSet::new(),
             enforcer: None,
             granted: None,
+            identities: attribution::Identities::default(),
+            notices: None,
         }
     }
 
@@ -339,6 +368,13 @@ impl Reconciler {
     /// Acts on containers over their cap for longer than `grace`.
     pub fn with_over_cap(mut self, action: OverCapAction, grace: Duration) -> Self {
         self.enforcer = Some(Enforcer::new(action, grace));
+        self
+    }
+
+    /// Tells `notices` of each over-cap action and each newly seen process
+    /// outside every gpumem container.
+    pub fn with_notices(mut self, notices: Notices) -> Self {
+        self.notices = Some(notices);
         self
     }
 
@@ -389,12 +425,13 @@ impl Reconciler {
         // Processes that start after this instant are not the ones NVML
         // listed: the over-cap action never kills them.
         let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
-        let attributed = attribute(
-            &loaded,
-            &memory,
-            |pid| attribution::parse(&self.source.proc_file(pid, "cgroup")?),
-            |pid| attribution::mounted_container(&self.source.proc_file(pid, "mountinfo")?),
-        );
+        let attributed = {
+            let source = &self.source;
+            let mut who = self
+                .identities
+                .sweep(|pid, name| source.proc_file(pid, name));
+            attribute(&loaded, &memory, &mut who)
+        };
         self.report_unmanaged(&attributed);
         self.enforce(&loaded, &memory, &attributed, sampled_at);
         let mut seen = HashSet::new();
@@ -467,7 +504,7 @@ impl Reconciler {
                 });
             }
         }
-        enforcer.check(&footprints, sampled_at);
+        enforcer.check(&footprints, sampled_at, self.notices.as_ref());
     }
 
     /// Keeps the per-GPU unmanaged figures current and logs each process
@@ -489,6 +526,16 @@ impl Reconciler {
                     "GPU memory held outside every gpumem container (a host process, or a pod \
                      that reached the GPU without asking for it)"
                 );
+                if let Some(notices) = &self.notices {
+                    let _ = notices.send(Notice {
+                        gpu: uuid.clone(),
+                        what: Noticed::Unmanaged {
+                            pid: *pid,
+                            used_mib: bytes >> 20,
+                            pod_uid: owner.as_ref().map(|o| o.pod_uid.clone()),
+                        },
+                    });
+                }
             }
             present.insert(key);
         }
@@ -648,5 +695,150 @@ mod tests {
         );
         let idle: ProcessMemory = [(T4.to_owned(), HashMap::new())].into();
         assert_eq!(untracked(&processes, &idle), [Some(0)], "an idle GPU: zero");
+    }
+
+    /// Attribution across sweeps whose `/proc` reads are kept: the same
+    /// answers as reading everything every sweep, for a process listed on
+    /// two GPUs, a PID taken by a new process, and one that is gone.
+    #[test]
+    fn attribution_keeps_what_proc_said_only_while_it_still_holds() {
+        use std::cell::RefCell;
+        const OTHER: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
+        let file = |name: &str, holder: u32| {
+            let processes = Processes {
+                devices: vec![Usage {
+                    uuid: T4.into(),
+                    cap_bytes: 4308 * MIB,
+                    context_charge_bytes: 0,
+                    used_bytes: 1000 * MIB,
+                    untracked_bytes: 0,
+                    peak_bytes: 0,
+                    refusals: 0,
+                }],
+                live: vec![live(Some(holder), 1000)],
+            };
+            let path = PathBuf::from(format!("/s/containers/{name}/accounting"));
+            (path, processes)
+        };
+        let loaded = [file("a", 10), file("b", 20)];
+        let cgroup = |id: char| {
+            format!(
+                "0::/kubepods/pod0a1b2c3d-4e5f-4678-9abc-def012345678/{}\n",
+                id.to_string().repeat(64)
+            )
+        };
+        let files: RefCell<HashMap<(u32, &str), String>> = RefCell::default();
+        let reads: RefCell<Vec<(u32, String)>> = RefCell::default();
+        let set = |pid, name, text: String| files.borrow_mut().insert((pid, name), text);
+        let stat = |pid: u32, start: u64| {
+            let fields: Vec<String> = (3..22).map(|f| f.to_string()).collect();
+            format!("{pid} (p) {} {start}\n", fields.join(" "))
+        };
+        let mounts =
+            "1 0 8:1 / / rw - ext4 a rw\n2 1 8:1 /s/containers/a /var/run/gpumem rw - ext4 a rw\n";
+        // Holders 10 (container A) and 20 (B); 30 has a's mounts; 40 runs
+        // nested in B; 50, a host process, is on both GPUs.
+        set(10, "cgroup", cgroup('a'));
+        set(20, "cgroup", cgroup('b'));
+        for (pid, start) in [(30, 1), (40, 2), (50, 3)] {
+            set(pid, "stat", stat(pid, start));
+            set(pid, "mountinfo", "1 0 8:1 / / rw - ext4 a rw\n".into());
+        }
+        set(30, "mountinfo", mounts.into());
+        set(40, "cgroup", cgroup('b').replace('\n', "/docker/x\n"));
+        set(50, "cgroup", "0::/system.slice/x.service\n".into());
+        let memory: ProcessMemory = [
+            (
+                T4.to_owned(),
+                [
+                    (10, MIB),
+                    (20, MIB),
+                    (30, 3 * MIB),
+                    (40, 4 * MIB),
+                    (50, 5 * MIB),
+                ]
+                .into(),
+            ),
+            (OTHER.to_owned(), [(50, 6 * MIB)].into()),
+        ]
+        .into();
+        let mut identities = attribution::Identities::default();
+        let mut sweep = |memory: &ProcessMemory| {
+            let read = |pid, name: &str| {
+                reads.borrow_mut().push((pid, name.to_owned()));
+                files.borrow().get(&(pid, name)).cloned()
+            };
+            let mut attributed = attribute(&loaded, memory, &mut identities.sweep(read));
+            attributed
+                .strangers
+                .sort_unstable_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+            let mut taken = std::mem::take(&mut *reads.borrow_mut());
+            taken.sort_unstable();
+            (attributed, taken)
+        };
+        let expected = |thirty: Option<u64>| {
+            let mut attributed = Attributed {
+                unslotted: vec![
+                    vec![thirty.map(|b| (30, b)).into_iter().collect()],
+                    vec![vec![(40, 4 * MIB)]],
+                ],
+                unmanaged: [(T4.to_owned(), 5 * MIB), (OTHER.to_owned(), 6 * MIB)].into(),
+                strangers: vec![
+                    (T4.to_owned(), 50, 5 * MIB, None),
+                    (OTHER.to_owned(), 50, 6 * MIB, None),
+                ],
+            };
+            if thirty.is_none() {
+                *attributed.unmanaged.get_mut(T4).unwrap() += 3 * MIB;
+                attributed
+                    .strangers
+                    .insert(0, (T4.to_owned(), 30, 3 * MIB, None));
+            }
+            attributed
+        };
+        let names = |list: &[(u32, &str)]| -> Vec<(u32, String)> {
+            let mut list: Vec<_> = list.iter().map(|&(p, n)| (p, n.to_owned())).collect();
+            list.sort_unstable();
+            list
+        };
+
+        // First sweep: everything once (50's files once for both GPUs).
+        let (attributed, taken) = sweep(&memory);
+        assert_eq!(attributed, expected(Some(3 * MIB)));
+        let mut first = vec![
+            (10, "cgroup"),
+            (20, "cgroup"),
+            (30, "stat"),
+            (30, "mountinfo"),
+        ];
+        first.extend([(40, "stat"), (40, "mountinfo"), (40, "cgroup")]);
+        first.extend([(50, "stat"), (50, "mountinfo"), (50, "cgroup")]);
+        assert_eq!(taken, names(&first));
+        // Then: the same answers from start times and the holders' cgroups.
+        let (attributed, taken) = sweep(&memory);
+        assert_eq!(attributed, expected(Some(3 * MIB)));
+        assert_eq!(
+            taken,
+            names(&[
+                (10, "cgroup"),
+                (20, "cgroup"),
+                (30, "stat"),
+                (40, "stat"),
+                (50, "stat")
+            ])
+        );
+        // 30's PID is taken by a host process: read again, and unmanaged.
+        set(30, "stat", stat(30, 9));
+        set(30, "mountinfo", "1 0 8:1 / / rw - ext4 a rw\n".into());
+        set(30, "cgroup", "0::/\n".into());
+        let (attributed, _) = sweep(&memory);
+        assert_eq!(attributed, expected(None));
+        // Only processes whose mounts name their container: the holders'
+        // cgroups are not read.
+        let mounted: ProcessMemory = [(T4.to_owned(), [(10, MIB), (31, MIB)].into())].into();
+        set(31, "mountinfo", mounts.into());
+        let (attributed, taken) = sweep(&mounted);
+        assert_eq!(attributed.unslotted[0], [vec![(31, MIB)]]);
+        assert_eq!(taken, names(&[(31, "stat"), (31, "mountinfo")]));
     }
 }

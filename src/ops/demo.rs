@@ -3,6 +3,7 @@
 //! where the shim and the fake driver are built, one process per admitted
 //! container runs under the shim and shows its cap holding.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,13 +13,16 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
-use crate::isolation::inject::{env, Isolation, ShimConfig, SHIM_LIBRARY};
+use crate::isolation::cdi::SpecDir;
+use crate::isolation::inject::{env, DeviceListStrategy, Isolation, ShimConfig, SHIM_LIBRARY};
 use crate::node::gpu::{FakeGpus, GpuError, GpuSource};
 use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
 use crate::simulator::{AdmissionError, Allocation, KubeletSim};
+
+mod scheduling;
 
 /// The embedded default node: one Tesla T4 as NVML reports it on an Alibaba
 /// Cloud ecs.gn6i instance.
@@ -53,6 +57,9 @@ pub struct DemoConfig {
     /// Where the shim, the fake driver and the probe are: a process runs in
     /// each admitted container when all three are there.
     pub tenant_dir: Option<PathBuf>,
+    /// How Allocate names the GPU. With `cdi` the specs go to a directory of
+    /// the demo's own, whatever directory this names.
+    pub device_list: DeviceListStrategy,
 }
 
 /// What a container's process needs, as `cargo build --release --workspace`
@@ -106,6 +113,8 @@ pub enum DemoError {
     TenantKitMissing { dir: PathBuf, missing: String },
     #[error(transparent)]
     Install(#[from] crate::isolation::install::InstallError),
+    #[error("scheduling scenario: {0}")]
+    Cluster(String),
 }
 
 /// Runs the scenario and returns the report to print.
@@ -130,6 +139,11 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         }
         None => Isolation::None,
     };
+    // Never the host's spec directory.
+    let device_list = match &config.device_list {
+        DeviceListStrategy::Cdi(_) => DeviceListStrategy::Cdi(SpecDir::new(dir.path().join("cdi"))),
+        other => other.clone(),
+    };
     let kubelet_dir = dir.path().join("kubelet");
     std::fs::create_dir_all(&kubelet_dir)?;
     let kubelet = KubeletSim::start(&kubelet_dir)?;
@@ -141,6 +155,7 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         resource_name: config.resource_name.clone(),
         policy: config.policy,
         isolation,
+        device_list: device_list.clone(),
     });
     let plugin_task = tokio::spawn(plugin.run(inventory_rx, shutdown.clone()));
 
@@ -153,15 +168,26 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
                 admitted.push((pod, kubelet.admit(pod, CONTAINER, resource, per_pod).await));
             }
             let mut out = report(&config, &inventory, devices.len(), &admitted);
+            let specs = device_list.cdi_specs();
             match &kit {
-                Some(kit) => run_tenants(kit, &inventory, &admitted, &mut out).await,
+                Some(kit) => run_tenants(kit, &inventory, &admitted, specs, &mut out).await,
                 None => out.push_str(
                     "\n(Build the shim and the fake driver too, with `cargo build --release \
                      --workspace`, and the demo runs a process in each admitted container, \
                      held to its cap.)\n",
                 ),
             }
-            env_given(&admitted, &mut out);
+            env_given(&admitted, specs, &mut out);
+            // The second scenario has a node of its own; a node of the
+            // user's plays the first only.
+            if config.fake_gpus.is_none() {
+                if let Err(err) =
+                    scheduling::run(kit.as_ref(), &config.resource_name, config.unit, &mut out)
+                        .await
+                {
+                    let _ = writeln!(out, "\nScheduling by GPU: could not run: {err}");
+                }
+            }
             Ok(out)
         }
         None => Err(DemoError::NotRegistered(STARTUP)),
@@ -208,6 +234,7 @@ async fn run_tenants(
     kit: &TenantKit,
     inv: &Inventory,
     admitted: &[(&str, Result<Allocation, AdmissionError>)],
+    specs: Option<&SpecDir>,
     out: &mut String,
 ) {
     let _ = writeln!(
@@ -224,7 +251,8 @@ async fn run_tenants(
     };
     for (pod, result) in admitted {
         let Ok(allocation) = result else { continue };
-        let line = match run_tenant(kit, driver_dir.path(), inv, allocation).await {
+        let applied = Applied::of(allocation, specs);
+        let line = match run_tenant(kit, driver_dir.path(), inv, allocation, &applied).await {
             Ok(line) => line,
             Err(err) => format!("could not run: {err}"),
         };
@@ -248,12 +276,11 @@ async fn run_tenant(
     driver_dir: &Path,
     inv: &Inventory,
     allocation: &Allocation,
+    applied: &Applied,
 ) -> Result<String, String> {
-    let response = &allocation.response;
-    let state = response
+    let state = applied
         .mounts
-        .iter()
-        .find(|m| m.container_path == gpumem_layout::CONTAINER_DIR)
+        .get(Path::new(gpumem_layout::CONTAINER_DIR))
         .ok_or("Allocate mounted no accounting directory")?;
     let gpu = allocation
         .device_ids
@@ -261,16 +288,16 @@ async fn run_tenant(
         .and_then(|id| inv.resolve(id))
         .map(|(_, position)| &inv.gpus()[position])
         .ok_or("admitted with unknown devices")?;
-    let cap: u64 = response
-        .envs
+    let cap: u64 = applied
+        .env
         .get(env::LIMIT_MIB)
         .and_then(|v| v.parse().ok())
         .ok_or("Allocate gave no cap")?;
     let steps = cap / STEP_MIB + 1;
     let mut cmd = tokio::process::Command::new(&kit.probe);
     cmd.env_clear()
-        .envs(&response.envs)
-        .env(env::STATE_DIR, &state.host_path)
+        .envs(&applied.env)
+        .env(env::STATE_DIR, state)
         .env("LD_PRELOAD", &kit.shim)
         .env("LD_LIBRARY_PATH", driver_dir)
         // The one GPU the runtime would expose, as the fake driver's only one.
@@ -427,16 +454,57 @@ fn report(
     out
 }
 
-fn env_given(admitted: &[(&str, Result<Allocation, AdmissionError>)], out: &mut String) {
+fn env_given(
+    admitted: &[(&str, Result<Allocation, AdmissionError>)],
+    specs: Option<&SpecDir>,
+    out: &mut String,
+) {
     let _ = writeln!(out, "\nEnv given to each admitted container:");
     for (pod, result) in admitted {
         if let Ok(allocation) = result {
             let _ = writeln!(out, "  {pod}/{}:", allocation.container);
-            let mut envs: Vec<_> = allocation.response.envs.iter().collect();
-            envs.sort();
-            for (key, value) in envs {
+            for device in &allocation.response.cdi_devices {
+                let _ = writeln!(out, "    (CDI device {})", device.name);
+            }
+            for (key, value) in &Applied::of(allocation, specs).env {
                 let _ = writeln!(out, "    {key}={value}");
             }
         }
+    }
+}
+
+/// A container's env and mounts as the runtime applies them: Allocate's
+/// answer, plus the edits of gpumem's CDI devices from their specs (the
+/// demo has no NVIDIA spec; its fake driver stands in for the GPU).
+struct Applied {
+    env: BTreeMap<String, String>,
+    /// Host path by container path.
+    mounts: BTreeMap<PathBuf, PathBuf>,
+}
+
+impl Applied {
+    fn of(allocation: &Allocation, specs: Option<&SpecDir>) -> Self {
+        let response = &allocation.response;
+        let mut applied = Applied {
+            env: response.envs.clone().into_iter().collect(),
+            mounts: response
+                .mounts
+                .iter()
+                .map(|m| (m.container_path.clone().into(), m.host_path.clone().into()))
+                .collect(),
+        };
+        let edits = response
+            .cdi_devices
+            .iter()
+            .filter_map(|d| specs?.edits(&d.name));
+        for edits in edits {
+            applied.env.extend(edits.env_map());
+            for m in edits.mounts {
+                applied
+                    .mounts
+                    .insert(m.container_path.into(), m.host_path.into());
+            }
+        }
+        applied
     }
 }

@@ -98,6 +98,7 @@ impl Node {
             resource_name: ResourceName::default(),
             policy,
             isolation,
+            device_list: Default::default(),
         });
         let plugin = tokio::spawn(plugin.run(rx, shutdown.clone()));
         Node {

@@ -1,0 +1,458 @@
+//! gpushare's pod annotation protocol, so its scheduler extender, `kubectl
+//! inspect gpushare` and `arena top node -s` work with gpumem.
+//!
+//! The extender's bind writes on the pod the GPU it chose (`…_IDX`), the
+//! pod's units (`…_POD`) and the GPU's (`…_DEV`), `…_ASSIGNED=false` and
+//! when it assumed the pod (`…_ASSUME_TIME`, Unix nanoseconds). The node's
+//! plugin then finds the pod at admission, the oldest assumed pending pod
+//! whose units equal the request, puts the container on that GPU and sets
+//! `…_ASSIGNED=true`. gpumem does the matching in GetPreferredAllocation,
+//! so kubelet picks device IDs on the chosen GPU and the IDs keep meaning
+//! what they say; Allocate checks them and marks the pod assigned.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k8s_openapi::api::core::v1::Pod;
+use serde_json::{json, Map, Value};
+use tracing::{info, warn};
+
+use crate::cluster::pods::{NodePods, PodsError};
+use crate::node::inventory::Inventory;
+use crate::node::placement::{self, Assignment, Policy};
+
+/// The annotations, named as gpushare names them.
+pub mod annotation {
+    /// The chosen GPU's NVML index.
+    pub const IDX: &str = "ALIYUN_COM_GPU_MEM_IDX";
+    /// Units the whole pod asks for.
+    pub const POD: &str = "ALIYUN_COM_GPU_MEM_POD";
+    /// Units the chosen GPU has.
+    pub const DEV: &str = "ALIYUN_COM_GPU_MEM_DEV";
+    /// `false` once assumed by the extender, `true` once the node placed it.
+    pub const ASSIGNED: &str = "ALIYUN_COM_GPU_MEM_ASSIGNED";
+    /// When the pod was assumed (or assigned), Unix nanoseconds.
+    pub const ASSUME_TIME: &str = "ALIYUN_COM_GPU_MEM_ASSUME_TIME";
+}
+
+/// Node capacity gpushare's tools read for the GPU count.
+pub const GPU_COUNT: &str = "aliyun.com/gpu-count";
+
+/// A pod the extender bound here and the node has not placed yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Awaiting {
+    pub namespace: String,
+    pub name: String,
+    /// The GPU the extender chose, by NVML index.
+    pub gpu_index: u32,
+    /// Units the pod asks for, over all its containers.
+    pub units: u64,
+    pub assume_time: u128,
+}
+
+impl std::fmt::Display for Awaiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}/{} ({} units on GPU {})",
+            self.namespace, self.name, self.units, self.gpu_index
+        )
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpushareError {
+    #[error(
+        "no pending pod on node {node} carries gpushare's extender annotations for {units} \
+         units ({ASSIGNED}=false and {ASSUME_TIME} set){seen}; is the pod scheduled by the \
+         gpushare extender (--scheduler gpushare-extender expects it)?",
+        ASSIGNED = annotation::ASSIGNED,
+        ASSUME_TIME = annotation::ASSUME_TIME,
+        seen = awaiting_list(.awaiting)
+    )]
+    NoCandidate {
+        node: String,
+        units: u64,
+        awaiting: Vec<Awaiting>,
+    },
+    #[error("the extender chose GPU {index} for {pod}, which this node does not have (or it is unhealthy)")]
+    UnknownGpu { pod: String, index: u32 },
+    #[error("the extender chose GPU {index} for {pod}, but kubelet offered {offered} of the {units} units needed there")]
+    GpuFull {
+        pod: String,
+        index: u32,
+        units: u64,
+        offered: usize,
+    },
+    #[error("kubelet allocated GPU {allocated} to a container of {pod}, but the extender chose GPU {chosen}")]
+    Mismatch {
+        pod: String,
+        chosen: u32,
+        allocated: u32,
+    },
+    #[error("{pod} is no longer waiting to be placed (assigned or deleted meanwhile)")]
+    Gone { pod: String },
+    #[error("cannot read or annotate pods: {0}")]
+    Pods(#[from] PodsError),
+    #[error(transparent)]
+    Placement(#[from] placement::PlacementError),
+}
+
+fn awaiting_list(awaiting: &[Awaiting]) -> String {
+    if awaiting.is_empty() {
+        return String::new();
+    }
+    let pods: Vec<String> = awaiting.iter().map(ToString::to_string).collect();
+    format!("; pods awaiting placement: {}", pods.join(", "))
+}
+
+/// Units of `resource` the pod's containers ask for (their limits, which
+/// kubelet requires equal to requests for extended resources).
+pub fn requested_units(pod: &Pod, resource: &str) -> u64 {
+    let Some(spec) = &pod.spec else { return 0 };
+    spec.containers
+        .iter()
+        .filter_map(|c| {
+            let resources = c.resources.as_ref()?;
+            let quantity = resources
+                .limits
+                .as_ref()
+                .and_then(|l| l.get(resource))
+                .or_else(|| resources.requests.as_ref()?.get(resource))?;
+            quantity.0.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+/// The pod, if the extender assumed it and the node has not placed it.
+pub fn awaiting(pod: &Pod, resource: &str) -> Option<Awaiting> {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if !matches!(phase, None | Some("Pending")) || pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let annotations = pod.metadata.annotations.as_ref()?;
+    if annotations.get(annotation::ASSIGNED)?.as_str() != "false" {
+        return None;
+    }
+    let units = requested_units(pod, resource);
+    (units > 0).then_some(())?;
+    Some(Awaiting {
+        namespace: pod.metadata.namespace.clone().unwrap_or_default(),
+        name: pod.metadata.name.clone().unwrap_or_default(),
+        gpu_index: annotations.get(annotation::IDX)?.trim().parse().ok()?,
+        units,
+        assume_time: annotations
+            .get(annotation::ASSUME_TIME)?
+            .trim()
+            .parse()
+            .ok()?,
+    })
+}
+
+/// gpushare's rule: of the pods awaiting placement, the one assumed first
+/// whose units equal the request. `Err` lists those awaiting, for the error.
+pub fn next_for<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    resource: &str,
+    units: u64,
+) -> Result<Awaiting, Vec<Awaiting>> {
+    let mut awaiting: Vec<Awaiting> = pods
+        .into_iter()
+        .filter_map(|pod| awaiting(pod, resource))
+        .collect();
+    awaiting.sort_by(|a, b| {
+        (a.assume_time, &a.namespace, &a.name).cmp(&(b.assume_time, &b.namespace, &b.name))
+    });
+    match awaiting.iter().position(|a| a.units == units) {
+        Some(at) => Ok(awaiting.swap_remove(at)),
+        None => Err(awaiting),
+    }
+}
+
+pub fn unix_nanos(at: SystemTime) -> u128 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos())
+}
+
+/// The annotations of a pod placed on GPU `gpu_index` (of `dev_units`),
+/// `pod_units` in all: what the extender and the plugin write together.
+pub fn placed(
+    gpu_index: u32,
+    pod_units: u64,
+    dev_units: u32,
+    now: SystemTime,
+) -> Map<String, Value> {
+    let mut map = Map::new();
+    map.insert(annotation::IDX.into(), json!(gpu_index.to_string()));
+    map.insert(annotation::POD.into(), json!(pod_units.to_string()));
+    map.insert(annotation::DEV.into(), json!(dev_units.to_string()));
+    map.insert(annotation::ASSIGNED.into(), json!("true"));
+    map.insert(
+        annotation::ASSUME_TIME.into(),
+        json!(unix_nanos(now).to_string()),
+    );
+    map
+}
+
+/// Placement at admission by gpushare's extender: matches kubelet's
+/// requests to the pods the extender bound here.
+pub struct Extender {
+    pods: NodePods,
+    resource: String,
+    policy: Policy,
+    /// Bound on the API calls made while kubelet waits.
+    bound: Duration,
+}
+
+impl Extender {
+    pub fn new(pods: NodePods, resource: &str, policy: Policy, bound: Duration) -> Self {
+        Extender {
+            pods,
+            resource: resource.to_owned(),
+            policy,
+            bound,
+        }
+    }
+
+    /// The pod a request for `units` is for: from the watch, or, where the
+    /// watch has not yet seen the extender's bind, from a fresh list.
+    async fn candidate(&self, units: u64) -> Result<Awaiting, GpushareError> {
+        let cached = self.pods.cached();
+        if let Ok(found) = next_for(cached.iter().map(|p| &**p), &self.resource, units) {
+            return Ok(found);
+        }
+        let listed = self.pods.list_now(self.bound).await?;
+        next_for(&listed, &self.resource, units).map_err(|awaiting| GpushareError::NoCandidate {
+            node: self.pods.node().to_owned(),
+            units,
+            awaiting,
+        })
+    }
+
+    /// GetPreferredAllocation for one container: `size` of the `available`
+    /// IDs, all on the GPU the extender chose for the oldest pod awaiting
+    /// this many units.
+    pub async fn prefer(
+        &self,
+        inv: &Inventory,
+        available: &[String],
+        must_include: &[String],
+        size: i64,
+    ) -> Result<Vec<String>, GpushareError> {
+        let units = u64::try_from(size).unwrap_or(0);
+        let pod = self.candidate(units).await?;
+        let position = inv
+            .gpus()
+            .iter()
+            .position(|g| g.gpu.index == pod.gpu_index && g.gpu.healthy)
+            .ok_or_else(|| GpushareError::UnknownGpu {
+                pod: pod.to_string(),
+                index: pod.gpu_index,
+            })?;
+        let on_gpu: Vec<String> = available
+            .iter()
+            .filter(|id| inv.resolve(id).is_some_and(|(_, gpu)| gpu == position))
+            .cloned()
+            .collect();
+        if (on_gpu.len() as u64) < units {
+            return Err(GpushareError::GpuFull {
+                pod: pod.to_string(),
+                index: pod.gpu_index,
+                units,
+                offered: on_gpu.len(),
+            });
+        }
+        let picked = placement::prefer(inv, self.policy, &on_gpu, must_include, size)?;
+        info!(pod = %pod, "placed on the GPU gpushare's extender chose");
+        Ok(picked)
+    }
+
+    /// Allocate for one container placed as `assignment`: checks it is on
+    /// the GPU the extender chose for the pod it is for, and marks that
+    /// pod assigned.
+    pub async fn confirm(
+        &self,
+        inv: &Inventory,
+        assignment: Assignment,
+    ) -> Result<(), GpushareError> {
+        let gpu = &inv.gpus()[assignment.gpu];
+        let pod = self.candidate(u64::from(assignment.units)).await?;
+        if pod.gpu_index != gpu.gpu.index {
+            return Err(GpushareError::Mismatch {
+                pod: pod.to_string(),
+                chosen: pod.gpu_index,
+                allocated: gpu.gpu.index,
+            });
+        }
+        let resource = self.resource.clone();
+        let assume_time = pod.assume_time;
+        let still =
+            move |p: &Pod| awaiting(p, &resource).is_some_and(|a| a.assume_time == assume_time);
+        let annotations = placed(pod.gpu_index, pod.units, gpu.units, SystemTime::now());
+        match self
+            .pods
+            .annotate_if(&pod.namespace, &pod.name, &annotations, still, self.bound)
+            .await?
+        {
+            Some(_) => Ok(()),
+            None => Err(GpushareError::Gone {
+                pod: pod.to_string(),
+            }),
+        }
+    }
+}
+
+/// One pod's containers as kubelet's pod-resources lists them: the GPU
+/// each is on (by NVML index) and its units.
+#[derive(Debug, Default)]
+pub struct PlacedPod {
+    pub gpus: Vec<(u32, u32)>,
+}
+
+/// Writes gpushare's annotations on every pod placed here whose
+/// annotations do not say so yet, so `kubectl inspect gpushare` and `arena
+/// top node` show per-GPU use without gpushare's extender. A pod whose
+/// containers sit on several GPUs is annotated with the GPU holding most
+/// of its units (gpushare's annotations name one GPU per pod).
+pub async fn annotate_placed(
+    pods: &NodePods,
+    inv: &Inventory,
+    placed_pods: &BTreeMap<(String, String), PlacedPod>,
+    bound: Duration,
+) {
+    for ((namespace, name), placed_pod) in placed_pods {
+        let Some(&(index, _)) = placed_pod.gpus.iter().max_by_key(|(_, units)| *units) else {
+            continue;
+        };
+        let units: u64 = placed_pod.gpus.iter().map(|&(_, u)| u64::from(u)).sum();
+        let done = |pod: &Pod| {
+            pod.metadata.annotations.as_ref().is_some_and(|a| {
+                a.get(annotation::IDX).map(String::as_str) == Some(&index.to_string())
+                    && a.get(annotation::ASSIGNED).map(String::as_str) == Some("true")
+            })
+        };
+        match pods.by_name(namespace, name) {
+            // Not seen yet, or already annotated.
+            None => continue,
+            Some(pod) if done(&pod) => continue,
+            Some(_) => {}
+        }
+        let Some(dev_units) = inv
+            .gpus()
+            .iter()
+            .find(|g| g.gpu.index == index)
+            .map(|g| g.units)
+        else {
+            continue;
+        };
+        let annotations = placed(index, units, dev_units, SystemTime::now());
+        match pods
+            .annotate_if(namespace, name, &annotations, |pod| !done(pod), bound)
+            .await
+        {
+            Ok(_) => {
+                info!(pod = %format!("{namespace}/{name}"), gpu = index, units, "annotated for gpushare's tools")
+            }
+            Err(err) => {
+                warn!(pod = %format!("{namespace}/{name}"), %err, "cannot annotate pod for gpushare's tools")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, units: u64, annotations: &[(&str, &str)], phase: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {
+                "name": name,
+                "namespace": "default",
+                "annotations": annotations.iter().map(|(k, v)| (k.to_string(), json!(v))).collect::<Map<_, _>>(),
+            },
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": units.to_string()}}}]},
+            "status": {"phase": phase},
+        }))
+        .unwrap()
+    }
+
+    fn assumed(name: &str, units: u64, idx: &str, time: &str) -> Pod {
+        pod(
+            name,
+            units,
+            &[
+                (annotation::IDX, idx),
+                (annotation::ASSIGNED, "false"),
+                (annotation::ASSUME_TIME, time),
+            ],
+            "Pending",
+        )
+    }
+
+    const R: &str = "aliyun.com/gpu-mem";
+
+    #[test]
+    fn the_oldest_awaiting_pod_with_equal_units_is_chosen() {
+        let pods = [
+            assumed("late", 4, "1", "300"),
+            assumed("early", 4, "0", "100"),
+            assumed("other-size", 6, "1", "50"),
+        ];
+        let found = next_for(&pods, R, 4).unwrap();
+        assert_eq!((found.name.as_str(), found.gpu_index), ("early", 0));
+        assert_eq!(next_for(&pods, R, 6).unwrap().name, "other-size");
+        let none = next_for(&pods, R, 5).unwrap_err();
+        assert_eq!(none.len(), 3, "all three are listed in the error");
+    }
+
+    #[test]
+    fn assigned_running_and_unannotated_pods_are_not_candidates() {
+        let mut assigned = assumed("a", 4, "0", "1");
+        assigned
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(annotation::ASSIGNED.into(), "true".into());
+        let running = pod(
+            "r",
+            4,
+            &[
+                (annotation::IDX, "0"),
+                (annotation::ASSIGNED, "false"),
+                (annotation::ASSUME_TIME, "1"),
+            ],
+            "Running",
+        );
+        let plain = pod("p", 4, &[], "Pending");
+        let bad_time = assumed("t", 4, "0", "soon");
+        for p in [assigned, running, plain, bad_time] {
+            assert_eq!(awaiting(&p, R), None, "{:?}", p.metadata.name);
+        }
+    }
+
+    #[test]
+    fn units_sum_over_containers() {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "two"},
+            "spec": {"containers": [
+                {"name": "a", "resources": {"limits": {R: "3"}}},
+                {"name": "b", "resources": {"requests": {R: "2"}}},
+                {"name": "c"},
+            ]},
+        }))
+        .unwrap();
+        assert_eq!(requested_units(&p, R), 5);
+    }
+
+    #[test]
+    fn placed_annotations_are_what_gpushare_tools_read() {
+        let at = UNIX_EPOCH + Duration::from_nanos(1_700_000_000_123_456_789);
+        let map = placed(1, 4, 15, at);
+        assert_eq!(map[annotation::IDX], "1");
+        assert_eq!(map[annotation::POD], "4");
+        assert_eq!(map[annotation::DEV], "15");
+        assert_eq!(map[annotation::ASSIGNED], "true");
+        assert_eq!(map[annotation::ASSUME_TIME], "1700000000123456789");
+    }
+}

@@ -1,0 +1,103 @@
+//! What gpumem publishes on its Node: gpushare's GPU count in the node's
+//! capacity (its tools divide the node's units by it), and each GPU's own
+//! size, health and UUID in an annotation, for a scheduler extender that
+//! must not assume equal GPUs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::cluster::gpushare::GPU_COUNT;
+use crate::node::inventory::Inventory;
+
+/// The node annotation listing its GPUs (JSON: `[PublishedGpu, …]`).
+pub const GPUS_ANNOTATION: &str = "gpumem.io/gpus";
+
+const RETRY: Duration = Duration::from_secs(10);
+
+/// One GPU as published on the Node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedGpu {
+    /// NVML index (gpushare's `ALIYUN_COM_GPU_MEM_IDX`).
+    pub index: u32,
+    pub uuid: String,
+    pub model: String,
+    pub memory_mib: u64,
+    /// Units of the advertised resource this GPU has.
+    pub units: u32,
+    pub healthy: bool,
+}
+
+/// The node's GPUs as published.
+pub fn published(inv: &Inventory) -> Vec<PublishedGpu> {
+    inv.gpus()
+        .iter()
+        .map(|g| PublishedGpu {
+            index: g.gpu.index,
+            uuid: g.gpu.uuid.clone(),
+            model: g.gpu.name.clone(),
+            memory_mib: g.gpu.memory_mib,
+            units: g.units,
+            healthy: g.gpu.healthy,
+        })
+        .collect()
+}
+
+/// Publishes once.
+pub async fn publish(client: &Client, node: &str, inv: &Inventory) -> Result<(), kube::Error> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let count = inv.gpus().len().to_string();
+    // Capacity goes through the status subresource (a status sent to the
+    // node itself is ignored); allocatable too, which gpushare's tools read.
+    let status = json!({"status": {
+        "capacity": {GPU_COUNT: count},
+        "allocatable": {GPU_COUNT: count},
+    }});
+    nodes
+        .patch_status(node, &PatchParams::default(), &Patch::Merge(&status))
+        .await?;
+    let gpus = serde_json::to_string(&published(inv)).unwrap_or_default();
+    let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: gpus}}});
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&meta))
+        .await?;
+    Ok(())
+}
+
+/// Publishes now and after every inventory change (GPU health), retrying
+/// failures, until `stop`.
+pub async fn run(
+    client: Client,
+    node: String,
+    mut inventory: watch::Receiver<Arc<Inventory>>,
+    stop: CancellationToken,
+) {
+    loop {
+        let inv = inventory.borrow_and_update().clone();
+        match publish(&client, &node, &inv).await {
+            Ok(()) => {
+                info!(node, gpus = inv.gpus().len(), "published GPUs on the Node");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    changed = inventory.changed() => if changed.is_err() { return },
+                }
+            }
+            Err(err) => {
+                warn!(node, %err, "cannot publish GPUs on the Node; retrying");
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = tokio::time::sleep(RETRY) => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,359 @@
+//! The plugin with the API server: gpushare's annotation protocol, with and
+//! without gpushare's scheduler extender, and what it publishes on its
+//! Node. The real binary, the in-process kubelet and the in-process fake
+//! API server, which serves the REST paths and JSON kube-rs uses.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use common::fixture;
+use gpumem::cluster::gpushare::annotation;
+use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
+use gpumem::deviceplugin::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+use gpumem::deviceplugin::kubelet;
+use gpumem::fake_apiserver::{FakeApiServer, Kind};
+use gpumem::isolation::inject::env;
+use gpumem::simulator::{AdmissionError, KubeletSim};
+
+const RESOURCE: &str = "aliyun.com/gpu-mem";
+const NODE: &str = "gpu-node-1";
+const WAIT: Duration = Duration::from_secs(20);
+
+/// `gpumem plugin` on a two-V100 node (15 units each), talking to a fake
+/// API server and a simulated kubelet.
+struct Cluster {
+    api: FakeApiServer,
+    kubelet: KubeletSim,
+    plugin: Child,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Cluster {
+    async fn start(extra: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let api = FakeApiServer::start().await.unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        api.put(json!({
+            "kind": "Node",
+            "metadata": {"name": NODE},
+            "status": {"capacity": {"cpu": "8"}, "allocatable": {"cpu": "8"}},
+        }));
+        let kubelet = KubeletSim::start(dir.path()).unwrap();
+        let log = dir.path().join("plugin.log");
+        let plugin = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("plugin")
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--fake-gpus")
+            .arg(fixture("v100x2"))
+            .args(["--isolation", "none", "--metrics-addr", ""])
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .args(["--node-name", NODE, "--kubeconfig"])
+            .arg(&kubeconfig)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let cluster = Cluster {
+            api,
+            kubelet,
+            plugin,
+            log,
+            _dir: dir,
+        };
+        if cluster
+            .kubelet
+            .wait_for_devices(RESOURCE, 1, WAIT)
+            .await
+            .is_none()
+        {
+            panic!("plugin did not register; its log:\n{}", cluster.log());
+        }
+        cluster
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A pod bound to this node asking for `units`, with `annotations`.
+    fn pod(&self, name: &str, units: u32, annotations: Value) {
+        self.api.put(json!({
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "annotations": annotations},
+            "spec": {
+                "nodeName": NODE,
+                "containers": [{"name": "main", "image": "cuda", "resources": {
+                    "limits": {RESOURCE: units.to_string()},
+                    "requests": {RESOURCE: units.to_string()},
+                }}],
+            },
+            "status": {"phase": "Pending"},
+        }));
+    }
+
+    /// What gpushare's extender writes at bind.
+    fn assumed_by_extender(&self, name: &str, units: u32, gpu: u32, assume_time: u64) {
+        self.pod(
+            name,
+            units,
+            json!({
+                annotation::IDX: gpu.to_string(),
+                annotation::POD: units.to_string(),
+                annotation::DEV: "15",
+                annotation::ASSIGNED: "false",
+                annotation::ASSUME_TIME: assume_time.to_string(),
+            }),
+        );
+    }
+
+    fn annotations(&self, name: &str) -> Value {
+        self.api
+            .get(Kind::Pod, "default", name)
+            .and_then(|p| p.pointer("/metadata/annotations").cloned())
+            .unwrap_or(Value::Null)
+    }
+
+    async fn wait_for<T>(&self, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if let Some(found) = check() {
+                return found;
+            }
+            if Instant::now() > deadline {
+                panic!("timed out waiting for {what}; plugin log:\n{}", self.log());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.kubelet.dir().join("gpumem.sock")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = self.plugin.kill();
+        let _ = self.plugin.wait();
+    }
+}
+
+fn gpu_of(allocation: &gpumem::simulator::Allocation) -> &str {
+    allocation.response.envs[env::ALIYUN_IDX].as_str()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_container_goes_to_the_gpu_the_gpushare_extender_chose() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    // Binpack alone would put the first container on GPU 0.
+    c.assumed_by_extender("second-gpu", 4, 1, 200);
+    c.assumed_by_extender("first-gpu", 4, 0, 300);
+    let placed = c
+        .kubelet
+        .admit("second-gpu", "main", RESOURCE, 4)
+        .await
+        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()));
+    assert_eq!(
+        gpu_of(&placed),
+        "1",
+        "the oldest assumed pod asking 4 units is placed first"
+    );
+    let annotations = c.annotations("second-gpu");
+    assert_eq!(annotations[annotation::ASSIGNED], "true", "{annotations}");
+    assert_eq!(annotations[annotation::IDX], "1");
+    assert_ne!(
+        annotations[annotation::ASSUME_TIME],
+        "200",
+        "a fresh assume time"
+    );
+    assert_eq!(c.annotations("first-gpu")[annotation::ASSIGNED], "false");
+
+    let next = c
+        .kubelet
+        .admit("first-gpu", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    assert_eq!(gpu_of(&next), "0");
+    assert_eq!(c.annotations("first-gpu")[annotation::ASSIGNED], "true");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_matching_pod_admission_fails_with_a_clear_error() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    c.assumed_by_extender("six", 6, 1, 100);
+    let err = c
+        .kubelet
+        .admit("four", "main", RESOURCE, 4)
+        .await
+        .unwrap_err();
+    let AdmissionError::Preferred(status) = err else {
+        panic!("expected GetPreferredAllocation to fail, got {err}");
+    };
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        status
+            .message()
+            .contains("no pending pod on node gpu-node-1")
+            && status.message().contains("default/six (6 units on GPU 1)"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(c.annotations("six")[annotation::ASSIGNED], "false");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_refuses_devices_on_another_gpu_than_the_extenders() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    c.assumed_by_extender("on-one", 2, 1, 100);
+    let devices = c.kubelet.devices(RESOURCE).unwrap();
+    // Two units of the first GPU listed (GPU 0's IDs come first).
+    let gpu0: Vec<String> = devices.iter().take(2).map(|d| d.id.clone()).collect();
+    let mut client = DevicePluginClient::new(kubelet::connect(&c.socket()).await.unwrap());
+    let err = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: gpu0 }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+    assert!(
+        err.message().contains("kubelet allocated GPU 0")
+            && err.message().contains("the extender chose GPU 1"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(c.annotations("on-one")[annotation::ASSIGNED], "false");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_extender_placed_pods_get_gpushares_annotations() {
+    let c = Cluster::start(&[]).await;
+    c.pod("notebook", 4, json!({}));
+    // Two writers race the plugin: it reads the pod again and retries.
+    c.api.conflict_next_writes(2);
+    let placed = c
+        .kubelet
+        .admit("notebook", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    let gpu = gpu_of(&placed).to_owned();
+    let annotations = c
+        .wait_for("gpushare's annotations", || {
+            let a = c.annotations("notebook");
+            (a[annotation::ASSIGNED] == "true").then_some(a)
+        })
+        .await;
+    assert_eq!(annotations[annotation::IDX], gpu.as_str());
+    assert_eq!(annotations[annotation::POD], "4");
+    assert_eq!(annotations[annotation::DEV], "15");
+    let time: u128 = annotations[annotation::ASSUME_TIME]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(time > 1_700_000_000_000_000_000, "Unix nanoseconds: {time}");
+    // Written once: later sweeps find it done.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let patches = c
+        .api
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("PATCH /api/v1/namespaces/default/pods/notebook"))
+        .count();
+    assert_eq!(
+        patches,
+        3,
+        "two conflicts, then one write: {:?}",
+        c.api.requests()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_shows_its_gpu_count_and_each_gpus_units() {
+    let c = Cluster::start(&[]).await;
+    let node = c
+        .wait_for("the node's GPU count", || {
+            let node = c.api.get(Kind::Node, "", NODE)?;
+            node.pointer("/metadata/annotations/gpumem.io~1gpus")?;
+            Some(node)
+        })
+        .await;
+    assert_eq!(
+        node.pointer("/status/capacity/aliyun.com~1gpu-count"),
+        Some(&json!("2"))
+    );
+    assert_eq!(
+        node.pointer("/status/allocatable/aliyun.com~1gpu-count"),
+        Some(&json!("2"))
+    );
+    assert_eq!(
+        node.pointer("/status/capacity/cpu"),
+        Some(&json!("8")),
+        "the rest of the status is kept"
+    );
+    let gpus: Value = serde_json::from_str(
+        node.pointer("/metadata/annotations/gpumem.io~1gpus")
+            .unwrap()
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(gpus.as_array().unwrap().len(), 2);
+    assert_eq!(gpus[1]["index"], 1);
+    assert_eq!(gpus[1]["units"], 15);
+    assert_eq!(gpus[1]["memoryMib"], 16160);
+    assert_eq!(gpus[1]["healthy"], true);
+    assert_eq!(gpus[0]["uuid"], "GPU-1a2b3c4d-0000-4000-8000-000000010000");
+    // Capacity went through the status subresource.
+    assert!(c
+        .api
+        .requests()
+        .iter()
+        .any(|r| r == &format!("PATCH /api/v1/nodes/{NODE}/status")));
+}
+
+fn plugin_error(args: &[&str], kubeconfig: Option<&Path>) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    command
+        .arg("plugin")
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(fixture("v100x2"))
+        .args(["--isolation", "none", "--metrics-addr", ""])
+        .args(args)
+        .env_remove("KUBECONFIG")
+        .env_remove("KUBERNETES_SERVICE_HOST");
+    if let Some(path) = kubeconfig {
+        command.arg("--kubeconfig").arg(path);
+    }
+    let output = command.output().unwrap();
+    assert!(!output.status.success());
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn the_extender_mode_without_a_node_name_or_kubeconfig_is_refused_by_name() {
+    let err = plugin_error(&["--scheduler", "gpushare-extender"], None);
+    assert!(
+        err.contains("--scheduler gpushare-extender needs --node-name"),
+        "{err}"
+    );
+    let missing = Path::new("/nonexistent/kubeconfig");
+    let err = plugin_error(&["--node-name", NODE], Some(missing));
+    assert!(
+        err.contains("cannot read the kubeconfig /nonexistent/kubeconfig (--kubeconfig)"),
+        "{err}"
+    );
+}

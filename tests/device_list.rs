@@ -1,0 +1,740 @@
+//! `--device-list-strategy`: how Allocate names the container's GPU to the
+//! container runtime (envvar, volume-mounts, cdi), through the real binary
+//! against the in-process kubelet; the CDI specs it writes, checked against
+//! the CDI specification, and their clean-up with the container's state.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{fixture, RESOURCE, T4_UUID, WAIT};
+use gpumem::deviceplugin::api::deviceplugin::ContainerAllocateResponse;
+use gpumem::simulator::{Allocation, KubeletSim};
+use serde_json::Value;
+use tempfile::TempDir;
+
+/// One node's host directories, shared by the plugins a test runs on it.
+struct Host {
+    root: TempDir,
+}
+
+impl Host {
+    /// A host with the shim "installed": Allocate only checks that the
+    /// library and the preload list are there; nothing here loads them.
+    fn new() -> Host {
+        let root = tempfile::tempdir().unwrap();
+        let shim = root.path().join("shim");
+        std::fs::create_dir_all(&shim).unwrap();
+        std::fs::write(shim.join("libgpumem_shim.so"), b"").unwrap();
+        std::fs::write(
+            shim.join("ld.so.preload"),
+            b"/usr/local/gpumem/libgpumem_shim.so\n",
+        )
+        .unwrap();
+        Host { root }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.root.path().join(name)
+    }
+
+    fn cdi_dir(&self) -> PathBuf {
+        self.path("cdi")
+    }
+
+    /// Every file in the CDI spec directory.
+    fn cdi_files(&self) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(self.cdi_dir()) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = entries
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+/// `gpumem plugin` on the fake T4 against a simulated kubelet in its own
+/// directory; killed on drop.
+struct Plugin {
+    kubelet: KubeletSim,
+    child: Child,
+    _kubelet_dir: TempDir,
+    log: PathBuf,
+}
+
+impl Plugin {
+    async fn start(host: &Host, args: &[&str]) -> Plugin {
+        let kubelet_dir = tempfile::tempdir().unwrap();
+        let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
+        let log = (0..)
+            .map(|i| host.path(&format!("plugin-{i}.log")))
+            .find(|p| !p.exists())
+            .unwrap();
+        let mut cmd = gpumem();
+        cmd.arg("plugin")
+            .arg("--fake-gpus")
+            .arg(fixture("t4"))
+            .arg("--kubelet-dir")
+            .arg(kubelet_dir.path())
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .args(["--metrics-addr", "", "--reconcile-secs", "0"])
+            .arg("--shim-host-dir")
+            .arg(host.path("shim"))
+            .arg("--state-dir")
+            .arg(host.path("state"))
+            .arg("--cdi-spec-dir")
+            .arg(host.cdi_dir())
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(File::create(&log).unwrap());
+        let child = cmd.spawn().unwrap();
+        let mut plugin = Plugin {
+            kubelet,
+            child,
+            _kubelet_dir: kubelet_dir,
+            log,
+        };
+        if plugin
+            .kubelet
+            .wait_for_devices(RESOURCE, 1, WAIT)
+            .await
+            .is_none()
+        {
+            let _ = plugin.child.kill();
+            panic!("the plugin did not register: {}", plugin.logs());
+        }
+        plugin
+    }
+
+    async fn admit(&self, pod: &str, units: usize) -> Allocation {
+        match self.kubelet.admit(pod, "main", RESOURCE, units).await {
+            Ok(a) => a,
+            Err(err) => panic!("{pod} not admitted: {err}\n{}", self.logs()),
+        }
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn gpumem() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("GPUMEM_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+/// (container path, host path, read-only) of a response's mounts.
+fn mounts(response: &ContainerAllocateResponse) -> BTreeSet<(String, String, bool)> {
+    response
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.clone(), m.host_path.clone(), m.read_only))
+        .collect()
+}
+
+fn cdi_devices(response: &ContainerAllocateResponse) -> Vec<&str> {
+    response
+        .cdi_devices
+        .iter()
+        .map(|d| d.name.as_str())
+        .collect()
+}
+
+const SHIM_IN_CONTAINER: &str = "/usr/local/gpumem/libgpumem_shim.so";
+const STATE_IN_CONTAINER: &str = "/var/run/gpumem";
+
+/// The host path mounted at `container` in a response.
+fn host_of(response: &ContainerAllocateResponse, container: &str) -> String {
+    response
+        .mounts
+        .iter()
+        .find(|m| m.container_path == container)
+        .unwrap_or_else(|| panic!("no mount at {container}: {response:?}"))
+        .host_path
+        .clone()
+}
+
+#[tokio::test]
+async fn envvar_names_the_gpu_in_the_env_as_before() {
+    let host = Host::new();
+    // The default.
+    let plugin = Plugin::start(&host, &[]).await;
+    let response = plugin.admit("nb", 4).await.response;
+    assert_eq!(response.envs["NVIDIA_VISIBLE_DEVICES"], T4_UUID);
+    assert_eq!(response.envs["GPUMEM_LIMIT_MIB"], "4308");
+    let containers: BTreeSet<String> = mounts(&response).into_iter().map(|m| m.0).collect();
+    assert_eq!(
+        containers,
+        [SHIM_IN_CONTAINER, "/etc/ld.so.preload", STATE_IN_CONTAINER]
+            .map(str::to_owned)
+            .into()
+    );
+    assert!(response.cdi_devices.is_empty(), "{response:?}");
+    assert!(host.cdi_files().is_empty(), "{:?}", host.cdi_files());
+}
+
+#[tokio::test]
+async fn volume_mounts_name_the_gpu_by_a_dev_null_mount_not_the_env() {
+    let host = Host::new();
+    let envvar = Plugin::start(&host, &["--device-list-strategy", "envvar"]).await;
+    let before = envvar.admit("nb", 4).await;
+    drop(envvar);
+    let plugin = Plugin::start(&host, &["--device-list-strategy=volume-mounts"]).await;
+    let after = plugin.admit("nb", 4).await;
+    assert_eq!(
+        after.device_ids, before.device_ids,
+        "same units, same container"
+    );
+    let response = after.response;
+
+    // The toolkit reads the GPU from the mount's file name; the env only
+    // says where the mounts are, as NVIDIA's device plugin sets it.
+    assert_eq!(
+        response.envs["NVIDIA_VISIBLE_DEVICES"],
+        "/var/run/nvidia-container-devices"
+    );
+    let mut expected = mounts(&before.response);
+    expected.insert((
+        format!("/var/run/nvidia-container-devices/{T4_UUID}"),
+        "/dev/null".to_owned(),
+        true,
+    ));
+    assert_eq!(mounts(&response), expected);
+    let mut env = before.response.envs.clone();
+    env.remove("NVIDIA_VISIBLE_DEVICES");
+    let mut got = response.envs.clone();
+    got.remove("NVIDIA_VISIBLE_DEVICES");
+    assert_eq!(got, env, "the rest of the env is the same");
+    assert!(response.cdi_devices.is_empty(), "{response:?}");
+    assert!(host.cdi_files().is_empty(), "{:?}", host.cdi_files());
+}
+
+#[tokio::test]
+async fn cdi_names_the_gpu_and_the_container_and_writes_a_valid_spec() {
+    let host = Host::new();
+    let envvar = Plugin::start(&host, &[]).await;
+    let before = envvar.admit("nb", 4).await;
+    drop(envvar);
+    let plugin = Plugin::start(&host, &["--device-list-strategy", "cdi"]).await;
+    let after = plugin.admit("nb", 4).await;
+    assert_eq!(
+        after.device_ids, before.device_ids,
+        "same units, same container"
+    );
+    let response = &after.response;
+
+    // Nothing in the env or mounts: no NVIDIA_VISIBLE_DEVICES to copy.
+    assert!(response.envs.is_empty(), "{:?}", response.envs);
+    assert!(response.mounts.is_empty(), "{:?}", response.mounts);
+    let state_dir = host_of(&before.response, STATE_IN_CONTAINER);
+    let name = Path::new(&state_dir)
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let gpu = format!("nvidia.com/gpu={T4_UUID}");
+    let ours = format!("gpumem.io/container={name}");
+    assert_eq!(cdi_devices(response), [gpu.as_str(), ours.as_str()]);
+
+    // The spec, where runtimes look, named as CDI names transient specs.
+    let file = format!("gpumem.io-container_{name}.json");
+    assert_eq!(host.cdi_files(), std::slice::from_ref(&file));
+    let text = std::fs::read_to_string(host.cdi_dir().join(&file)).unwrap();
+    let spec: Value = serde_json::from_str(&text).unwrap();
+    if let Err(err) = check_cdi_spec(&spec) {
+        panic!("not a valid CDI spec: {err}\n{text}");
+    }
+    assert_eq!(spec["kind"], "gpumem.io/container");
+    let devices = spec["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 1);
+    assert_eq!(devices[0]["name"], name.as_str());
+    let edits = &devices[0]["containerEdits"];
+
+    // Its env is what envvar puts in the response, less the GPU's name.
+    let env: BTreeSet<String> = edits["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e.as_str().unwrap().to_owned())
+        .collect();
+    let expected: BTreeSet<String> = before
+        .response
+        .envs
+        .iter()
+        .filter(|(k, _)| *k != "NVIDIA_VISIBLE_DEVICES")
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    assert_eq!(env, expected);
+    for wanted in [
+        "GPUMEM_LIMIT_MIB=4308",
+        "GPUMEM_STATE_DIR=/var/run/gpumem",
+        "ALIYUN_COM_GPU_MEM_IDX=0",
+        "ALIYUN_COM_GPU_MEM_CONTAINER=4",
+        "ALIYUN_COM_GPU_MEM_DEV=14",
+        "ALIYUN_COM_GPU_MEM_UNIT=GiB",
+    ] {
+        assert!(env.contains(wanted), "{wanted} missing: {env:?}");
+    }
+
+    // Its mounts are the ones envvar gives: the same host paths, at the
+    // same places, read-only alike; bind mounts, as the runtime needs.
+    let spec_mounts: BTreeSet<(String, String, bool)> = edits["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let options: Vec<&str> = m["options"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| o.as_str().unwrap())
+                .collect();
+            assert!(options.contains(&"rbind"), "{m}");
+            assert!(options.contains(&"ro") ^ options.contains(&"rw"), "{m}");
+            (
+                m["containerPath"].as_str().unwrap().to_owned(),
+                m["hostPath"].as_str().unwrap().to_owned(),
+                options.contains(&"ro"),
+            )
+        })
+        .collect();
+    assert_eq!(spec_mounts, mounts(&before.response));
+    assert!(Path::new(&state_dir).join("accounting").is_file());
+}
+
+#[tokio::test]
+async fn cdi_without_the_shim_names_the_gpu_and_leaves_the_env_in_the_response() {
+    let host = Host::new();
+    let plugin = Plugin::start(
+        &host,
+        &["--device-list-strategy", "cdi", "--isolation", "none"],
+    )
+    .await;
+    let response = plugin.admit("nb", 4).await.response;
+    assert_eq!(
+        cdi_devices(&response),
+        [format!("nvidia.com/gpu={T4_UUID}")]
+    );
+    assert!(
+        !response.envs.contains_key("NVIDIA_VISIBLE_DEVICES"),
+        "{:?}",
+        response.envs
+    );
+    assert_eq!(response.envs["GPUMEM_LIMIT_MIB"], "4308");
+    assert_eq!(response.envs["ALIYUN_COM_GPU_MEM_CONTAINER"], "4");
+    assert!(response.mounts.is_empty(), "{:?}", response.mounts);
+    assert!(host.cdi_files().is_empty(), "{:?}", host.cdi_files());
+}
+
+/// Waits until `done` holds, failing with `what` and the plugin's logs.
+async fn wait_until(plugin: &Plugin, what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}\n{}",
+            plugin.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_cdi_spec_goes_with_the_containers_state_and_stays_while_it_does() {
+    let host = Host::new();
+    let plugin = Plugin::start(
+        &host,
+        &["--device-list-strategy", "cdi", "--state-grace-secs", "1"],
+    )
+    .await;
+    let name = |a: &Allocation| {
+        a.response.cdi_devices[1]
+            .name
+            .strip_prefix("gpumem.io/container=")
+            .unwrap()
+            .to_owned()
+    };
+    let done = name(&plugin.admit("done", 4).await);
+    let running = name(&plugin.admit("running", 4).await);
+    let spec = |name: &str| {
+        host.cdi_dir()
+            .join(format!("gpumem.io-container_{name}.json"))
+    };
+    let state = |name: &str| host.path("state").join("containers").join(name);
+    assert!(spec(&done).is_file() && spec(&running).is_file());
+    // A spec left behind without its state (by hand, or by a plugin that
+    // crashed and lost its state dir) is not kept.
+    let stray = "5f1c09a2-2u-0000000000000000";
+    std::fs::copy(spec(&running), spec(stray)).unwrap();
+
+    plugin.kubelet.remove_pod("done");
+    wait_until(
+        &plugin,
+        "the finished container's state was never removed",
+        || !state(&done).exists(),
+    )
+    .await;
+    assert!(!spec(&done).exists(), "its spec outlived its state");
+    wait_until(&plugin, "a spec without state was kept", || {
+        !spec(stray).exists()
+    })
+    .await;
+
+    // A listed container keeps both; a spec lost meanwhile (a reboot empties
+    // /var/run/cdi while kubelet restarts containers from its cached
+    // answers) is written again, the same.
+    let kept = std::fs::read(spec(&running)).unwrap();
+    std::fs::remove_file(spec(&running)).unwrap();
+    wait_until(
+        &plugin,
+        "a live container's spec was not written again",
+        || spec(&running).is_file(),
+    )
+    .await;
+    assert_eq!(std::fs::read(spec(&running)).unwrap(), kept);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(state(&running).join("accounting").is_file());
+    assert!(spec(&running).is_file());
+    assert_eq!(
+        host.cdi_files(),
+        [format!("gpumem.io-container_{running}.json")]
+    );
+}
+
+#[tokio::test]
+async fn a_plugin_started_after_a_reboot_writes_the_specs_of_its_containers_again() {
+    let host = Host::new();
+    let first = Plugin::start(&host, &["--device-list-strategy", "cdi"]).await;
+    let allocation = first.admit("nb", 4).await;
+    let file = host.cdi_files().pop().unwrap();
+    let kept = std::fs::read(host.cdi_dir().join(&file)).unwrap();
+    drop(first);
+    // /var/run is empty after a reboot; the state dir is not.
+    std::fs::remove_dir_all(host.cdi_dir()).unwrap();
+    let second = Plugin::start(&host, &["--device-list-strategy", "cdi"]).await;
+    wait_until(&second, "the spec was not written again at start", || {
+        host.cdi_dir().join(&file).is_file()
+    })
+    .await;
+    assert_eq!(std::fs::read(host.cdi_dir().join(&file)).unwrap(), kept);
+    assert!(allocation.response.cdi_devices[1].name.ends_with(
+        file.strip_prefix("gpumem.io-container_")
+            .unwrap()
+            .strip_suffix(".json")
+            .unwrap()
+    ));
+}
+
+#[test]
+fn a_bad_strategy_is_refused_naming_the_flag_and_the_choices() {
+    for (args, env) in [
+        (vec!["plugin", "--device-list-strategy", "cdi-cri"], None),
+        (vec!["plugin"], Some("volume_mounts")),
+    ] {
+        let mut cmd = gpumem();
+        cmd.args(&args);
+        if let Some(value) = env {
+            cmd.env("GPUMEM_DEVICE_LIST_STRATEGY", value);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        let bad = env.unwrap_or("cdi-cri");
+        assert!(
+            stderr.contains(&format!(
+                "invalid value '{bad}' for '--device-list-strategy"
+            )),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("[possible values: envvar, volume-mounts, cdi]"),
+            "{stderr}"
+        );
+    }
+}
+
+/// Checks a CDI spec as cncf-tags/container-device-interface's SPEC.md
+/// defines it and its Go package validates it when a runtime loads a spec
+/// (`pkg/cdi/spec.go` validate, `pkg/parser`, `specs-go/version.go`); an
+/// independent reading of the spec, not gpumem's code.
+fn check_cdi_spec(spec: &Value) -> Result<(), String> {
+    let top = spec.as_object().ok_or("not an object")?;
+    // The Go package parses strictly: no field it does not know.
+    only_keys(
+        top,
+        &[
+            "cdiVersion",
+            "kind",
+            "annotations",
+            "devices",
+            "containerEdits",
+        ],
+    )?;
+    let version = top["cdiVersion"]
+        .as_str()
+        .ok_or("cdiVersion: not a string")?;
+    const RELEASED: [&str; 10] = [
+        "0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0",
+    ];
+    let index = RELEASED
+        .iter()
+        .position(|v| *v == version)
+        .ok_or_else(|| format!("cdiVersion {version:?} is not a released CDI version"))?;
+    let mut needs = "0.3.0"; // the earliest the Go package accepts
+
+    let kind = top["kind"].as_str().ok_or("kind: not a string")?;
+    let (vendor, class) = kind
+        .split_once('/')
+        .ok_or_else(|| format!("kind {kind:?}: no vendor/class"))?;
+    // SPEC.md: the prefix a DNS subdomain, the name segment at most 63
+    // characters, alphanumeric at both ends, '-', '_', '.' between.
+    if vendor.len() > 253
+        || !vendor.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+    {
+        return Err(format!("kind {kind:?}: the vendor is not a DNS subdomain"));
+    }
+    if class.is_empty()
+        || class.len() > 63
+        || !class.as_bytes()[0].is_ascii_alphanumeric()
+        || !class.as_bytes()[class.len() - 1].is_ascii_alphanumeric()
+        || !class
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err(format!("kind {kind:?}: bad name segment"));
+    }
+    // pkg/parser: vendor and class begin with a letter.
+    if !vendor.as_bytes()[0].is_ascii_alphabetic() || !class.as_bytes()[0].is_ascii_alphabetic() {
+        return Err(format!(
+            "kind {kind:?}: vendor and class must begin with a letter"
+        ));
+    }
+    if class.contains('.') {
+        needs = later(needs, "0.6.0");
+    }
+    if top.contains_key("annotations") {
+        needs = later(needs, "0.6.0");
+    }
+
+    let devices = top["devices"].as_array().ok_or("devices: not an array")?;
+    if devices.is_empty() {
+        return Err("devices: at least one is required".into());
+    }
+    let mut names = BTreeSet::new();
+    for device in devices {
+        let device = device.as_object().ok_or("a device is not an object")?;
+        only_keys(device, &["name", "annotations", "containerEdits"])?;
+        let name = device
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or("a device has no name")?;
+        let bytes = name.as_bytes();
+        if bytes.is_empty()
+            || !bytes[0].is_ascii_alphanumeric()
+            || !bytes[bytes.len() - 1].is_ascii_alphanumeric()
+            || !bytes
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(b))
+        {
+            return Err(format!("device name {name:?} is not valid"));
+        }
+        if bytes[0].is_ascii_digit() {
+            needs = later(needs, "0.5.0");
+        }
+        if !names.insert(name) {
+            return Err(format!("device {name:?} twice"));
+        }
+        if device.contains_key("annotations") {
+            needs = later(needs, "0.6.0");
+        }
+        // The schema requires containerEdits; the Go package refuses empty ones.
+        let edits = device
+            .get("containerEdits")
+            .ok_or_else(|| format!("device {name:?}: no containerEdits"))?;
+        let edits_needs = check_edits(edits)?;
+        if edits.as_object().is_some_and(|e| e.is_empty()) {
+            return Err(format!("device {name:?}: empty containerEdits"));
+        }
+        needs = later(needs, edits_needs);
+    }
+    if let Some(edits) = top.get("containerEdits") {
+        needs = later(needs, check_edits(edits)?);
+    }
+    let needed = RELEASED.iter().position(|v| *v == needs).unwrap();
+    if index < needed {
+        return Err(format!(
+            "cdiVersion {version} is older than the {needs} its content needs"
+        ));
+    }
+    Ok(())
+}
+
+/// Env `KEY=VALUE`, mounts with hostPath and containerPath; what else this
+/// spec needs no test for is refused. Returns the version the edits need.
+fn check_edits(edits: &Value) -> Result<&'static str, String> {
+    let edits = edits.as_object().ok_or("containerEdits: not an object")?;
+    only_keys(edits, &["env", "mounts"])?;
+    let mut needs = "0.3.0";
+    if let Some(env) = edits.get("env") {
+        for entry in env.as_array().ok_or("env: not an array")? {
+            let entry = entry.as_str().ok_or("env: not a string")?;
+            // pkg/cdi ValidateEnv: a '=' after a non-empty name.
+            if entry.find('=').is_none_or(|at| at == 0) {
+                return Err(format!("env {entry:?} is not KEY=VALUE"));
+            }
+        }
+    }
+    if let Some(mounts) = edits.get("mounts") {
+        for mount in mounts.as_array().ok_or("mounts: not an array")? {
+            let mount = mount.as_object().ok_or("a mount is not an object")?;
+            only_keys(mount, &["hostPath", "containerPath", "type", "options"])?;
+            for key in ["hostPath", "containerPath"] {
+                let path = mount
+                    .get(key)
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| format!("a mount has no {key}"))?;
+                if !path.starts_with('/') {
+                    return Err(format!("mount {key} {path:?} is not absolute"));
+                }
+            }
+            if let Some(options) = mount.get("options") {
+                let options = options.as_array().ok_or("options: not an array")?;
+                if !options.iter().all(Value::is_string) {
+                    return Err("options: not strings".into());
+                }
+            }
+            if mount.contains_key("type") {
+                needs = later(needs, "0.4.0");
+            }
+        }
+    }
+    Ok(needs)
+}
+
+fn only_keys(object: &serde_json::Map<String, Value>, known: &[&str]) -> Result<(), String> {
+    match object.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(key) => Err(format!("unknown field {key:?}")),
+        None => Ok(()),
+    }
+}
+
+/// The later of two versions of the form N.N.N.
+fn later(a: &'static str, b: &'static str) -> &'static str {
+    let parse = |v: &str| -> Vec<u32> { v.split('.').map(|p| p.parse().unwrap()).collect() };
+    if parse(a) >= parse(b) {
+        a
+    } else {
+        b
+    }
+}
+
+#[test]
+fn the_spec_check_refuses_what_the_cdi_spec_refuses() {
+    let good = serde_json::json!({
+        "cdiVersion": "0.5.0",
+        "kind": "gpumem.io/container",
+        "devices": [{"name": "5f1c09a2-4u-00ff", "containerEdits": {
+            "env": ["A=1"],
+            "mounts": [{"hostPath": "/a", "containerPath": "/b", "options": ["ro", "rbind"]}]
+        }}]
+    });
+    check_cdi_spec(&good).unwrap();
+    let bad = |edit: &dyn Fn(&mut Value)| {
+        let mut spec = good.clone();
+        edit(&mut spec);
+        check_cdi_spec(&spec).expect_err(&spec.to_string());
+    };
+    bad(&|s| s["cdiVersion"] = "0.4.0".into()); // a name starting with a digit
+    bad(&|s| s["cdiVersion"] = "2.0.0".into());
+    bad(&|s| s["kind"] = "container".into());
+    bad(&|s| s["kind"] = "gpumem.io/container/x".into());
+    bad(&|s| s["kind"] = "Gpumem.io/container".into());
+    bad(&|s| s["devices"] = serde_json::json!([]));
+    bad(&|s| s["devices"][0]["name"] = "a/b".into());
+    bad(&|s| s["devices"][0]["name"] = "-a".into());
+    bad(&|s| s["devices"][0]["containerEdits"] = serde_json::json!({}));
+    bad(&|s| s["devices"][0]["containerEdits"]["env"][0] = "=1".into());
+    bad(&|s| s["devices"][0]["containerEdits"]["env"][0] = "A".into());
+    bad(&|s| s["devices"][0]["containerEdits"]["mounts"][0]["hostPath"] = "".into());
+    bad(&|s| s["devices"][0]["containerEdits"]["mounts"][0]["options"] = "ro".into());
+    bad(&|s| s["devices"][0]["extra"] = 1.into());
+    bad(&|s| s["extra"] = 1.into());
+}
+
+#[test]
+fn the_demo_shows_what_each_strategy_gives() {
+    // The shim, the fake driver and the probe: the demo's containers then
+    // run under the shim, as the env and mounts they were given say.
+    let tenant_dir = common::shim_kit().probe.parent().unwrap();
+    let demo = |strategy: &str| {
+        let out = gpumem()
+            .args(["demo", "--device-list-strategy", strategy, "--tenant-dir"])
+            .arg(tenant_dir)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The first scenario's: the second (scheduling by GPU) has a node
+        // and strategy of its own.
+        stdout
+            .split("\nScheduling by GPU:")
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let cdi = demo("cdi");
+    assert!(
+        cdi.contains(&format!("(CDI device nvidia.com/gpu={T4_UUID})")),
+        "{cdi}"
+    );
+    assert!(cdi.contains("(CDI device gpumem.io/container="), "{cdi}");
+    // The cap comes from the container's spec; nothing names the GPU in the env.
+    assert!(cdi.contains("GPUMEM_LIMIT_MIB=4308"), "{cdi}");
+    assert!(!cdi.contains("NVIDIA_VISIBLE_DEVICES"), "{cdi}");
+    // Each container's process found its cap and accounting directory
+    // through its spec, and was held to the cap.
+    assert_eq!(
+        cdi.matches("the next 256 MiB refused: CUDA_ERROR_OUT_OF_MEMORY")
+            .count(),
+        3,
+        "{cdi}"
+    );
+    let mounts = demo("volume-mounts");
+    assert!(
+        mounts.contains("NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"),
+        "{mounts}"
+    );
+    assert!(!mounts.contains("CDI device"), "{mounts}");
+}
