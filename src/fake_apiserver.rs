@@ -21,8 +21,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path as UrlPath, Query, State};
-use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::extract::{Path as UrlPath, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -123,7 +124,9 @@ impl FakeApiServer {
             watches: Mutex::new(CancellationToken::new()),
         });
         let stop = CancellationToken::new();
-        let app = router().with_state(shared.clone());
+        let app = router()
+            .layer(axum::middleware::from_fn_with_state(shared.clone(), record))
+            .with_state(shared.clone());
         let until = stop.clone();
         tokio::spawn(async move {
             let _ = axum::serve(listener, app)
@@ -328,19 +331,19 @@ fn router() -> Router<Arc<Shared>> {
 type Params = Query<HashMap<String, String>>;
 type Shared_ = State<Arc<Shared>>;
 
-fn record(shared: &Shared, method: &Method, path: &str, params: &HashMap<String, String>) {
-    let mut query: Vec<String> = params.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    query.sort();
-    let line = if query.is_empty() {
-        format!("{method} {path}")
-    } else {
-        format!("{method} {path}?{}", query.join("&"))
+/// Every request, as `METHOD /path?query`, before it is served.
+async fn record(State(s): Shared_, request: Request, next: Next) -> Response {
+    let uri = request.uri();
+    // kube-rs ends every URL with `?`, query or not.
+    let line = match uri.query().filter(|q| !q.is_empty()) {
+        Some(query) => format!("{} {}?{query}", request.method(), uri.path()),
+        None => format!("{} {}", request.method(), uri.path()),
     };
-    shared.lock().requests.push(line);
+    s.lock().requests.push(line);
+    next.run(request).await
 }
 
-async fn unknown(State(shared): Shared_, method: Method, uri: axum::http::Uri) -> Response {
-    shared.lock().requests.push(format!("{method} {uri}"));
+async fn unknown(uri: axum::http::Uri) -> Response {
     status_error(
         StatusCode::NOT_FOUND,
         "NotFound",
@@ -349,22 +352,14 @@ async fn unknown(State(shared): Shared_, method: Method, uri: axum::http::Uri) -
 }
 
 async fn list_all_pods(State(s): Shared_, Query(q): Params) -> Response {
-    record(&s, &Method::GET, "/api/v1/pods", &q);
     list_or_watch(&s, Kind::Pod, None, &q)
 }
 
 async fn list_pods(State(s): Shared_, UrlPath(ns): UrlPath<String>, Query(q): Params) -> Response {
-    record(
-        &s,
-        &Method::GET,
-        &format!("/api/v1/namespaces/{ns}/pods"),
-        &q,
-    );
     list_or_watch(&s, Kind::Pod, Some(&ns), &q)
 }
 
 async fn list_nodes(State(s): Shared_, Query(q): Params) -> Response {
-    record(&s, &Method::GET, "/api/v1/nodes", &q);
     list_or_watch(&s, Kind::Node, None, &q)
 }
 
@@ -373,32 +368,14 @@ async fn list_events(
     UrlPath(ns): UrlPath<String>,
     Query(q): Params,
 ) -> Response {
-    record(
-        &s,
-        &Method::GET,
-        &format!("/apis/events.k8s.io/v1/namespaces/{ns}/events"),
-        &q,
-    );
     list_or_watch(&s, Kind::Event, Some(&ns), &q)
 }
 
 async fn get_pod(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    record(
-        &s,
-        &Method::GET,
-        &format!("/api/v1/namespaces/{ns}/pods/{name}"),
-        &HashMap::new(),
-    );
     get_one(&s, Kind::Pod, &ns, &name)
 }
 
 async fn get_node(State(s): Shared_, UrlPath(name): UrlPath<String>) -> Response {
-    record(
-        &s,
-        &Method::GET,
-        &format!("/api/v1/nodes/{name}"),
-        &HashMap::new(),
-    );
     get_one(&s, Kind::Node, "", &name)
 }
 
@@ -407,22 +384,10 @@ async fn get_event(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, Stri
 }
 
 async fn create_pod(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    record(
-        &s,
-        &Method::POST,
-        &format!("/api/v1/namespaces/{ns}/pods"),
-        &HashMap::new(),
-    );
     create(&s, Kind::Pod, &ns, &body)
 }
 
 async fn create_event(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    record(
-        &s,
-        &Method::POST,
-        &format!("/apis/events.k8s.io/v1/namespaces/{ns}/events"),
-        &HashMap::new(),
-    );
     create(&s, Kind::Event, &ns, &body)
 }
 
@@ -431,12 +396,6 @@ async fn replace_pod(
     UrlPath((ns, name)): UrlPath<(String, String)>,
     body: Bytes,
 ) -> Response {
-    record(
-        &s,
-        &Method::PUT,
-        &format!("/api/v1/namespaces/{ns}/pods/{name}"),
-        &HashMap::new(),
-    );
     let Ok(new) = serde_json::from_slice::<Value>(&body) else {
         return bad_request("the body is not JSON");
     };
@@ -457,12 +416,6 @@ async fn patch_pod(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    record(
-        &s,
-        &Method::PATCH,
-        &format!("/api/v1/namespaces/{ns}/pods/{name}"),
-        &HashMap::new(),
-    );
     patch(&s, Kind::Pod, &ns, &name, &headers, &body, Part::Main)
 }
 
@@ -472,12 +425,6 @@ async fn patch_node(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    record(
-        &s,
-        &Method::PATCH,
-        &format!("/api/v1/nodes/{name}"),
-        &HashMap::new(),
-    );
     patch(&s, Kind::Node, "", &name, &headers, &body, Part::Main)
 }
 
@@ -487,12 +434,6 @@ async fn patch_node_status(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    record(
-        &s,
-        &Method::PATCH,
-        &format!("/api/v1/nodes/{name}/status"),
-        &HashMap::new(),
-    );
     patch(&s, Kind::Node, "", &name, &headers, &body, Part::Status)
 }
 
@@ -502,12 +443,6 @@ async fn patch_event(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    record(
-        &s,
-        &Method::PATCH,
-        &format!("/apis/events.k8s.io/v1/namespaces/{ns}/events/{name}"),
-        &HashMap::new(),
-    );
     patch(&s, Kind::Event, &ns, &name, &headers, &body, Part::Main)
 }
 
@@ -520,12 +455,6 @@ async fn bind_pod(
     UrlPath((ns, name)): UrlPath<(String, String)>,
     body: Bytes,
 ) -> Response {
-    record(
-        &s,
-        &Method::POST,
-        &format!("/api/v1/namespaces/{ns}/pods/{name}/binding"),
-        &HashMap::new(),
-    );
     let hang = {
         let mut store = s.lock();
         let hang = store.hung_bindings > 0;

@@ -17,7 +17,6 @@ use crate::isolation::cdi::SpecDir;
 use crate::isolation::containers::{ContainerName, Containers};
 use crate::isolation::inject::{self, ShimConfig};
 use crate::node::inventory::Inventory;
-use crate::node::placement;
 
 /// Since when each directory has been unused.
 type UnusedSince = HashMap<ContainerName, Instant>;
@@ -73,10 +72,7 @@ pub async fn run(
         };
         let live: HashSet<ContainerName> = holdings
             .iter()
-            .filter_map(|h| {
-                let assignment = placement::assign(&inv, &h.device_ids).ok()?;
-                Some(ContainerName::of(&inv, assignment, &h.device_ids))
-            })
+            .filter_map(|h| ContainerName::of_devices(&inv, &h.device_ids))
             .collect();
         // Reading and removing directories blocks: off the async workers.
         let (containers, specs) = (containers.clone(), specs.clone());

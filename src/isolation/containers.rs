@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::isolation::accounting::{self, AccountingError, Cap, Processes};
 use crate::node::inventory::Inventory;
-use crate::node::placement::Assignment;
+use crate::node::placement::{self, Assignment};
 
 /// Under the state dir, the parent of the per-container directories.
 const CONTAINERS: &str = "containers";
@@ -92,6 +92,13 @@ impl ContainerName {
             inv.gpus()[assignment.gpu].key,
             assignment.units
         ))
+    }
+
+    /// The name of the container holding the devices `ids`; `None` when
+    /// they are not one valid placement (not ours, or on several GPUs).
+    pub fn of_devices(inv: &Inventory, ids: &[String]) -> Option<Self> {
+        let assignment = placement::assign(inv, ids).ok()?;
+        Some(ContainerName::of(inv, assignment, ids))
     }
 
     /// The GPU key and units the name records; `None` for a directory not

@@ -211,8 +211,7 @@ async fn post_events(
                 };
                 let inv = inventory.borrow().clone();
                 let Some(holding) = holdings.into_iter().find(|h| {
-                    placement::assign(&inv, &h.device_ids)
-                        .is_ok_and(|a| ContainerName::of(&inv, a, &h.device_ids) == name)
+                    ContainerName::of_devices(&inv, &h.device_ids).as_ref() == Some(&name)
                 }) else {
                     continue;
                 };

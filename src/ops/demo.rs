@@ -126,19 +126,7 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
     let inventory = Arc::new(Inventory::new(source.discover()?, config.unit)?);
     let dir = tempfile::Builder::new().prefix("gpumem-demo-").tempdir()?;
     let kit = tenant_kit(config.tenant_dir.as_deref())?;
-    let isolation = match &kit {
-        // The node's side of shim isolation, as the DaemonSet sets it up.
-        Some(kit) => {
-            let host_dir = dir.path().join("shim");
-            crate::isolation::install::install(&kit.shim, &host_dir)?;
-            Isolation::Shim(ShimConfig {
-                host_dir,
-                state_dir: dir.path().join("state"),
-                context_charge_mib: 0,
-            })
-        }
-        None => Isolation::None,
-    };
+    let isolation = node_isolation(kit.as_ref(), dir.path())?;
     // Never the host's spec directory.
     let device_list = match &config.device_list {
         DeviceListStrategy::Cdi(_) => DeviceListStrategy::Cdi(SpecDir::new(dir.path().join("cdi"))),
@@ -200,6 +188,21 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         return Err(err.into());
     }
     outcome
+}
+
+/// The node's side of shim isolation under `dir`, as the DaemonSet sets it
+/// up, where the kit is built; else none.
+fn node_isolation(kit: Option<&TenantKit>, dir: &Path) -> Result<Isolation, DemoError> {
+    let Some(kit) = kit else {
+        return Ok(Isolation::None);
+    };
+    let host_dir = dir.join("shim");
+    crate::isolation::install::install(&kit.shim, &host_dir)?;
+    Ok(Isolation::Shim(ShimConfig {
+        host_dir,
+        state_dir: dir.join("state"),
+        context_charge_mib: 0,
+    }))
 }
 
 /// Pods ask for 4 GiB whatever the unit, so the story is the same in MiB.

@@ -27,13 +27,15 @@ use crate::cluster::gpushare::{annotation, Extender};
 use crate::cluster::pods::NodePods;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig};
 use crate::fake_apiserver::{FakeApiServer, Kind};
-use crate::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
+use crate::isolation::inject::DeviceListStrategy;
 use crate::node::gpu::{FakeGpus, GpuSource};
 use crate::node::inventory::Inventory;
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
-use crate::ops::demo::{driver_dir, run_tenant, Applied, DemoError, TenantKit, STARTUP};
+use crate::ops::demo::{
+    driver_dir, node_isolation, run_tenant, Applied, DemoError, TenantKit, STARTUP,
+};
 use crate::simulator::{KubeletSim, NAMESPACE};
 
 /// Two Tesla V100-SXM2-16GB as NVML reports them.
@@ -81,18 +83,7 @@ pub async fn run(
         .await
         .map_err(|err| DemoError::Cluster(err.to_string()))?;
 
-    let isolation = match kit {
-        Some(kit) => {
-            let host_dir = dir.path().join("shim");
-            crate::isolation::install::install(&kit.shim, &host_dir)?;
-            Isolation::Shim(ShimConfig {
-                host_dir,
-                state_dir: dir.path().join("state"),
-                context_charge_mib: 0,
-            })
-        }
-        None => Isolation::None,
-    };
+    let isolation = node_isolation(kit, dir.path())?;
     let kubelet_dir = dir.path().join("kubelet");
     std::fs::create_dir_all(&kubelet_dir)?;
     let kubelet = KubeletSim::start(&kubelet_dir)?;
