@@ -1,5 +1,6 @@
-//! Compiles the kubelet APIs in `proto/` into `OUT_DIR` with a vendored
-//! `protoc`, so a fresh machine needs no system protobuf compiler.
+//! Compiles the kubelet APIs in `proto/` (device plugin, pod resources, DRA,
+//! plugin registration) into `OUT_DIR` with a vendored `protoc`, so a fresh
+//! machine needs no system protobuf compiler.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Always use the vendored compiler: a system protoc may be missing or too old.
@@ -8,6 +9,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &[
             "proto/deviceplugin/v1beta1/api.proto",
             "proto/podresources/v1/api.proto",
+            "proto/dra/v1/api.proto",
+            "proto/dra/v1beta1/api.proto",
+            "proto/pluginregistration/v1/api.proto",
         ],
         &["proto"],
     )?;

@@ -1,6 +1,13 @@
-"""Validates the DaemonSet manifest and the Helm chart, rendered with Helm's
+"""Validates the DaemonSet manifests and the Helm chart, rendered with Helm's
 own engine (helm-python-sdk binds Helm's Go SDK), against the Kubernetes
 OpenAPI schemas bundled in kubernetes-validate. Offline: no cluster needed.
+
+The DRA front end (daemonset/gpumem-dra.yaml, its example, the chart with
+frontEnd: dra) is checked against resource.k8s.io/v1's releases only, and
+for what no schema says: the socket, CDI and state directories its flags
+name are mounted at the host's own paths, its RBAC is exactly what the
+driver uses, the DeviceClass selects its driver, claims ask for memory the
+slice offers, and no node matches both front ends' node selectors.
 
 Then runs every command the manifests and the docs give gpumem's image, as
 the container runtime would, on the image the Dockerfile's final stage
@@ -26,6 +33,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The oldest Kubernetes release the manifests target and the newest one
 # the validator knows: a field missing from either fails.
 VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+# The DRA front end: resource.k8s.io/v1 (GA) and consumable capacity
+# (DRAConsumableCapacity, alpha) first came in 1.34.
+DRA_VERSIONS = ["1.34.0", kubernetes_validate.latest_version()]
 
 VARIANTS = {
     "defaults": {},
@@ -42,6 +52,30 @@ VARIANTS = {
     "cdi": {"deviceListStrategy": "cdi"},
     "kubelet-only": {"apiServer": False},
     "gpushare-extender": {"scheduler": "gpushare-extender", "extender": {"enabled": True}},
+    "dra": {"frontEnd": "dra"},
+    "dra-custom": {
+        "frontEnd": "dra",
+        "isolation": "none",
+        "memoryUnit": "MiB",
+        "kubeletDir": "/data/kubelet",
+        "stateDir": "/data/gpumem",
+        "cdiSpecDir": "/etc/cdi",
+        "dra": {
+            "driverName": "gpu-mem.example.com",
+            "deviceClass": {"create": False},
+            "kubeletPluginsDir": "/data/kubelet/plugins",
+            "kubeletRegistryDir": "/data/kubelet/plugins_registry",
+            "nodeSelector": {"gpumem-front-end": "dra"},
+        },
+    },
+}
+
+# Values the chart must refuse, and a word of the message it refuses them with.
+REFUSED = {
+    "front-end-typo": ({"frontEnd": "DRA"}, "frontEnd must be"),
+    "dra-without-api-server": ({"frontEnd": "dra", "apiServer": False}, "needs apiServer"),
+    "dra-with-gpushare-extender": ({"frontEnd": "dra", "scheduler": "gpushare-extender"}, "frontEnd: devicePlugin"),
+    "dra-bad-driver-name": ({"frontEnd": "dra", "dra": {"driverName": "GPUmem_io"}}, "DNS subdomain"),
 }
 
 # kube-scheduler decodes its configuration strictly: the fields of an
@@ -93,14 +127,215 @@ def documents(name, text):
             yield name, doc
 
 
-def validate(name, doc, failures):
-    for version in VERSIONS:
+def validate(name, doc, failures, versions=VERSIONS):
+    for version in versions:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
         except kubernetes_validate.ValidationError as err:
             failures.append(f"{name} ({doc.get('kind')}, Kubernetes {version}): {err.message} at {list(err.path)}")
         except kubernetes_validate.SchemaNotFoundError as err:
             failures.append(f"{name}: no schema for {err}")
+
+
+# `gpumem dra`'s defaults, for flags a manifest leaves out.
+DRA_DEFAULTS = {
+    "--driver-name": "gpumem.io",
+    "--kubelet-plugins-dir": "/var/lib/kubelet/plugins",
+    "--kubelet-registry-dir": "/var/lib/kubelet/plugins_registry",
+    "--pod-resources-socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
+    "--memory-unit": "GiB",
+    "--isolation": "shim",
+    "--shim-host-dir": "/usr/local/gpumem",
+    "--state-dir": "/var/lib/gpumem",
+    "--cdi-spec-dir": "/var/run/cdi",
+    "--metrics-addr": ":9400",
+}
+# Where the driver looks for NVIDIA's CDI spec besides --cdi-spec-dir.
+NVIDIA_CDI_DIR = "/etc/cdi"
+# What the driver does with the API server, and nothing more: (group,
+# resource) -> verbs.
+DRA_RULES = {
+    ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch", "delete"},
+    ("resource.k8s.io", "resourceclaims"): {"get"},
+    ("", "nodes"): {"get"},
+}
+# A driver name as the API server takes it (a DNS subdomain).
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+QUANTITY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+                     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
+UNIT_BYTES = {"GiB": 2**30, "MiB": 2**20}
+
+
+def quantity_bytes(text):
+    """A Kubernetes quantity in bytes, or None (no exponents or fractions)."""
+    m = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti|k|M|G|T|)", str(text))
+    return int(m.group(1)) * QUANTITY_SUFFIXES[m.group(2)] if m else None
+
+
+def flags(argv):
+    """`--flag=value` words of an argv, as a dict."""
+    return dict(word.split("=", 1) for word in argv if word.startswith("--") and "=" in word)
+
+
+def host_path(spec, container, path):
+    """The host path behind `path` in the container, and whether it is
+    writable; (None, False) where no hostPath volume covers it."""
+    volumes = {v["name"]: v for v in spec.get("volumes") or []}
+    best = None
+    for mount in container.get("volumeMounts") or []:
+        root = mount["mountPath"].rstrip("/") or "/"
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            if best is None or len(root) > len(best[0]):
+                best = (root, mount)
+    if best is None:
+        return None, False
+    root, mount = best
+    volume = volumes.get(mount["name"], {})
+    if "hostPath" not in volume:
+        return None, False
+    return volume["hostPath"]["path"].rstrip("/") + path[len(root):], not mount.get("readOnly", False)
+
+
+def check_dra(name, docs, image, failures, device_class_expected):
+    """What no schema checks in a DRA driver's objects: `docs` is every
+    object of one install (the plain manifest, or one chart rendering).
+    Returns the driver's name and the DaemonSet's nodeSelector."""
+    daemonsets = [d for d in docs if d.get("kind") == "DaemonSet"]
+    if len(daemonsets) != 1:
+        failures.append(f"{name}: expected one DaemonSet, found {len(daemonsets)}")
+        return None, {}
+    ds = daemonsets[0]
+    spec = ds["spec"]["template"]["spec"]
+    containers = [c for c in spec.get("containers") or [] if is_ours(c.get("image", ""))]
+    argv = image.argv(containers[0].get("command"), containers[0].get("args")) if containers else []
+    if argv[1:2] != ["dra"]:
+        failures.append(f"{name}: the DaemonSet's container does not run `gpumem dra` ({argv[:2]})")
+        return None, {}
+    container = containers[0]
+    args = {**DRA_DEFAULTS, **flags(argv)}
+    driver = args["--driver-name"]
+    if not DNS_SUBDOMAIN.fullmatch(driver):
+        failures.append(f"{name}: --driver-name {driver!r} is not a DNS subdomain")
+
+    # --node-name is required; the DaemonSet gives it from the downward API.
+    env = {e["name"]: e for e in container.get("env") or []}
+    node_env = env.get("GPUMEM_NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    if "--node-name" not in args and node_env != "spec.nodeName":
+        failures.append(f"{name}: GPUMEM_NODE_NAME must come from spec.nodeName (--node-name is required)")
+
+    # Every path the driver hands to kubelet or the runtime, or reads from
+    # the host, is mounted at the host's own path.
+    needed = [
+        (posixpath.join(args["--kubelet-plugins-dir"], driver), True, "the DRA socket's directory"),
+        (args["--kubelet-registry-dir"], True, "kubelet's plugin registry"),
+        (posixpath.dirname(args["--pod-resources-socket"]), True, "kubelet's pod-resources socket"),
+        (args["--state-dir"], True, "the state directory (checkpoint, accounting)"),
+        (args["--cdi-spec-dir"], True, "the claims' CDI specs"),
+        (NVIDIA_CDI_DIR, False, "NVIDIA's CDI spec"),
+    ]
+    if args["--isolation"] == "shim":
+        needed.append((args["--shim-host-dir"], False, "the shim"))
+    for path, writable, what in needed:
+        found, can_write = host_path(spec, container, path)
+        if found != path:
+            failures.append(f"{name}: {path} ({what}) is not mounted from the same host path (found {found})")
+        elif writable and not can_write:
+            failures.append(f"{name}: {path} ({what}) is mounted read-only")
+    # Other drivers' sockets stay out of reach: only the driver's own
+    # directory of kubelet's plugins.
+    for mount in container.get("volumeMounts") or []:
+        if mount["mountPath"].rstrip("/") == args["--kubelet-plugins-dir"].rstrip("/") and not mount.get("readOnly"):
+            failures.append(f"{name}: mounts all of {mount['mountPath']} writable; mount only "
+                            f"{posixpath.join(args['--kubelet-plugins-dir'], driver)}")
+    port = args["--metrics-addr"].rsplit(":", 1)[-1]
+    probe = (container.get("livenessProbe") or {}).get("httpGet") or {}
+    ports = {p.get("name"): str(p.get("containerPort")) for p in container.get("ports") or []}
+    if probe.get("path") != "/healthz" or ports.get(probe.get("port"), str(probe.get("port"))) != port:
+        failures.append(f"{name}: the liveness probe should be /healthz on the metrics port {port}")
+
+    # RBAC: exactly what the driver uses, bound to the DaemonSet's account.
+    account = spec.get("serviceAccountName")
+    namespace = ds["metadata"].get("namespace")
+    if not any(d.get("kind") == "ServiceAccount" and d["metadata"]["name"] == account for d in docs):
+        failures.append(f"{name}: no ServiceAccount {account!r} for the DaemonSet")
+    roles = {d["metadata"]["name"]: d for d in docs if d.get("kind") == "ClusterRole"}
+    bindings = [d for d in docs if d.get("kind") == "ClusterRoleBinding"
+                and {"kind": "ServiceAccount", "name": account, "namespace": namespace} in d.get("subjects", [])]
+    if len(bindings) != 1 or bindings[0]["roleRef"]["name"] not in roles:
+        failures.append(f"{name}: expected one ClusterRoleBinding of a ClusterRole here to {namespace}/{account}")
+    else:
+        granted = {}
+        for rule in roles[bindings[0]["roleRef"]["name"]].get("rules") or []:
+            for group in rule.get("apiGroups") or []:
+                for resource in rule.get("resources") or []:
+                    granted.setdefault((group, resource), set()).update(rule.get("verbs") or [])
+        if granted != DRA_RULES:
+            extra = {k: sorted(v - DRA_RULES.get(k, set())) for k, v in granted.items() if v - DRA_RULES.get(k, set())}
+            missing = {k: sorted(v - granted.get(k, set())) for k, v in DRA_RULES.items() if v - granted.get(k, set())}
+            failures.append(f"{name}: ClusterRole grants more than the driver uses {extra} or less {missing}")
+
+    # The DeviceClass claims name selects this driver's devices.
+    classes = [d for d in docs if d.get("kind") == "DeviceClass"]
+    if device_class_expected and not classes:
+        failures.append(f"{name}: no DeviceClass for driver {driver}")
+    if not device_class_expected and classes:
+        failures.append(f"{name}: a DeviceClass was rendered where none was asked for")
+    for cls in classes:
+        expressions = [s.get("cel", {}).get("expression", "") for s in cls["spec"].get("selectors") or []]
+        drivers = {m for e in expressions for m in re.findall(r'device\.driver\s*==\s*"([^"]*)"', e)}
+        if drivers != {driver}:
+            failures.append(f"{name}: DeviceClass {cls['metadata']['name']} selects driver(s) {sorted(drivers)}, "
+                            f"not {driver!r}")
+    return driver, {"selector": spec.get("nodeSelector") or {}, "classes": classes,
+                    "unit": args["--memory-unit"]}
+
+
+def check_claims(name, docs, classes, unit, failures):
+    """The example's claims name a DeviceClass of the driver and ask memory
+    the slice offers; its pods use the claims they declare."""
+    class_names = {c["metadata"]["name"] for c in classes}
+    step = UNIT_BYTES.get(unit, 2**30)
+    claims = {}
+    for doc in docs:
+        kind = doc.get("kind")
+        if kind not in ("ResourceClaim", "ResourceClaimTemplate"):
+            continue
+        claim_spec = doc["spec"]["spec"] if kind == "ResourceClaimTemplate" else doc["spec"]
+        claims[(kind, doc["metadata"]["name"])] = doc
+        for request in claim_spec.get("devices", {}).get("requests") or []:
+            exactly = request.get("exactly") or {}
+            where = f"{name}: {kind} {doc['metadata']['name']} request {request.get('name')}"
+            if exactly.get("deviceClassName") not in class_names:
+                failures.append(f"{where}: deviceClassName {exactly.get('deviceClassName')!r} is not "
+                                f"the driver's DeviceClass ({', '.join(sorted(class_names))})")
+            memory = (exactly.get("capacity") or {}).get("requests", {}).get("memory")
+            size = quantity_bytes(memory)
+            if size is None or size < step or size % step:
+                failures.append(f"{where}: memory {memory!r} is not a whole number of {unit} (the slice's step)")
+    used = set()
+    for doc in docs:
+        if doc.get("kind") != "Pod":
+            continue
+        pod = doc["metadata"]["name"]
+        declared = set()
+        for claim in doc["spec"].get("resourceClaims") or []:
+            declared.add(claim["name"])
+            ref = (("ResourceClaimTemplate", claim["resourceClaimTemplateName"]) if "resourceClaimTemplateName" in claim
+                   else ("ResourceClaim", claim.get("resourceClaimName")))
+            if ref not in claims:
+                failures.append(f"{name}: Pod {pod} refers to {ref[0]} {ref[1]!r}, which the file lacks")
+            used.add(ref)
+        referenced = {c["name"] for ct in doc["spec"]["containers"] for c in (ct.get("resources") or {}).get("claims") or []}
+        if referenced - declared or declared - referenced:
+            failures.append(f"{name}: Pod {pod}: containers use claims {sorted(referenced)}, "
+                            f"the pod declares {sorted(declared)}")
+    for ref in set(claims) - used:
+        failures.append(f"{name}: {ref[0]} {ref[1]} is used by no Pod")
+
+
+def disjoint(a, b):
+    """No node's labels match both node selectors."""
+    return any(key in b and b[key] != value for key, value in a.items())
 
 
 # What the runtime uses when an image sets no PATH (and what `$PATH` in an
@@ -281,12 +516,23 @@ def main():
     commands.append(check_argv(image, "Dockerfile ENTRYPOINT + CMD", image.argv(None, None), image_failures))
     commands += check_docs(image, image_failures)
 
-    for file in ("gpumem.yaml", "extender.yaml"):
+    loaded = {}
+    for file, versions in (("gpumem.yaml", VERSIONS), ("extender.yaml", VERSIONS),
+                           ("gpumem-dra.yaml", DRA_VERSIONS), ("dra-example.yaml", DRA_VERSIONS)):
         manifest = ROOT / "daemonset" / file
+        loaded[file] = []
         for name, doc in documents(str(manifest.relative_to(ROOT)), manifest.read_text()):
-            validate(name, doc, failures)
+            validate(name, doc, failures, versions)
             checked += 1
             commands += check_containers(image, name, doc, image_failures)
+            loaded[file].append(doc)
+    driver, dra = check_dra("daemonset/gpumem-dra.yaml", loaded["gpumem-dra.yaml"], image, failures, True)
+    if driver:
+        check_claims("daemonset/dra-example.yaml", loaded["dra-example.yaml"], dra["classes"], dra["unit"], failures)
+        plugin_selector = next(d for d in loaded["gpumem.yaml"] if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]["nodeSelector"]
+        if not disjoint(plugin_selector, dra["selector"]):
+            failures.append(f"daemonset/gpumem-dra.yaml: nodeSelector {dra['selector']} can match the same node as "
+                            f"daemonset/gpumem.yaml's {plugin_selector}: a node runs one front end")
     extender_docs = [doc for _, doc in documents("extender", (ROOT / "daemonset" / "extender.yaml").read_text())]
     config = ROOT / "daemonset" / "kube-scheduler-config.yaml"
     check_scheduler_config(str(config.relative_to(ROOT)), yaml.safe_load(config.read_text()),
@@ -294,17 +540,30 @@ def main():
     checked += 1
 
     chart = helm.Chart.load(ROOT / "deploy" / "helm" / "gpumem")
+    selectors = {}
     for variant, values in VARIANTS.items():
         rendered = chart.render(values, name="gpumem", namespace="kube-system", is_install=True)
+        is_dra = values.get("frontEnd") == "dra"
+        docs = []
         for path, text in sorted(rendered.items()):
             if not path.endswith((".yaml", ".yml")):
                 continue
             for name, doc in documents(f"chart[{variant}]:{path}", text):
-                validate(name, doc, failures)
+                validate(name, doc, failures, DRA_VERSIONS if is_dra else VERSIONS)
                 checked += 1
                 commands += check_containers(image, name, doc, image_failures)
+                docs.append(doc)
+        if is_dra:
+            wants_class = values.get("dra", {}).get("deviceClass", {}).get("create", True)
+            _, dra = check_dra(f"chart[{variant}]", docs, image, failures, wants_class)
+            # (check_dra: one DaemonSet, the driver's; no device plugin beside it.)
+            selectors[variant] = dra.get("selector", {})
+        else:
+            selectors[variant] = next((d["spec"]["template"]["spec"].get("nodeSelector") or {}
+                                       for d in docs if d.get("kind") == "DaemonSet"), {})
         # The variant's values must reach the manifest.
-        for expected in values.get("nodeSelector", {}):
+        node_selector = values.get("dra", {}) if is_dra else values
+        for expected in node_selector.get("nodeSelector", {}):
             if not any(expected in text for text in rendered.values()):
                 failures.append(f"chart[{variant}]: nodeSelector {expected} not rendered")
         # The host's PID namespace only where reconciliation needs it.
@@ -312,11 +571,26 @@ def main():
         if any("hostPID: true" in text for text in rendered.values()) != wants:
             failures.append(f"chart[{variant}]: hostPID should be {str(wants).lower()}")
 
+    # Installed side by side with their defaults, the two front ends never
+    # share a node.
+    if not disjoint(selectors["defaults"], selectors["dra"]):
+        failures.append(f"chart: dra.nodeSelector {selectors['dra']} can match the same node as "
+                        f"nodeSelector {selectors['defaults']}: a node runs one front end")
+    for variant, (values, message) in REFUSED.items():
+        try:
+            chart.render(values, name="gpumem", namespace="kube-system", is_install=True)
+            failures.append(f"chart[{variant}]: rendered {values}, which it should refuse")
+        except helm.HelmRenderError as err:
+            if message not in str(err):
+                failures.append(f"chart[{variant}]: refused {values}, but not saying {message!r}: {err}")
+        checked += 1
+
     for failure in failures:
         print(f"invalid: {failure}", file=sys.stderr)
     for failure in image_failures:
         print(f"image: {failure}", file=sys.stderr)
-    print(f"validate-manifests: {checked} documents checked against Kubernetes {', '.join(VERSIONS)}; "
+    print(f"validate-manifests: {checked} documents checked against Kubernetes {', '.join(VERSIONS)} "
+          f"(the DRA front end: {', '.join(DRA_VERSIONS)}); "
           f"{len(commands)} commands run in the image (PATH={image.env['PATH']})")
     bad = len({f.split(" ", 1)[0] for f in failures})
     passed = checked - min(bad, checked) + commands.count(True)

@@ -4,13 +4,20 @@
 //!
 //! It serves what gpumem touches and no more: pods (list and watch with field
 //! and label selectors, get, create, merge and strategic-merge patch,
-//! binding), nodes (list, watch, get, patch, patch of `status`) and
-//! `events.k8s.io/v1` events. Like the real server it bumps
-//! `metadata.resourceVersion` on every write, answers a write that names a
-//! stale resourceVersion with 409 Conflict, ignores `status` sent to a main
-//! resource, and resumes a watch from a resourceVersion. Strategic merge is
-//! applied as a JSON merge patch: the same for the maps gpumem patches
-//! (annotations, capacity).
+//! binding), nodes (list, watch, get, patch, patch of `status`),
+//! `events.k8s.io/v1` events, and `resource.k8s.io/v1` ResourceSlices (list,
+//! watch, get, create, replace, patch, delete, deletecollection) and
+//! ResourceClaims (list, watch, get, create, delete). Like the real server
+//! it bumps `metadata.resourceVersion` on every write, answers a write that
+//! names a stale resourceVersion with 409 Conflict, ignores `status` sent to
+//! a main resource, and resumes a watch from a resourceVersion. Strategic
+//! merge is applied as a JSON merge patch: the same for the maps gpumem
+//! patches (annotations, capacity).
+//!
+//! Like the real registry it returns a ResourceSlice's capacity quantities
+//! canonical (`1024Mi` → `1Gi`) and bumps its `metadata.generation` when the
+//! spec changes; [`FakeApiServer::drop_consumable_capacity`] makes it a
+//! server without the `DRAConsumableCapacity` feature gate.
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
@@ -37,6 +44,10 @@ pub enum Kind {
     Pod,
     Node,
     Event,
+    /// `resource.k8s.io/v1`, cluster-scoped.
+    ResourceSlice,
+    /// `resource.k8s.io/v1`, namespaced.
+    ResourceClaim,
 }
 
 impl Kind {
@@ -44,6 +55,7 @@ impl Kind {
         match self {
             Kind::Pod | Kind::Node => "v1",
             Kind::Event => "events.k8s.io/v1",
+            Kind::ResourceSlice | Kind::ResourceClaim => "resource.k8s.io/v1",
         }
     }
 
@@ -52,6 +64,8 @@ impl Kind {
             Kind::Pod => "Pod",
             Kind::Node => "Node",
             Kind::Event => "Event",
+            Kind::ResourceSlice => "ResourceSlice",
+            Kind::ResourceClaim => "ResourceClaim",
         }
     }
 
@@ -60,7 +74,40 @@ impl Kind {
             "Pod" => Some(Kind::Pod),
             "Node" => Some(Kind::Node),
             "Event" => Some(Kind::Event),
+            "ResourceSlice" => Some(Kind::ResourceSlice),
+            "ResourceClaim" => Some(Kind::ResourceClaim),
             _ => None,
+        }
+    }
+
+    fn namespaced(self) -> bool {
+        !matches!(self, Kind::Node | Kind::ResourceSlice)
+    }
+
+    /// The resource as error messages name it (`pods`,
+    /// `resourceslices.resource.k8s.io`).
+    fn resource(self) -> &'static str {
+        match self {
+            Kind::Pod => "pods",
+            Kind::Node => "nodes",
+            Kind::Event => "events",
+            Kind::ResourceSlice => "resourceslices.resource.k8s.io",
+            Kind::ResourceClaim => "resourceclaims.resource.k8s.io",
+        }
+    }
+
+    /// Field selectors the real server accepts for this kind (slices:
+    /// `resourceslice.toSelectableFields`; claims: object meta only).
+    fn selectable(self, path: &str) -> bool {
+        match self {
+            Kind::Pod | Kind::Node | Kind::Event => matches!(
+                path,
+                "metadata.name" | "metadata.namespace" | "spec.nodeName" | "status.phase"
+            ),
+            Kind::ResourceSlice => {
+                matches!(path, "metadata.name" | "spec.nodeName" | "spec.driver")
+            }
+            Kind::ResourceClaim => matches!(path, "metadata.name" | "metadata.namespace"),
         }
     }
 }
@@ -88,6 +135,9 @@ struct Store {
     /// Bindings to leave unanswered and unapplied, as an overloaded server
     /// would, for timeout tests.
     hung_bindings: u32,
+    /// Serve as an API server without the `DRAConsumableCapacity` feature
+    /// gate: drop its fields on write.
+    consumable_capacity_off: bool,
 }
 
 struct Shared {
@@ -153,9 +203,14 @@ impl FakeApiServer {
     }
 
     /// Creates or replaces an object (`kind` and `metadata.name` required;
-    /// pods and events also `metadata.namespace`, default `default`),
+    /// namespaced kinds also `metadata.namespace`, default `default`),
     /// filling in what the server would: uid, resourceVersion,
-    /// creationTimestamp. Returns the stored object.
+    /// creationTimestamp, and for the `resource.k8s.io` kinds what their
+    /// registry does to a write (canonical slice quantities, the slice's
+    /// `metadata.generation`, [`drop_consumable_capacity`]). A claim keeps
+    /// the status it is given. Returns the stored object.
+    ///
+    /// [`drop_consumable_capacity`]: FakeApiServer::drop_consumable_capacity
     pub fn put(&self, object: Value) -> Value {
         let mut store = self.shared.lock();
         let (stored, change) = store.upsert(object);
@@ -187,19 +242,39 @@ impl FakeApiServer {
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
         let mut store = self.shared.lock();
         let key = (kind, namespace.to_owned(), name.to_owned());
-        let mut object = store.objects.remove(&key)?;
-        let version = store.bump();
-        set_version(&mut object, version);
-        let change = Change {
-            kind,
-            version,
-            kind_of_change: "DELETED",
-            object: object.clone(),
-        };
-        store.history.push(change.clone());
+        let (object, change) = store.remove(&key)?;
         drop(store);
         let _ = self.shared.changes.send(change);
         Some(object)
+    }
+
+    /// Deletes the ResourceSlices of `node` (of one driver, or all), as
+    /// kubelet does at every start and 30 s after a driver goes away.
+    /// Returns the deleted slices.
+    pub fn delete_node_slices(&self, node: &str, driver: Option<&str>) -> Vec<Value> {
+        let mut fields = vec![("spec.nodeName".to_owned(), true, node.to_owned())];
+        if let Some(driver) = driver {
+            fields.push(("spec.driver".to_owned(), true, driver.to_owned()));
+        }
+        let selector = Selector {
+            fields,
+            labels: Vec::new(),
+        };
+        delete_matching(&self.shared, Kind::ResourceSlice, None, &selector)
+    }
+
+    /// Serves as an API server without the `DRAConsumableCapacity` feature
+    /// gate (`on`) or with it. Without it, as the real registry's
+    /// `dropDisabledFields` does, writes silently drop a ResourceSlice's
+    /// `spec.devices[].allowMultipleAllocations` and
+    /// `spec.devices[].capacity.*.requestPolicy`, a ResourceClaim's
+    /// `spec.devices.requests[].exactly.capacity` (and `firstAvailable[]`'s,
+    /// and constraints' `distinctAttribute`) and its results' `shareID` and
+    /// `consumedCapacity` (and `status.devices[].shareID`); an update keeps
+    /// them only where the stored object already used the feature. Applies
+    /// to `put()` too.
+    pub fn drop_consumable_capacity(&self, on: bool) {
+        self.shared.lock().consumable_capacity_off = on;
     }
 
     /// Requests seen so far, as `METHOD /path?query`.
@@ -245,16 +320,79 @@ impl Store {
         self.version
     }
 
+    /// Removes an object; the change to broadcast.
+    fn remove(&mut self, key: &Key) -> Option<(Value, Change)> {
+        let mut object = self.objects.remove(key)?;
+        let version = self.bump();
+        set_version(&mut object, version);
+        let change = Change {
+            kind: key.0,
+            version,
+            kind_of_change: "DELETED",
+            object: object.clone(),
+        };
+        self.history.push(change.clone());
+        Some((object, change))
+    }
+
+    /// What the real registry's strategies do to a write before storing it
+    /// (`PrepareForCreate` / `PrepareForUpdate`), for the `resource.k8s.io`
+    /// kinds; `old` is the stored object an update replaces.
+    fn admit(&self, kind: Kind, object: &mut Value, old: Option<&Value>) {
+        match kind {
+            Kind::ResourceSlice => {
+                canonicalize_slice(object);
+                if self.consumable_capacity_off && !slice_uses_consumable_capacity(old) {
+                    drop_slice_consumable_capacity(object);
+                }
+                // metadata.generation: 1 at create, +1 on any spec change.
+                let generation = match old {
+                    None => 1,
+                    Some(old) => {
+                        let stored = old
+                            .pointer("/metadata/generation")
+                            .and_then(Value::as_i64)
+                            .unwrap_or(1);
+                        if old.get("spec") == object.get("spec") {
+                            stored
+                        } else {
+                            stored + 1
+                        }
+                    }
+                };
+                if let Some(meta) = object.get_mut("metadata").and_then(Value::as_object_mut) {
+                    meta.insert("generation".into(), json!(generation));
+                }
+            }
+            Kind::ResourceClaim if self.consumable_capacity_off => {
+                // The spec's and the status's checks differ, as in the real
+                // resourceclaim strategy: the spec keeps its fields only if
+                // the old spec used them, the status if the old claim did.
+                let spec_in_use = old.is_some_and(claim_spec_uses_consumable_capacity);
+                let claim_in_use =
+                    spec_in_use || old.is_some_and(claim_status_uses_consumable_capacity);
+                if !spec_in_use {
+                    drop_claim_spec_consumable_capacity(object);
+                }
+                if !claim_in_use {
+                    drop_claim_status_consumable_capacity(object);
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Stores `object`, new or replacing; the change to broadcast.
     fn upsert(&mut self, mut object: Value) -> (Value, Option<Change>) {
         let Some(kind) = Kind::of(&object) else {
             return (object, None);
         };
-        let namespace = match kind {
-            Kind::Node => String::new(),
-            _ => meta_str(&object, "namespace")
+        let namespace = if kind.namespaced() {
+            meta_str(&object, "namespace")
                 .unwrap_or("default")
-                .to_owned(),
+                .to_owned()
+        } else {
+            String::new()
         };
         let name = meta_str(&object, "name").unwrap_or_default().to_owned();
         let key = (kind, namespace.clone(), name.clone());
@@ -265,8 +403,10 @@ impl Store {
             .map(|o| o.entry("metadata").or_insert_with(|| json!({})))
             .and_then(Value::as_object_mut)
         {
-            if kind != Kind::Node {
+            if kind.namespaced() {
                 meta.insert("namespace".into(), json!(namespace));
+            } else {
+                meta.remove("namespace");
             }
             let uid = existed
                 .as_ref()
@@ -279,6 +419,7 @@ impl Store {
         if let Some(o) = object.as_object_mut() {
             o.insert("apiVersion".into(), json!(kind.api_version()));
         }
+        self.admit(kind, &mut object, existed.as_ref());
         set_version(&mut object, version);
         self.objects.insert(key, object.clone());
         let change = Change {
@@ -325,6 +466,29 @@ fn router() -> Router<Arc<Shared>> {
             "/apis/events.k8s.io/v1/namespaces/{ns}/events/{name}",
             get(get_event).patch(patch_event),
         )
+        .route(
+            "/apis/resource.k8s.io/v1/resourceslices",
+            get(list_slices).post(create_slice).delete(delete_slices),
+        )
+        .route(
+            "/apis/resource.k8s.io/v1/resourceslices/{name}",
+            get(get_slice)
+                .put(replace_slice)
+                .patch(patch_slice)
+                .delete(delete_slice),
+        )
+        .route(
+            "/apis/resource.k8s.io/v1/resourceclaims",
+            get(list_all_claims),
+        )
+        .route(
+            "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
+            get(list_claims).post(create_claim),
+        )
+        .route(
+            "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}",
+            get(get_claim).delete(delete_claim),
+        )
         .fallback(unknown)
 }
 
@@ -369,6 +533,102 @@ async fn list_events(
     Query(q): Params,
 ) -> Response {
     list_or_watch(&s, Kind::Event, Some(&ns), &q)
+}
+
+async fn list_slices(State(s): Shared_, Query(q): Params) -> Response {
+    list_or_watch(&s, Kind::ResourceSlice, None, &q)
+}
+
+async fn list_all_claims(State(s): Shared_, Query(q): Params) -> Response {
+    list_or_watch(&s, Kind::ResourceClaim, None, &q)
+}
+
+async fn list_claims(
+    State(s): Shared_,
+    UrlPath(ns): UrlPath<String>,
+    Query(q): Params,
+) -> Response {
+    list_or_watch(&s, Kind::ResourceClaim, Some(&ns), &q)
+}
+
+async fn get_slice(State(s): Shared_, UrlPath(name): UrlPath<String>) -> Response {
+    get_one(&s, Kind::ResourceSlice, "", &name)
+}
+
+async fn get_claim(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
+    get_one(&s, Kind::ResourceClaim, &ns, &name)
+}
+
+async fn create_slice(State(s): Shared_, body: Bytes) -> Response {
+    create(&s, Kind::ResourceSlice, "", &body)
+}
+
+async fn create_claim(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
+    create(&s, Kind::ResourceClaim, &ns, &body)
+}
+
+/// `PUT resourceslices/{name}`: the whole object, unconditional unless it
+/// names a resourceVersion (the real strategy allows unconditional updates).
+async fn replace_slice(State(s): Shared_, UrlPath(name): UrlPath<String>, body: Bytes) -> Response {
+    let Ok(new) = serde_json::from_slice::<Value>(&body) else {
+        return bad_request("the body is not JSON");
+    };
+    if let Some(named) = meta_str(&new, "name").filter(|n| *n != name) {
+        return bad_request(&format!(
+            "the name of the object ({named}) does not match the name on the URL ({name})"
+        ));
+    }
+    write(&s, Kind::ResourceSlice, "", &name, |old| {
+        check_version(&new, old)?;
+        Ok(new.clone())
+    })
+}
+
+async fn patch_slice(
+    State(s): Shared_,
+    UrlPath(name): UrlPath<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    patch(
+        &s,
+        Kind::ResourceSlice,
+        "",
+        &name,
+        &headers,
+        &body,
+        Part::Main,
+    )
+}
+
+async fn delete_slice(State(s): Shared_, UrlPath(name): UrlPath<String>, body: Bytes) -> Response {
+    delete_one(&s, Kind::ResourceSlice, "", &name, &body)
+}
+
+async fn delete_claim(
+    State(s): Shared_,
+    UrlPath((ns, name)): UrlPath<(String, String)>,
+    body: Bytes,
+) -> Response {
+    delete_one(&s, Kind::ResourceClaim, &ns, &name, &body)
+}
+
+/// `DELETE resourceslices?fieldSelector=…`: what kubelet sends for a node's
+/// slices. Answers the list of deleted objects, as the real server does.
+async fn delete_slices(State(s): Shared_, Query(q): Params) -> Response {
+    let selector = match Selector::parse(Kind::ResourceSlice, &q) {
+        Ok(selector) => selector,
+        Err(message) => return bad_request(&message),
+    };
+    let items = delete_matching(&s, Kind::ResourceSlice, None, &selector);
+    let version = s.lock().version;
+    axum::Json(json!({
+        "kind": "ResourceSliceList",
+        "apiVersion": Kind::ResourceSlice.api_version(),
+        "metadata": {"resourceVersion": version.to_string()},
+        "items": items,
+    }))
+    .into_response()
 }
 
 async fn get_pod(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
@@ -648,12 +908,20 @@ fn create(s: &Shared, kind: Kind, ns: &str, body: &[u8]) -> Response {
     };
     let mut store = s.lock();
     let name = meta_str(&object, "name").map(str::to_owned);
-    let Some(name) = name.filter(|n| !n.is_empty()) else {
-        return status_error(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "Invalid",
-            "metadata.name: Required value",
-        );
+    let name = match name.filter(|n| !n.is_empty()) {
+        Some(name) => name,
+        // generateName: the prefix and five characters, as the real
+        // server's SimpleNameGenerator (here counted, not random).
+        None => match meta_str(&object, "generateName").filter(|n| !n.is_empty()) {
+            Some(prefix) => format!("{prefix}{}", generated_suffix(store.version + 1)),
+            None => {
+                return status_error(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "Invalid",
+                    "metadata.name: Required value: name or generateName is required",
+                )
+            }
+        },
     };
     if store
         .objects
@@ -662,13 +930,20 @@ fn create(s: &Shared, kind: Kind, ns: &str, body: &[u8]) -> Response {
         return status_error(
             StatusCode::CONFLICT,
             "AlreadyExists",
-            &format!("{}s \"{name}\" already exists", kind.name().to_lowercase()),
+            &format!("{} \"{name}\" already exists", kind.resource()),
         );
     }
     if let Some(o) = object.as_object_mut() {
         o.insert("kind".into(), json!(kind.name()));
+        if kind == Kind::ResourceClaim {
+            // Status must not be set by the user on create.
+            o.remove("status");
+        }
         if let Some(meta) = o.get_mut("metadata").and_then(Value::as_object_mut) {
-            meta.insert("namespace".into(), json!(ns));
+            meta.insert("name".into(), json!(name));
+            if kind.namespaced() {
+                meta.insert("namespace".into(), json!(ns));
+            }
         }
     }
     let (stored, change) = store.upsert(object);
@@ -677,6 +952,77 @@ fn create(s: &Shared, kind: Kind, ns: &str, body: &[u8]) -> Response {
         let _ = s.changes.send(change);
     }
     (StatusCode::CREATED, axum::Json(stored)).into_response()
+}
+
+/// `DELETE …/{name}`, honouring the body's `preconditions` (uid,
+/// resourceVersion). Answers the deleted object (the resource registries
+/// set `ReturnDeletedObject`).
+fn delete_one(s: &Shared, kind: Kind, ns: &str, name: &str, body: &[u8]) -> Response {
+    let options: Value = if body.is_empty() {
+        Value::Null
+    } else {
+        match serde_json::from_slice(body) {
+            Ok(options) => options,
+            Err(_) => return bad_request("the DeleteOptions body is not JSON"),
+        }
+    };
+    let mut store = s.lock();
+    let key = (kind, ns.to_owned(), name.to_owned());
+    let Some(stored) = store.objects.get(&key) else {
+        return not_found(kind, name);
+    };
+    for (field, meta) in [("uid", "uid"), ("resourceVersion", "resourceVersion")] {
+        let wanted = options
+            .pointer(&format!("/preconditions/{field}"))
+            .and_then(Value::as_str);
+        let actual = meta_str(stored, meta).unwrap_or_default();
+        if let Some(wanted) = wanted.filter(|w| *w != actual) {
+            let label = if field == "uid" {
+                "UID"
+            } else {
+                "ResourceVersion"
+            };
+            return conflict(format!(
+                "Operation cannot be fulfilled on {} \"{name}\": Precondition failed: \
+                 {label} in precondition: {wanted}, {label} in object meta: {actual}",
+                kind.resource()
+            ))
+            .into_response();
+        }
+    }
+    let Some((object, change)) = store.remove(&key) else {
+        return not_found(kind, name);
+    };
+    drop(store);
+    let _ = s.changes.send(change);
+    axum::Json(object).into_response()
+}
+
+/// Deletes every object of `kind` (in `ns`, if given) that `selector`
+/// matches; returns them.
+fn delete_matching(s: &Shared, kind: Kind, ns: Option<&str>, selector: &Selector) -> Vec<Value> {
+    let mut store = s.lock();
+    let keys: Vec<Key> = store
+        .objects
+        .iter()
+        .filter(|((k, namespace, _), v)| {
+            *k == kind && ns.is_none_or(|ns| ns == namespace) && selector.matches(v)
+        })
+        .map(|(key, _)| key.clone())
+        .collect();
+    let mut deleted = Vec::with_capacity(keys.len());
+    let mut changes = Vec::with_capacity(keys.len());
+    for key in keys {
+        if let Some((object, change)) = store.remove(&key) {
+            deleted.push(object);
+            changes.push(change);
+        }
+    }
+    drop(store);
+    for change in changes {
+        let _ = s.changes.send(change);
+    }
+    deleted
 }
 
 fn get_one(s: &Shared, kind: Kind, ns: &str, name: &str) -> Response {
@@ -699,7 +1045,7 @@ fn list_or_watch(
     ns: Option<&str>,
     q: &HashMap<String, String>,
 ) -> Response {
-    let selector = match Selector::parse(q) {
+    let selector = match Selector::parse(kind, q) {
         Ok(selector) => selector,
         Err(message) => return bad_request(&message),
     };
@@ -811,7 +1157,7 @@ struct Selector {
 }
 
 impl Selector {
-    fn parse(q: &HashMap<String, String>) -> Result<Selector, String> {
+    fn parse(kind: Kind, q: &HashMap<String, String>) -> Result<Selector, String> {
         let mut selector = Selector::default();
         let terms = |text: Option<&String>| -> Vec<String> {
             text.map(|t| {
@@ -825,10 +1171,7 @@ impl Selector {
         for term in terms(q.get("fieldSelector")) {
             let (path, equal, value) =
                 split_term(&term).ok_or_else(|| format!("invalid field selector term {term:?}"))?;
-            if !matches!(
-                path.as_str(),
-                "metadata.name" | "metadata.namespace" | "spec.nodeName" | "status.phase"
-            ) {
+            if !kind.selectable(&path) {
                 return Err(format!("field label not supported: {path}"));
             }
             selector.fields.push((path, equal, value));
@@ -917,8 +1260,245 @@ fn not_found(kind: Kind, name: &str) -> Response {
     status_error(
         StatusCode::NOT_FOUND,
         "NotFound",
-        &format!("{}s \"{name}\" not found", kind.name().to_lowercase()),
+        &format!("{} \"{name}\" not found", kind.resource()),
     )
+}
+
+/// Five characters from the real name generator's alphabet, derived from `n`.
+fn generated_suffix(n: u64) -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    let mut n = n;
+    (0..5)
+        .map(|_| {
+            let c = ALPHABET[(n % ALPHABET.len() as u64) as usize];
+            n /= ALPHABET.len() as u64;
+            char::from(c)
+        })
+        .collect()
+}
+
+/// Whether a ResourceSlice uses `DRAConsumableCapacity` (the real
+/// strategy's `draConsumableCapacityFeatureInUse`): any device with
+/// `allowMultipleAllocations` or any capacity with a `requestPolicy`.
+fn slice_uses_consumable_capacity(slice: Option<&Value>) -> bool {
+    let Some(devices) = slice
+        .and_then(|s| s.pointer("/spec/devices"))
+        .and_then(Value::as_array)
+    else {
+        return false;
+    };
+    devices.iter().any(|device| {
+        present(device.get("allowMultipleAllocations"))
+            || device
+                .get("capacity")
+                .and_then(Value::as_object)
+                .is_some_and(|c| c.values().any(|cap| present(cap.get("requestPolicy"))))
+    })
+}
+
+fn drop_slice_consumable_capacity(slice: &mut Value) {
+    let Some(devices) = slice
+        .pointer_mut("/spec/devices")
+        .and_then(Value::as_array_mut)
+    else {
+        return;
+    };
+    for device in devices.iter_mut().filter_map(Value::as_object_mut) {
+        device.remove("allowMultipleAllocations");
+        if let Some(capacity) = device.get_mut("capacity").and_then(Value::as_object_mut) {
+            for cap in capacity.values_mut().filter_map(Value::as_object_mut) {
+                cap.remove("requestPolicy");
+            }
+        }
+    }
+}
+
+/// `resourceclaimspec.DRAConsumableCapacityFeatureInUse`: a constraint's
+/// `distinctAttribute`, or a capacity request in `exactly` or a
+/// `firstAvailable` subrequest.
+fn claim_spec_uses_consumable_capacity(claim: &Value) -> bool {
+    let devices = claim.pointer("/spec/devices");
+    let constraints = devices
+        .and_then(|d| d.get("constraints"))
+        .and_then(Value::as_array);
+    if constraints.is_some_and(|c| c.iter().any(|c| present(c.get("distinctAttribute")))) {
+        return true;
+    }
+    let requests = devices
+        .and_then(|d| d.get("requests"))
+        .and_then(Value::as_array);
+    requests.is_some_and(|requests| {
+        requests.iter().any(|r| {
+            present(r.pointer("/exactly/capacity"))
+                || r.get("firstAvailable")
+                    .and_then(Value::as_array)
+                    .is_some_and(|subs| subs.iter().any(|s| present(s.get("capacity"))))
+        })
+    })
+}
+
+/// The status half of the real strategy's `draConsumableCapacityFeatureInUse`.
+fn claim_status_uses_consumable_capacity(claim: &Value) -> bool {
+    let results = claim
+        .pointer("/status/allocation/devices/results")
+        .and_then(Value::as_array);
+    let devices = claim.pointer("/status/devices").and_then(Value::as_array);
+    results.is_some_and(|results| {
+        results
+            .iter()
+            .any(|r| present(r.get("shareID")) || present(r.get("consumedCapacity")))
+    }) || devices.is_some_and(|d| d.iter().any(|d| present(d.get("shareID"))))
+}
+
+fn drop_claim_spec_consumable_capacity(claim: &mut Value) {
+    let Some(devices) = claim.pointer_mut("/spec/devices") else {
+        return;
+    };
+    if let Some(constraints) = devices.get_mut("constraints").and_then(Value::as_array_mut) {
+        for constraint in constraints.iter_mut().filter_map(Value::as_object_mut) {
+            constraint.remove("distinctAttribute");
+        }
+    }
+    if let Some(requests) = devices.get_mut("requests").and_then(Value::as_array_mut) {
+        for request in requests.iter_mut() {
+            if let Some(exactly) = request.get_mut("exactly").and_then(Value::as_object_mut) {
+                exactly.remove("capacity");
+            }
+            if let Some(subs) = request
+                .get_mut("firstAvailable")
+                .and_then(Value::as_array_mut)
+            {
+                for sub in subs.iter_mut().filter_map(Value::as_object_mut) {
+                    sub.remove("capacity");
+                }
+            }
+        }
+    }
+}
+
+fn drop_claim_status_consumable_capacity(claim: &mut Value) {
+    if let Some(results) = claim
+        .pointer_mut("/status/allocation/devices/results")
+        .and_then(Value::as_array_mut)
+    {
+        for result in results.iter_mut().filter_map(Value::as_object_mut) {
+            result.remove("shareID");
+            result.remove("consumedCapacity");
+        }
+    }
+    if let Some(devices) = claim
+        .pointer_mut("/status/devices")
+        .and_then(Value::as_array_mut)
+    {
+        for device in devices.iter_mut().filter_map(Value::as_object_mut) {
+            device.remove("shareID");
+        }
+    }
+}
+
+/// Set and not null (Go's `!= nil`).
+fn present(value: Option<&Value>) -> bool {
+    value.is_some_and(|v| !v.is_null())
+}
+
+/// Rewrites a slice's capacity quantities (`value`, and `requestPolicy`'s
+/// `default`, `validValues` and `validRange`) in canonical form.
+fn canonicalize_slice(slice: &mut Value) {
+    let Some(devices) = slice
+        .pointer_mut("/spec/devices")
+        .and_then(Value::as_array_mut)
+    else {
+        return;
+    };
+    let fix = |q: &mut Value| {
+        if let Some(canonical) = q.as_str().and_then(canonical_quantity) {
+            *q = Value::String(canonical);
+        }
+    };
+    for device in devices.iter_mut() {
+        let Some(capacity) = device.get_mut("capacity").and_then(Value::as_object_mut) else {
+            continue;
+        };
+        for cap in capacity.values_mut() {
+            if let Some(value) = cap.get_mut("value") {
+                fix(value);
+            }
+            let Some(policy) = cap.get_mut("requestPolicy") else {
+                continue;
+            };
+            if let Some(default) = policy.get_mut("default") {
+                fix(default);
+            }
+            if let Some(values) = policy.get_mut("validValues").and_then(Value::as_array_mut) {
+                values.iter_mut().for_each(fix);
+            }
+            if let Some(range) = policy.get_mut("validRange").and_then(Value::as_object_mut) {
+                for bound in ["min", "max", "step"] {
+                    if let Some(q) = range.get_mut(bound) {
+                        fix(q);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A quantity as the real server writes it back (`resource.Quantity`'s
+/// `CanonicalizeBytes`): binary-suffixed values in the largest power of 1024
+/// that keeps them whole (`1024Mi` → `1Gi`; under 1024 or fractional
+/// bytes: decimal), decimal ones in the largest power of 1000 (`1000k` →
+/// `1M`, `0.5` → `500m`). `None` (leave it) for exponent forms and for
+/// what is finer than a milli-unit or not a quantity.
+fn canonical_quantity(text: &str) -> Option<String> {
+    let (sign, rest) = match text.as_bytes().first()? {
+        b'-' => (-1i128, &text[1..]),
+        b'+' => (1, &text[1..]),
+        _ => (1, text),
+    };
+    let number_end = rest
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(rest.len());
+    let (number, suffix) = rest.split_at(number_end);
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && fraction.is_empty() || fraction.contains('.') {
+        return None;
+    }
+    let binary = ["", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei"];
+    let decimal = ["m", "", "k", "M", "G", "T", "P", "E"];
+    // The value in thousandths: `scale` over 1000^k or 1024^k.
+    let (is_binary, multiplier): (bool, i128) =
+        if let Some(k) = binary.iter().position(|s| *s == suffix).filter(|k| *k > 0) {
+            (true, 1000 * 1024i128.pow(u32::try_from(k).ok()?))
+        } else {
+            let k = decimal.iter().position(|s| *s == suffix)?;
+            (false, 1000i128.pow(u32::try_from(k).ok()?))
+        };
+    let digits: i128 = format!("{whole}{fraction}").parse().ok()?;
+    let divisor = 10i128.checked_pow(u32::try_from(fraction.len()).ok()?)?;
+    let scaled = digits.checked_mul(multiplier)?;
+    if scaled % divisor != 0 {
+        return None;
+    }
+    let milli = sign * (scaled / divisor);
+    if is_binary && milli % 1000 == 0 && milli.abs() >= 1024 * 1000 {
+        let mut bytes = milli / 1000;
+        let mut k = 0;
+        while k + 1 < binary.len() && bytes % 1024 == 0 {
+            bytes /= 1024;
+            k += 1;
+        }
+        return Some(format!("{bytes}{}", binary[k]));
+    }
+    if milli == 0 {
+        return Some("0".into());
+    }
+    let mut mantissa = milli;
+    let mut k = 0;
+    while k + 1 < decimal.len() && mantissa % 1000 == 0 {
+        mantissa /= 1000;
+        k += 1;
+    }
+    Some(format!("{mantissa}{}", decimal[k]))
 }
 
 fn bad_request(message: &str) -> Response {
@@ -961,12 +1541,406 @@ mod tests {
                 ("labelSelector".to_owned(), l.to_owned()),
             ])
         };
-        let s = |f, l| Selector::parse(&q(f, l)).unwrap().matches(&pod);
+        let s = |f, l| Selector::parse(Kind::Pod, &q(f, l)).unwrap().matches(&pod);
         assert!(s("spec.nodeName=n1", ""));
         assert!(!s("spec.nodeName=n2", ""));
         assert!(s("spec.nodeName=n1,status.phase!=Succeeded", "app=x"));
         assert!(!s("", "app!=x"));
         assert!(s("", "app"));
-        assert!(Selector::parse(&q("spec.unknown=1", "")).is_err());
+        assert!(Selector::parse(Kind::Pod, &q("spec.unknown=1", "")).is_err());
+        assert!(Selector::parse(Kind::ResourceSlice, &q("spec.driver=d", "")).is_ok());
+        assert!(Selector::parse(Kind::ResourceSlice, &q("status.phase=x", "")).is_err());
+    }
+
+    #[test]
+    fn quantities_are_canonical() {
+        for (given, canonical) in [
+            ("1024Mi", "1Gi"),
+            ("15079Mi", "15079Mi"),
+            ("14336Mi", "14Gi"),
+            ("1Gi", "1Gi"),
+            ("16384Mi", "16Gi"),
+            ("1.5Gi", "1536Mi"),
+            ("0.5Ki", "512"),
+            ("1536", "1536"),
+            ("1000", "1k"),
+            ("1000k", "1M"),
+            ("0.5", "500m"),
+            ("0", "0"),
+            ("0Mi", "0"),
+            ("-2048Ki", "-2Mi"),
+        ] {
+            assert_eq!(
+                canonical_quantity(given).as_deref(),
+                Some(canonical),
+                "{given}"
+            );
+        }
+        for left in ["1e3", "Mi", "", "1.2.3", "1Qi", "0.0001"] {
+            assert_eq!(canonical_quantity(left), None, "{left}");
+        }
+    }
+
+    use futures_util::{StreamExt, TryStreamExt};
+    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+    use kube::api::{
+        Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams,
+    };
+
+    fn client(api: &FakeApiServer) -> kube::Client {
+        kube::Client::try_from(kube::Config::new(api.url().parse().unwrap())).unwrap()
+    }
+
+    fn slice(name: &str, node: &str, driver: &str) -> ResourceSlice {
+        serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {
+                "driver": driver,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [{
+                    "name": "gpu-0",
+                    "allowMultipleAllocations": true,
+                    "capacity": {"memory": {
+                        "value": "16384Mi",
+                        "requestPolicy": {
+                            "default": "16384Mi",
+                            "validRange": {"min": "1024Mi", "max": "16Gi", "step": "1024Mi"},
+                        },
+                    }},
+                }],
+            },
+        }))
+        .unwrap()
+    }
+
+    fn names(slices: &[ResourceSlice]) -> Vec<&str> {
+        slices
+            .iter()
+            .map(|s| s.metadata.name.as_deref().unwrap_or(""))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn slices_list_and_watch_by_field() {
+        let server = FakeApiServer::start().await.unwrap();
+        let api: Api<ResourceSlice> = Api::all(client(&server));
+        let pp = PostParams::default();
+        for (name, node, driver) in [("a-x", "a", "x"), ("a-y", "a", "y"), ("b-x", "b", "x")] {
+            api.create(&pp, &slice(name, node, driver)).await.unwrap();
+        }
+        let on_a = api
+            .list(&ListParams::default().fields("spec.nodeName=a"))
+            .await
+            .unwrap();
+        assert_eq!(names(&on_a.items), ["a-x", "a-y"]);
+        let a_x = ListParams::default().fields("spec.nodeName=a,spec.driver=x");
+        assert_eq!(names(&api.list(&a_x).await.unwrap().items), ["a-x"]);
+        let err = api
+            .list(&ListParams::default().fields("spec.pool.name=a"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, kube::Error::Api(s) if s.code == 400));
+        assert!(server.requests().iter().any(|r| {
+            r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices?")
+                && r.contains("fieldSelector=spec.nodeName%3Da%2Cspec.driver%3Dx")
+        }));
+
+        let wp = WatchParams::default().fields("spec.nodeName=a,spec.driver=x");
+        let version = on_a.metadata.resource_version.unwrap();
+        let mut events = api.watch(&wp, &version).await.unwrap().boxed();
+        api.create(&pp, &slice("b-x2", "b", "x")).await.unwrap();
+        api.delete("a-y", &DeleteParams::default()).await.unwrap();
+        api.delete("a-x", &DeleteParams::default()).await.unwrap();
+        match events.try_next().await.unwrap() {
+            Some(WatchEvent::Deleted(s)) => assert_eq!(s.metadata.name.as_deref(), Some("a-x")),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn slices_are_replaced_with_versions_and_generations_and_canonical_quantities() {
+        let server = FakeApiServer::start().await.unwrap();
+        let api: Api<ResourceSlice> = Api::all(client(&server));
+        let created = api
+            .create(&PostParams::default(), &slice("s", "a", "x"))
+            .await
+            .unwrap();
+        assert_eq!(created.metadata.generation, Some(1));
+        let memory = &created.spec.devices.as_ref().unwrap()[0]
+            .capacity
+            .as_ref()
+            .unwrap()["memory"];
+        assert_eq!(memory.value.0, "16Gi");
+        let range = memory
+            .request_policy
+            .as_ref()
+            .unwrap()
+            .valid_range
+            .as_ref()
+            .unwrap();
+        assert_eq!(
+            (
+                range.min.0.as_str(),
+                range.step.as_ref().unwrap().0.as_str()
+            ),
+            ("1Gi", "1Gi")
+        );
+
+        // Same spec: the generation stays; a changed spec bumps it.
+        let same = api
+            .replace("s", &PostParams::default(), &created)
+            .await
+            .unwrap();
+        assert_eq!(same.metadata.generation, Some(1));
+        let mut changed = same.clone();
+        changed.spec.pool.generation = 2;
+        let changed = api
+            .replace("s", &PostParams::default(), &changed)
+            .await
+            .unwrap();
+        assert_eq!(changed.metadata.generation, Some(2));
+        // A stale resourceVersion is a conflict.
+        let err = api
+            .replace("s", &PostParams::default(), &created)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, kube::Error::Api(s) if s.code == 409));
+        // Without one, the write is unconditional.
+        let mut unconditional = created.clone();
+        unconditional.metadata.resource_version = None;
+        api.replace("s", &PostParams::default(), &unconditional)
+            .await
+            .unwrap();
+
+        // generateName, as the upstream helper names slices.
+        let mut generated = slice("", "a", "x");
+        generated.metadata.name = None;
+        generated.metadata.generate_name = Some("00000-x-a-".into());
+        let generated = api
+            .create(&PostParams::default(), &generated)
+            .await
+            .unwrap();
+        let name = generated.metadata.name.unwrap();
+        assert!(name.starts_with("00000-x-a-") && name.len() == 15, "{name}");
+        let again = api
+            .create(&PostParams::default(), &slice("s", "a", "x"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err_code(&again), Some(409)));
+    }
+
+    fn err_code(err: &kube::Error) -> Option<u16> {
+        match err {
+            kube::Error::Api(s) => Some(s.code),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn slices_are_deleted_by_name_with_preconditions_and_by_field() {
+        let server = FakeApiServer::start().await.unwrap();
+        let api: Api<ResourceSlice> = Api::all(client(&server));
+        let pp = PostParams::default();
+        for (name, node, driver) in [
+            ("a-x", "a", "x"),
+            ("a-y", "a", "y"),
+            ("b-x", "b", "x"),
+            ("c-x", "c", "x"),
+        ] {
+            api.create(&pp, &slice(name, node, driver)).await.unwrap();
+        }
+        let wrong = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: Some("not-its-uid".into()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        let err = api.delete("c-x", &wrong).await.unwrap_err();
+        assert_eq!(err_code(&err), Some(409));
+        let deleted = api.delete("c-x", &DeleteParams::default()).await.unwrap();
+        assert!(deleted.is_left(), "the deleted object comes back");
+        assert_eq!(err_code(&api.get("c-x").await.unwrap_err()), Some(404));
+
+        // What kubelet sends at start.
+        let gone = api
+            .delete_collection(
+                &DeleteParams::default(),
+                &ListParams::default().fields("spec.nodeName=a"),
+            )
+            .await
+            .unwrap();
+        let gone = gone.left().unwrap();
+        assert_eq!(names(&gone.items), ["a-x", "a-y"]);
+        assert!(server.requests().iter().any(|r| r
+            .starts_with("DELETE /apis/resource.k8s.io/v1/resourceslices?")
+            && r.contains("fieldSelector=spec.nodeName%3Da")));
+        assert_eq!(
+            names(&api.list(&ListParams::default()).await.unwrap().items),
+            ["b-x"]
+        );
+        // The test-side kubelet.
+        assert_eq!(server.delete_node_slices("b", Some("y")).len(), 0);
+        assert_eq!(server.delete_node_slices("b", None).len(), 1);
+        assert!(server.list(Kind::ResourceSlice).is_empty());
+    }
+
+    fn claim(name: &str) -> Value {
+        json!({
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "team"},
+            "spec": {"devices": {"requests": [{
+                "name": "gpu",
+                "exactly": {
+                    "deviceClassName": "gpumem.io",
+                    "capacity": {"requests": {"memory": "4Gi"}},
+                },
+            }]}},
+            "status": {"allocation": {"devices": {"results": [{
+                "request": "gpu",
+                "driver": "gpumem.io",
+                "pool": "a",
+                "device": "gpu-0",
+                "shareID": "6a3f0c2e-0000-4000-8000-000000000001",
+                "consumedCapacity": {"memory": "4Gi"},
+            }]}}},
+        })
+    }
+
+    #[tokio::test]
+    async fn claims_are_served_and_lose_consumable_capacity_without_the_gate() {
+        let server = FakeApiServer::start().await.unwrap();
+        let client = client(&server);
+        let team: Api<ResourceClaim> = Api::namespaced(client.clone(), "team");
+        server.put(claim("with-gate"));
+        let got = team.get("with-gate").await.unwrap();
+        let result = &got
+            .status
+            .unwrap()
+            .allocation
+            .unwrap()
+            .devices
+            .unwrap()
+            .results
+            .unwrap()[0];
+        assert!(result.share_id.is_some() && result.consumed_capacity.is_some());
+        let all: Api<ResourceClaim> = Api::all(client.clone());
+        assert_eq!(
+            all.list(&ListParams::default()).await.unwrap().items.len(),
+            1
+        );
+        let other: Api<ResourceClaim> = Api::namespaced(client.clone(), "other");
+        assert!(other
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty());
+        assert_eq!(
+            err_code(&other.get("with-gate").await.unwrap_err()),
+            Some(404)
+        );
+
+        server.drop_consumable_capacity(true);
+        server.put(claim("without-gate"));
+        let got = team.get("without-gate").await.unwrap();
+        let request = &got
+            .spec
+            .as_ref()
+            .unwrap()
+            .devices
+            .as_ref()
+            .unwrap()
+            .requests
+            .as_ref()
+            .unwrap()[0];
+        assert!(request.exactly.as_ref().unwrap().capacity.is_none());
+        let result = &got
+            .status
+            .unwrap()
+            .allocation
+            .unwrap()
+            .devices
+            .unwrap()
+            .results
+            .unwrap()[0];
+        assert!(result.share_id.is_none() && result.consumed_capacity.is_none());
+        assert_eq!(result.device, "gpu-0");
+        // A claim that already used the feature keeps it on update.
+        let kept = server.put(claim("with-gate"));
+        assert!(kept
+            .pointer("/status/allocation/devices/results/0/shareID")
+            .is_some());
+
+        // Create over REST: status is the server's, capacity dropped.
+        let posted: ResourceClaim = serde_json::from_value(claim("posted")).unwrap();
+        let created = team.create(&PostParams::default(), &posted).await.unwrap();
+        assert!(created.status.is_none());
+        let request = &created
+            .spec
+            .as_ref()
+            .unwrap()
+            .devices
+            .as_ref()
+            .unwrap()
+            .requests
+            .as_ref()
+            .unwrap()[0];
+        assert!(request.exactly.as_ref().unwrap().capacity.is_none());
+
+        // Watch from the start: every claim of the namespace as ADDED.
+        let mut events = team
+            .watch(&WatchParams::default(), "0")
+            .await
+            .unwrap()
+            .boxed();
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            if let Some(Ok(WatchEvent::Added(c))) = events.next().await {
+                seen.push(c.metadata.name.unwrap());
+            }
+        }
+        seen.sort();
+        assert_eq!(seen, ["posted", "with-gate", "without-gate"]);
+    }
+
+    #[tokio::test]
+    async fn slices_lose_consumable_capacity_only_where_unused() {
+        let server = FakeApiServer::start().await.unwrap();
+        let api: Api<ResourceSlice> = Api::all(client(&server));
+        let pp = PostParams::default();
+        let kept = |s: &ResourceSlice| {
+            let device = &s.spec.devices.as_ref().unwrap()[0];
+            (
+                device.allow_multiple_allocations.is_some(),
+                device.capacity.as_ref().unwrap()["memory"]
+                    .request_policy
+                    .is_some(),
+            )
+        };
+        // Created with the gate: kept, and kept by updates without it.
+        let with = api.create(&pp, &slice("with", "a", "x")).await.unwrap();
+        server.drop_consumable_capacity(true);
+        let updated = api.replace("with", &pp, &with).await.unwrap();
+        assert_eq!(kept(&updated), (true, true));
+        // Created without: dropped, and dropped again on update.
+        let without = api.create(&pp, &slice("without", "b", "x")).await.unwrap();
+        assert_eq!(kept(&without), (false, false));
+        let mut again = slice("without", "b", "x");
+        again.metadata.resource_version = without.metadata.resource_version.clone();
+        let again = api.replace("without", &pp, &again).await.unwrap();
+        assert_eq!(kept(&again), (false, false));
+        // Once the gate is on, an update adds them.
+        server.drop_consumable_capacity(false);
+        let mut on = slice("without", "b", "x");
+        on.metadata.resource_version = again.metadata.resource_version.clone();
+        assert_eq!(
+            kept(&api.replace("without", &pp, &on).await.unwrap()),
+            (true, true)
+        );
     }
 }

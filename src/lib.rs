@@ -6,14 +6,16 @@
 #![forbid(unsafe_code)]
 
 // The layers, bottom up: node, isolation, cluster (the API server), the
-// front ends (deviceplugin for kubelet, extender for kube-scheduler; neither
-// uses the other), ops. Each uses only those before it, except where the
-// device plugin's wire format still reaches down: the inventory builds
-// ListAndWatch's device list (and checks kubelet's message limit at start),
-// inject builds the Allocate response, and cleanup asks pod-resources who
-// holds what. A front-end-neutral grant and holder seam remove these.
+// front ends (deviceplugin and dra for kubelet, extender for kube-scheduler;
+// none uses another, except that dra serves its sockets through the device
+// plugin's authority fix), ops. Each uses only those before it, except where
+// the device plugin's wire format still reaches down: the inventory builds
+// ListAndWatch's device list (and checks kubelet's message limit at start)
+// and inject builds the Allocate response. Clean-up learns who holds what
+// through a seam (`cleanup::Holders`) each front end fills.
 pub mod cluster;
 pub mod deviceplugin;
+pub mod dra;
 pub mod extender;
 pub mod isolation;
 pub mod node;

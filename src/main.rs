@@ -11,6 +11,7 @@ use tracing::info;
 
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::deviceplugin::podresources::{self, PodResources};
+use gpumem::dra;
 use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
@@ -50,6 +51,10 @@ struct Cli {
 enum Command {
     /// Run the device plugin on a GPU node (the DaemonSet's command).
     Plugin(PluginArgs),
+    /// Run the DRA driver on a GPU node instead of the device plugin
+    /// (Kubernetes 1.34+, resource.k8s.io/v1; each GPU's memory as
+    /// consumable capacity). A node runs one of the two.
+    Dra(DraArgs),
     /// Run the real plugin against a simulated kubelet on a fake T4 node and
     /// replay the gpushare notebook scenario. Needs no GPU and no cluster.
     #[cfg(feature = "demo")]
@@ -249,6 +254,20 @@ struct PluginArgs {
     placement: PlacementArgs,
 
     #[command(flatten)]
+    daemon: DaemonArgs,
+
+    #[command(flatten)]
+    device_list: DeviceListArgs,
+
+    #[command(flatten)]
+    cluster: ClusterArgs,
+}
+
+/// What both front ends run beside kubelet's API: the node, health, the
+/// HTTP endpoint, reconciliation, the over-cap action and clean-up.
+#[derive(Args)]
+struct DaemonArgs {
+    #[command(flatten)]
     node: NodeArgs,
 
     /// Address for /metrics, /healthz and /status (HOST:PORT or :PORT; empty: off).
@@ -295,13 +314,64 @@ struct PluginArgs {
     state_grace_secs: u64,
 
     #[command(flatten)]
-    device_list: DeviceListArgs,
-
-    #[command(flatten)]
     reconcile: ReconcileArgs,
+}
+
+/// The DRA driver: kubelet's DRA plugin API instead of the device plugin's.
+#[derive(Args)]
+struct DraArgs {
+    /// The driver's name, a DNS subdomain: in the ResourceSlice, the
+    /// DeviceClass's selector, and the names of kubelet's sockets.
+    #[arg(long, env = "GPUMEM_DRIVER_NAME", default_value = dra::DEFAULT_DRIVER_NAME)]
+    driver_name: String,
+
+    /// kubelet's DRA plugin directory; the DRA socket is created at
+    /// <dir>/<driver-name>/dra.sock.
+    #[arg(
+        long,
+        env = "GPUMEM_KUBELET_PLUGINS_DIR",
+        default_value = dra::service::DEFAULT_PLUGINS_DIR
+    )]
+    kubelet_plugins_dir: PathBuf,
+
+    /// kubelet's plugin-registration directory, which it watches; the
+    /// registration socket is created at <dir>/<driver-name>-reg.sock.
+    #[arg(
+        long,
+        env = "GPUMEM_KUBELET_REGISTRY_DIR",
+        default_value = dra::service::DEFAULT_REGISTRY_DIR
+    )]
+    kubelet_registry_dir: PathBuf,
+
+    /// Step of each claim's memory: GiB or MiB. The ResourceSlice offers
+    /// each GPU's memory in whole steps (a 15079 MiB T4: at most 14Gi per claim
+    /// with GiB).
+    #[arg(
+        long,
+        env = "GPUMEM_MEMORY_UNIT",
+        default_value = "GiB",
+        value_name = "GiB|MiB"
+    )]
+    memory_unit: MemoryUnit,
+
+    /// This node's name (the DaemonSet sets it from spec.nodeName): the
+    /// ResourceSlice's node and pool.
+    #[arg(long, env = "GPUMEM_NODE_NAME", value_name = "NAME")]
+    node_name: String,
+
+    /// kubeconfig for the API server (default: the pod's service account,
+    /// then $KUBECONFIG, then ~/.kube/config).
+    #[arg(long, env = "GPUMEM_KUBECONFIG", value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+
+    /// Host directory for the claims' CDI specs: one the container runtime
+    /// reads (containerd needs enable_cdi). NVIDIA's spec for the GPUs is
+    /// looked for here and in /etc/cdi.
+    #[arg(long, env = "GPUMEM_CDI_SPEC_DIR", default_value = cdi::DEFAULT_SPEC_DIR)]
+    cdi_spec_dir: PathBuf,
 
     #[command(flatten)]
-    cluster: ClusterArgs,
+    daemon: DaemonArgs,
 }
 
 /// The API server: optional, for what only it knows.
@@ -377,6 +447,16 @@ struct DemoArgs {
     /// --workspace` puts them; skipped if they are not there).
     #[arg(long, env = "GPUMEM_DEMO_TENANT_DIR", value_name = "DIR")]
     tenant_dir: Option<PathBuf>,
+
+    /// Play the DRA driver's scenario instead: the driver publishes the T4's
+    /// memory as consumable capacity and prepares three claims of 4Gi
+    /// (GPUMEM_DEMO_DRA: true or false).
+    #[arg(
+        long,
+        env = "GPUMEM_DEMO_DRA",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    dra: bool,
 
     /// How Allocate names the GPU to the runtime: envvar, volume-mounts or
     /// cdi (the demo writes CDI specs into its own temporary directory).
@@ -519,7 +599,7 @@ struct InspectArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
-        Command::Plugin(_) => "info",
+        Command::Plugin(_) | Command::Dra(_) => "info",
         Command::InstallShim(_) | Command::Extender(_) => "info",
         #[cfg(feature = "demo")]
         Command::Demo(_) => "warn",
@@ -543,6 +623,7 @@ fn main() -> ExitCode {
             runtime.block_on(async {
                 match cli.command {
                     Command::Plugin(args) => plugin(args).await.map(|()| ExitCode::SUCCESS),
+                    Command::Dra(args) => dra_driver(args).await.map(|()| ExitCode::SUCCESS),
                     #[cfg(feature = "demo")]
                     Command::Demo(args) => {
                         let report = demo::run(DemoConfig {
@@ -554,6 +635,7 @@ fn main() -> ExitCode {
                             device_list: args
                                 .device_list_strategy
                                 .strategy(Path::new(cdi::DEFAULT_SPEC_DIR)),
+                            dra: args.dra,
                         })
                         .await?;
                         print!("{report}");
@@ -626,67 +708,137 @@ impl NodeArgs {
 
 async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     let unit = args.resource.memory_unit;
-    let inventory = Inventory::new(discover(args.node.fake_gpus.as_deref())?, unit)?;
-    for g in inventory.gpus() {
-        info!(
-            index = g.gpu.index,
-            name = %g.gpu.name,
-            uuid = %g.gpu.uuid,
-            memory_mib = g.gpu.memory_mib,
-            units = g.units,
-            id_prefix = %g.key,
-            "GPU"
-        );
-    }
-    let metrics = match metrics::parse_address(&args.metrics_addr)? {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?,
-        ),
-        None => None,
-    };
-    let health = health::watch_for(
-        args.node.fake_gpus.as_deref(),
-        &args.ignore_xids.0,
-        Duration::from_secs(args.health_recovery_secs),
-    );
+    let daemon = args.daemon.start(unit).await?;
     info!(
         %unit,
         placement = %args.placement.placement,
-        metrics = %args.metrics_addr,
-        ignore_xids = ?args.ignore_xids.0,
+        metrics = %args.daemon.metrics_addr,
+        ignore_xids = ?args.daemon.ignore_xids.0,
         device_list = %args.device_list.strategy(),
         "starting"
     );
-
     let cluster = args.cluster.connect().await?;
-    let shutdown = CancellationToken::new();
-    tokio::spawn(stop_on_signal(shutdown.clone()));
-    let reconcile = match args.node.isolation {
-        IsolationMode::Shim => args.reconcile.source(args.node.fake_gpus.as_deref()),
-        IsolationMode::None => None,
-    };
     let config = DaemonConfig {
         plugin: PluginConfig {
             kubelet_dir: args.kubelet_dir,
             resource_name: args.resource.resource_name,
             policy: args.placement.placement,
-            isolation: args.node.isolation(),
+            isolation: args.daemon.node.isolation(),
             device_list: args.device_list.strategy(),
         },
-        pod_resources_socket: args.node.pod_resources_socket,
-        metrics,
-        state_grace: Duration::from_secs(args.state_grace_secs),
-        reconcile,
-        over_cap: Some((
-            args.over_cap_action,
-            Duration::from_secs(args.over_cap_grace_secs),
-        )),
+        pod_resources_socket: args.daemon.node.pod_resources_socket.clone(),
+        common: daemon.common,
         cluster,
     };
-    daemon::run(config, inventory, health, shutdown).await?;
+    daemon::run(config, daemon.inventory, daemon.health, daemon.shutdown).await?;
     Ok(())
+}
+
+async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
+    dra::validate_driver_name(&args.driver_name).map_err(|reason| {
+        anyhow::anyhow!("invalid --driver-name {:?}: {reason}", args.driver_name)
+    })?;
+    if args.node_name.is_empty() {
+        anyhow::bail!("--node-name (GPUMEM_NODE_NAME) is empty: the DRA driver publishes this node's GPUs under its name");
+    }
+    let unit = args.memory_unit;
+    let facts = match args.daemon.node.fake_gpus.as_deref() {
+        Some(path) => FakeGpus::from_file(path)?.facts(),
+        None => NvmlGpus.facts(),
+    };
+    let daemon = args.daemon.start(unit).await?;
+    info!(
+        driver = %args.driver_name,
+        node = %args.node_name,
+        %unit,
+        metrics = %args.daemon.metrics_addr,
+        "starting the DRA driver"
+    );
+    let client = gpumem::cluster::client::connect(args.kubeconfig.as_deref()).await?;
+    let boot_id = dra::checkpoint::current_boot_id()
+        .context("cannot read the boot ID (/proc/sys/kernel/random/boot_id)")?;
+    let config = daemon::DraDaemonConfig {
+        driver: dra::prepare::DriverConfig {
+            driver: args.driver_name.clone(),
+            node: args.node_name.clone(),
+            isolation: args.daemon.node.isolation(),
+            specs: SpecDir::of_class(&args.cdi_spec_dir, cdi::CLAIM_CLASS),
+            nvidia_spec_dirs: vec![PathBuf::from("/etc/cdi"), args.cdi_spec_dir.clone()],
+        },
+        sockets: dra::service::DraSockets {
+            driver_name: args.driver_name,
+            plugins_dir: args.kubelet_plugins_dir,
+            registry_dir: args.kubelet_registry_dir,
+        },
+        client,
+        facts,
+        boot_id,
+        pod_resources_socket: args.daemon.node.pod_resources_socket.clone(),
+        common: daemon.common,
+    };
+    daemon::run_dra(config, daemon.inventory, daemon.health, daemon.shutdown).await?;
+    Ok(())
+}
+
+/// A front end's daemon, ready to start: what `DaemonArgs` gave.
+struct Started {
+    inventory: Inventory,
+    health: Option<Box<dyn health::HealthWatch>>,
+    common: daemon::Common,
+    shutdown: CancellationToken,
+}
+
+impl DaemonArgs {
+    /// Discovers the GPUs, binds the HTTP endpoint (so a bad address fails
+    /// before anything starts) and installs the signal handlers.
+    async fn start(&self, unit: MemoryUnit) -> anyhow::Result<Started> {
+        let inventory = Inventory::new(discover(self.node.fake_gpus.as_deref())?, unit)?;
+        for g in inventory.gpus() {
+            info!(
+                index = g.gpu.index,
+                name = %g.gpu.name,
+                uuid = %g.gpu.uuid,
+                memory_mib = g.gpu.memory_mib,
+                units = g.units,
+                id_prefix = %g.key,
+                "GPU"
+            );
+        }
+        let metrics = match metrics::parse_address(&self.metrics_addr)? {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?,
+            ),
+            None => None,
+        };
+        let health = health::watch_for(
+            self.node.fake_gpus.as_deref(),
+            &self.ignore_xids.0,
+            Duration::from_secs(self.health_recovery_secs),
+        );
+        let shutdown = CancellationToken::new();
+        tokio::spawn(stop_on_signal(shutdown.clone()));
+        let reconcile = match self.node.isolation {
+            IsolationMode::Shim => self.reconcile.source(self.node.fake_gpus.as_deref()),
+            IsolationMode::None => None,
+        };
+        Ok(Started {
+            inventory,
+            health,
+            common: daemon::Common {
+                state_dir: self.node.state_dir.clone(),
+                metrics,
+                state_grace: Duration::from_secs(self.state_grace_secs),
+                reconcile,
+                over_cap: Some((
+                    self.over_cap_action,
+                    Duration::from_secs(self.over_cap_grace_secs),
+                )),
+            },
+            shutdown,
+        })
+    }
 }
 
 async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {

@@ -7,6 +7,8 @@
 //! from `healthy − allocated` with GetPreferredAllocation, one Allocate per
 //! container, 4 MiB receive limit, and a restart that deletes every socket.
 
+pub mod dra;
+
 use std::collections::{BTreeSet, HashMap};
 use std::io;
 use std::os::unix::fs::FileTypeExt;
@@ -35,9 +37,9 @@ use crate::deviceplugin::api::podresources::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
 use crate::deviceplugin::api::podresources::{
-    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
-    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
-    ListPodResourcesResponse, PodResources,
+    AllocatableResourcesRequest, AllocatableResourcesResponse, ClaimResource, ContainerDevices,
+    ContainerResources, DynamicResource, GetPodResourcesRequest, GetPodResourcesResponse,
+    ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
 };
 use crate::deviceplugin::kubelet::{self, KUBELET_SOCKET};
 use crate::node::resource::ResourceName;
@@ -97,6 +99,8 @@ struct State {
     registrations: Vec<RegisterRequest>,
     endpoints: HashMap<String, Endpoint>,
     allocations: Vec<Allocation>,
+    /// Containers running with DRA claims: (pod, container, claim).
+    claim_uses: Vec<(String, String, ClaimUse)>,
     next_serial: u64,
     /// Pod-resources calls answered and refused by the rate limit.
     pod_resources_calls: u64,
@@ -124,6 +128,26 @@ impl State {
 
     fn pod(&self, name: &str) -> Option<PodResources> {
         let mut containers: Vec<ContainerResources> = Vec::new();
+        for (_, container, claim) in self.claim_uses.iter().filter(|(pod, ..)| pod == name) {
+            let dynamic = DynamicResource {
+                claim_name: claim.name.clone(),
+                claim_namespace: claim.namespace.clone(),
+                claim_resources: vec![ClaimResource {
+                    cdi_devices: Vec::new(),
+                    driver_name: claim.driver.clone(),
+                    pool_name: claim.pool.clone(),
+                    device_name: claim.device.clone(),
+                }],
+            };
+            match containers.iter_mut().find(|c| &c.name == container) {
+                Some(c) => c.dynamic_resources.push(dynamic),
+                None => containers.push(ContainerResources {
+                    name: container.clone(),
+                    dynamic_resources: vec![dynamic],
+                    ..Default::default()
+                }),
+            }
+        }
         for a in self.allocations.iter().filter(|a| a.pod == name) {
             let devices = ContainerDevices {
                 resource_name: a.resource.clone(),
@@ -166,6 +190,16 @@ impl Shared {
     }
 }
 
+/// A DRA claim a container uses, as pod-resources lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimUse {
+    pub namespace: String,
+    pub name: String,
+    pub driver: String,
+    pub pool: String,
+    pub device: String,
+}
+
 /// A running simulated kubelet. Dropping it stops it.
 pub struct KubeletSim {
     shared: Arc<Shared>,
@@ -188,7 +222,12 @@ impl PodResourcesLister for PodResourcesService {
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
         let mut state = self.shared.lock();
         state.admit_pod_resources_call()?;
-        let mut names: Vec<&str> = state.allocations.iter().map(|a| a.pod.as_str()).collect();
+        let mut names: Vec<&str> = state
+            .allocations
+            .iter()
+            .map(|a| a.pod.as_str())
+            .chain(state.claim_uses.iter().map(|(pod, ..)| pod.as_str()))
+            .collect();
         names.sort_unstable();
         names.dedup();
         let pod_resources = names.iter().filter_map(|n| state.pod(n)).collect();
@@ -629,7 +668,20 @@ impl KubeletSim {
 
     /// Frees a pod's devices, as kubelet does once the pod is no longer active.
     pub fn remove_pod(&self, pod: &str) {
-        self.shared.lock().allocations.retain(|a| a.pod != pod);
+        let mut state = self.shared.lock();
+        state.allocations.retain(|a| a.pod != pod);
+        state.claim_uses.retain(|(p, ..)| p != pod);
+        drop(state);
+        self.shared.changed();
+    }
+
+    /// Lists `pod`'s `container` in pod-resources as using a DRA claim, as
+    /// kubelet does once the claim is prepared and the container runs.
+    pub fn run_with_claim(&self, pod: &str, container: &str, claim: ClaimUse) {
+        self.shared
+            .lock()
+            .claim_uses
+            .push((pod.to_owned(), container.to_owned(), claim));
         self.shared.changed();
     }
 }

@@ -689,6 +689,7 @@ fn os_errors_are_printed_once_and_name_the_source() {
 fn every_flag_has_an_env_var_named_after_it() {
     for command in [
         "plugin",
+        "dra",
         "demo",
         "exec",
         "inspect",

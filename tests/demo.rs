@@ -46,6 +46,29 @@ fn each_admitted_container_runs_a_process_held_to_its_cap() {
 }
 
 #[test]
+fn with_dra_each_claim_of_4gi_is_held_to_4096_mib() {
+    let (out, stdout, stderr) = run(gpumem()
+        .args(["demo", "--dra", "--tenant-dir"])
+        .arg(kit_dir()));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("claims take 1Gi..14Gi in steps of 1Gi, shared by many claims: true"),
+        "{stdout}"
+    );
+    // Cap 4096 MiB, a 300 MiB context: 14 steps of 256 fit, a 15th does not.
+    let held = "nvidia-smi: 0MiB / 4096MiB; 3584 MiB allocated in 256 MiB steps beside its \
+                context, the next 256 MiB refused: CUDA_ERROR_OUT_OF_MEMORY";
+    assert_eq!(stdout.matches(held).count(), 3, "{stdout}");
+    for claim in ["notebook-1", "notebook-2", "notebook-3"] {
+        let line = stdout.lines().find(|l| l.contains(claim)).unwrap();
+        assert!(
+            line.contains("gpumem.io/claim=") && line.contains("cap 4096 MiB"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
 fn the_pod_no_single_gpu_fits_is_filtered_out_by_the_extender() {
     let (out, stdout, stderr) = run(gpumem().args(["demo", "--tenant-dir"]).arg(kit_dir()));
     assert!(out.status.success(), "{stdout}{stderr}");

@@ -1,5 +1,5 @@
-//! The deployment files stay true to the binary: every flag the DaemonSet
-//! and the Helm chart pass is one `gpumem` accepts.
+//! The deployment files stay true to the binary: every flag the DaemonSets
+//! and the Helm chart pass is one `gpumem` accepts, for either front end.
 
 use std::path::Path;
 use std::process::Command;
@@ -18,8 +18,13 @@ fn plugin_args(manifest: &str) -> Vec<String> {
 }
 
 fn gpumem(args: &[&str]) -> (bool, String) {
+    gpumem_with_env(args, &[])
+}
+
+fn gpumem_with_env(args: &[&str], env: &[(&str, &str)]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     let text =
@@ -124,4 +129,110 @@ fn the_extender_deployments_pass_only_flags_the_extender_accepts() {
         text.contains("gpumem-deploy-test"),
         "clap refused the Deployment's args: {text}"
     );
+}
+
+/// `GPUMEM_*` names a manifest sets in a container's env.
+fn env_names(manifest: &str) -> Vec<String> {
+    manifest
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- name: GPUMEM_"))
+        .map(|n| format!("GPUMEM_{}", n.trim()))
+        .collect()
+}
+
+#[test]
+fn the_dra_daemonset_passes_only_flags_and_values_the_driver_accepts() {
+    let manifest = read("daemonset/gpumem-dra.yaml");
+    assert!(manifest.contains(r#"command: ["/opt/gpumem/gpumem", "dra"]"#));
+    let args = plugin_args(&manifest);
+    assert!(args.len() >= 8, "{args:?}");
+    // Parse them for real, with the node's name from the env as the
+    // DaemonSet gives it: with a missing fake GPU file the driver stops right
+    // after clap accepted every flag and value.
+    let mut full: Vec<&str> = vec!["dra"];
+    full.extend(args.iter().map(String::as_str));
+    full.extend(["--fake-gpus", "/nonexistent/gpumem-deploy-test.toml"]);
+    let (ok, text) = gpumem_with_env(&full, &[("GPUMEM_NODE_NAME", "deploy-test-node")]);
+    assert!(!ok);
+    assert!(
+        text.contains("gpumem-deploy-test.toml"),
+        "clap refused the DRA DaemonSet's args: {text}"
+    );
+
+    // The env it sets is the driver's.
+    let (_, help) = gpumem(&["dra", "--help"]);
+    let names = env_names(&manifest);
+    assert!(names.contains(&"GPUMEM_NODE_NAME".to_owned()), "{names:?}");
+    for name in names {
+        assert!(
+            help.contains(&format!("[env: {name}=")),
+            "{name} is not a `gpumem dra` variable"
+        );
+    }
+
+    // The same installer as the device plugin's.
+    let (_, help) = gpumem(&["install-shim", "--help"]);
+    for flag in ["--from", "--to"] {
+        assert!(
+            manifest.contains(&format!("\"{flag}\"")) && help.contains(flag),
+            "{flag}"
+        );
+    }
+}
+
+#[test]
+fn the_helm_charts_dra_front_end_passes_only_flags_the_driver_accepts() {
+    let template = read("deploy/helm/gpumem/templates/daemonset-dra.yaml");
+    assert!(template.contains(r#"command: ["/opt/gpumem/gpumem", "dra"]"#));
+    assert!(template.contains(r#"{{- if eq .Values.frontEnd "dra" }}"#));
+    let (_, help) = gpumem(&["dra", "--help"]);
+    let args = plugin_args(&template);
+    assert!(args.len() >= 8, "{args:?}");
+    for arg in &args {
+        let flag = arg.split('=').next().unwrap();
+        assert!(
+            help.contains(&format!("{flag} ")),
+            "{flag} is not a `gpumem dra` flag"
+        );
+    }
+    // The chart passes what the plain manifest passes (and may pass more).
+    for arg in plugin_args(&read("daemonset/gpumem-dra.yaml")) {
+        let flag = arg.split('=').next().unwrap();
+        assert!(
+            args.iter().any(|a| a.starts_with(&format!("{flag}="))),
+            "the chart's DRA DaemonSet lacks {flag}"
+        );
+    }
+    for name in env_names(&template) {
+        assert!(
+            help.contains(&format!("[env: {name}=")),
+            "{name} is not a `gpumem dra` variable"
+        );
+    }
+
+    // The plugin's template renders only for the device plugin.
+    let plugin = read("deploy/helm/gpumem/templates/daemonset.yaml");
+    assert!(plugin.contains(r#"{{- if eq .Values.frontEnd "devicePlugin" }}"#));
+
+    let values = read("deploy/helm/gpumem/values.yaml");
+    assert!(
+        values.contains("frontEnd: devicePlugin"),
+        "the device plugin stays the default"
+    );
+    for (key, used) in [
+        ("driverName:", ".Values.dra.driverName"),
+        ("kubeletPluginsDir:", ".Values.dra.kubeletPluginsDir"),
+        ("kubeletRegistryDir:", ".Values.dra.kubeletRegistryDir"),
+        ("nodeSelector:", ".Values.dra.nodeSelector"),
+        ("memoryUnit:", ".Values.memoryUnit"),
+        ("isolation:", ".Values.isolation"),
+        ("cdiSpecDir:", ".Values.cdiSpecDir"),
+        ("image:", ".Values.image"),
+    ] {
+        assert!(values.contains(key), "values.yaml lacks {key}");
+        assert!(template.contains(used), "the DRA template ignores {used}");
+    }
+    let class = read("deploy/helm/gpumem/templates/deviceclass.yaml");
+    assert!(class.contains(".Values.dra.deviceClass.create"));
+    assert!(class.contains(r#"device.driver == {{ .Values.dra.driverName | quote }}"#));
 }

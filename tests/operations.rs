@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::{fixture, shim_kit, RESOURCE, WAIT};
-use gpumem::deviceplugin::plugin::{PluginConfig, PluginError};
+use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::fake_apiserver::{FakeApiServer, Kind};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
@@ -18,7 +18,7 @@ use gpumem::node::health::FakeHealth;
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
 use gpumem::node::units::MemoryUnit;
-use gpumem::ops::daemon::{self, DaemonConfig};
+use gpumem::ops::daemon::{self, Common, DaemonConfig};
 use gpumem::ops::status::NodeStatus;
 use gpumem::simulator::KubeletSim;
 use tempfile::TempDir;
@@ -36,7 +36,7 @@ struct Daemon {
     kubelet: Option<KubeletSim>,
     addr: std::net::SocketAddr,
     shutdown: CancellationToken,
-    task: JoinHandle<Result<(), PluginError>>,
+    task: JoinHandle<Result<(), daemon::DaemonError>>,
     /// The API server, for daemons started with one.
     api: Option<FakeApiServer>,
 }
@@ -115,10 +115,13 @@ impl Daemon {
             } else {
                 dir.path().join("no-pod-resources.sock")
             },
-            metrics: Some(listener),
-            state_grace: grace,
-            reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
-            over_cap,
+            common: Common {
+                state_dir: dir.path().join("state"),
+                metrics: Some(listener),
+                state_grace: grace,
+                reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
+                over_cap,
+            },
             cluster,
         };
         let shutdown = CancellationToken::new();

@@ -22,13 +22,16 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Node-wide lists can be large; kubelet's own client raises the limit too.
 const MAX_MESSAGE: usize = 16 * 1024 * 1024;
 
-/// One container's devices of our resource.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One container's devices of our resource, or (DRA) claims of our driver.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Holding {
     pub namespace: String,
     pub pod: String,
     pub container: String,
     pub device_ids: Vec<String>,
+    /// The ResourceClaims (namespace, name) the container references that
+    /// have a device of the driver named like our resource.
+    pub claims: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -42,7 +45,8 @@ pub enum PodResourcesError {
 /// The last List answer and when it was read.
 type Cache = Arc<Mutex<Option<(Instant, Vec<Holding>)>>>;
 
-/// A cached reader of the pod-resources API for one resource name.
+/// A cached reader of the pod-resources API for one resource name (the DRA
+/// driver: its driver name).
 #[derive(Clone)]
 pub struct PodResources {
     path: PathBuf,
@@ -108,16 +112,44 @@ impl PodResources {
                     .filter(|d| d.resource_name == self.resource)
                     .flat_map(|d| d.device_ids)
                     .collect();
-                if !device_ids.is_empty() {
+                let claims: Vec<(String, String)> = container
+                    .dynamic_resources
+                    .into_iter()
+                    .filter(|c| {
+                        c.claim_resources
+                            .iter()
+                            .any(|r| r.driver_name == self.resource)
+                    })
+                    .map(|c| (c.claim_namespace, c.claim_name))
+                    .collect();
+                if !device_ids.is_empty() || !claims.is_empty() {
                     holdings.push(Holding {
                         namespace: pod.namespace.clone(),
                         pod: pod.name.clone(),
                         container: container.name,
                         device_ids,
+                        claims,
                     });
                 }
             }
         }
         Ok(holdings)
+    }
+}
+
+#[tonic::async_trait]
+impl crate::isolation::cleanup::Holders for PodResources {
+    async fn live(
+        &self,
+        inv: &crate::node::inventory::Inventory,
+    ) -> Result<std::collections::HashSet<crate::isolation::containers::ContainerName>, String>
+    {
+        let holdings = self.holdings().await.map_err(|err| err.to_string())?;
+        Ok(holdings
+            .iter()
+            .filter_map(|h| {
+                crate::isolation::containers::ContainerName::of_devices(inv, &h.device_ids)
+            })
+            .collect())
     }
 }

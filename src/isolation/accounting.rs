@@ -58,6 +58,26 @@ fn specs(caps: &[Cap]) -> Result<Vec<DeviceSpec>, AccountingError> {
 /// Allocate again for a live container); anything else is replaced
 /// atomically, so no process ever maps a half-written file.
 pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
+    prepare_with(dir, caps, Durability::Synced)
+}
+
+/// Whether a new accounting file is on disk before `prepare` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// fsynced: the device plugin's containers are restarted after a reboot
+    /// from kubelet's cached Allocate answers, with the file as it is.
+    Synced,
+    /// Left to the page cache: what only a reboot can lose, and a reboot
+    /// makes it again (the DRA driver prepares every claim anew).
+    Unsynced,
+}
+
+/// `prepare`, with the file as durable as `durability` says.
+pub fn prepare_with(
+    dir: &Path,
+    caps: &[Cap],
+    durability: Durability,
+) -> Result<PathBuf, AccountingError> {
     let devices = specs(caps)?;
     let io_err = |source| AccountingError::Io {
         path: dir.to_owned(),
@@ -78,7 +98,9 @@ pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
             .prefix(".accounting.")
             .tempfile_in(dir)?;
         staging.write_all(&layout::encode(&devices, layout::DEFAULT_SLOTS))?;
-        staging.as_file().sync_all()?;
+        if durability == Durability::Synced {
+            staging.as_file().sync_all()?;
+        }
         // Opened read-write by processes of any uid in the container: the
         // shim's record locks need write access.
         staging
@@ -151,6 +173,10 @@ pub struct LiveProcess {
     /// translates it; `None` where the holder is not visible from here (a
     /// plugin without the host's PID namespace).
     pub pid: Option<u32>,
+    /// Its start time in clock ticks since boot, as its slot names it (the
+    /// shim writes it at claim): with `pid`, what tells it from a process
+    /// that took the same PID later.
+    pub start_time: u64,
     /// Bytes it charged, per device of the file.
     pub used: Vec<u64>,
 }
@@ -187,6 +213,7 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
         }
         live.push(LiveProcess {
             pid: u32::try_from(probe.l_pid).ok().filter(|&p| p > 0),
+            start_time: snapshot.owner(slot.index).start_time,
             used: slot.used,
         });
     }

@@ -18,8 +18,8 @@
 //! A reader in its own cgroup namespace sees the paths with `..` in front:
 //! the segments are searched, not the prefix.
 
-use std::collections::HashMap;
-use std::path::Path;
+use std::collections::hash_map::{Entry, HashMap};
+use std::path::{Path, PathBuf};
 
 use gpumem_layout::protocol::start_time_in_stat;
 
@@ -84,9 +84,17 @@ pub fn proc_file(proc_root: &Path, pid: u32, name: &str) -> Option<String> {
 /// new process comes with a new start time (`stat`, one line). A
 /// container's mount table is 30–40 lines the kernel writes out at every
 /// read; a host process's has several per pod on the node.
+///
+/// Slot holders are kept alike, by PID and the start time their slot names
+/// (the shim wrote it at claim), so a steady node reads nothing of them.
+/// That start time is the container's word, but only ever compared with
+/// itself: a process that lies in it can have its cgroup read again, or be
+/// taken for the process it replaced under its PID in the same file, which
+/// had the file too.
 #[derive(Debug, Default)]
 pub(crate) struct Identities {
     known: HashMap<u32, Known>,
+    holders: HashMap<(u32, u64), Holder>,
     /// The current sweep's number.
     sweep: u64,
 }
@@ -102,17 +110,31 @@ struct Known {
     owner: Option<Option<Owner>>,
 }
 
+/// What a slot holder's cgroup said.
+#[derive(Debug)]
+struct Holder {
+    /// The accounting file whose slot it holds: a slot elsewhere that
+    /// names the same PID and start time is read for itself.
+    file: PathBuf,
+    seen: u64,
+    /// `None` where the cgroup could not be read: not kept past the sweep.
+    owner: Option<Option<Owner>>,
+}
+
 impl Identities {
     /// Starts a sweep that reads `/proc/<pid>/<name>` as `read(pid, name)`;
     /// processes the sweep before did not look at are forgotten.
     pub(crate) fn sweep<R: Fn(u32, &str) -> Option<String>>(&mut self, read: R) -> Sweep<'_, R> {
         let last = self.sweep;
         self.known.retain(|_, known| known.seen == last);
+        // A slot names start time 0 where its shim could not read one.
+        self.holders.retain(|&(_, start), holder| {
+            start != 0 && holder.seen == last && holder.owner.is_some()
+        });
         self.sweep += 1;
         Sweep {
             identities: self,
             read,
-            holders: HashMap::new(),
         }
     }
 }
@@ -121,9 +143,6 @@ impl Identities {
 pub(crate) struct Sweep<'a, R> {
     identities: &'a mut Identities,
     read: R,
-    /// Slot holders' owners, read once per sweep: nothing here says a slot
-    /// holder's PID was not taken by a new process since the last one.
-    holders: HashMap<u32, Option<Owner>>,
 }
 
 impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
@@ -145,13 +164,24 @@ impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
         known.owner.clone().flatten()
     }
 
-    /// The pod and container a slot holder's cgroup names.
-    pub(crate) fn holder_owner(&mut self, pid: u32) -> Option<Owner> {
-        let read = &self.read;
-        self.holders
-            .entry(pid)
-            .or_insert_with(|| parse(&read(pid, "cgroup")?))
-            .clone()
+    /// The pod and container a slot holder's cgroup names: `pid` holds a
+    /// slot of `file` that names `start` as its owner's start time.
+    pub(crate) fn holder_owner(&mut self, file: &Path, pid: u32, start: u64) -> Option<Owner> {
+        let sweep = self.identities.sweep;
+        let holder = match self.identities.holders.entry((pid, start)) {
+            Entry::Occupied(entry) if entry.get().file == file => entry.into_mut(),
+            entry => {
+                let owner = (self.read)(pid, "cgroup").map(|text| parse(&text));
+                let holder = Holder {
+                    file: file.to_owned(),
+                    seen: sweep,
+                    owner,
+                };
+                entry.insert_entry(holder).into_mut()
+            }
+        };
+        holder.seen = sweep;
+        holder.owner.clone().flatten()
     }
 }
 
@@ -421,7 +451,7 @@ mod tests {
             reads(&[(10, "stat"), (10, "mountinfo"), (10, "cgroup")])
         );
         // A sweep that does not look at it forgets it.
-        drop(identities.sweep(|pid, name| proc.read(pid, name)));
+        identities.sweep(|pid, name| proc.read(pid, name));
         let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
         assert_eq!(sweep.mounted(10).as_deref(), Some("b"));
         assert_eq!(proc.taken(), reads(&[(10, "stat"), (10, "mountinfo")]));
@@ -459,15 +489,39 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_holders_cgroup_is_read_once_per_sweep() {
+    fn a_slot_holder_is_read_once_while_its_slot_names_the_same_start() {
         let proc = Proc::default();
         let mut identities = Identities::default();
-        proc.start(13, 100);
+        let (a, b) = (Path::new("/s/a/accounting"), Path::new("/s/b/accounting"));
         proc.set(13, "cgroup", &format!("0::/kubepods/pod{UID}/{ID}\n"));
+        // Read at the first sweep, however often asked; not at the next.
+        for expected in [reads(&[(13, "cgroup")]), vec![]] {
+            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            assert_eq!(sweep.holder_owner(a, 13, 100), owner(true));
+            assert_eq!(sweep.holder_owner(a, 13, 100), owner(true));
+            assert_eq!(proc.taken(), expected);
+        }
+        // A new process with the PID (its slot names another start time),
+        // or the same one holding a slot elsewhere: read for itself.
+        proc.set(13, "cgroup", "0::/system.slice/x.service\n");
+        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        assert_eq!(sweep.holder_owner(a, 13, 200), None);
+        assert_eq!(sweep.holder_owner(b, 13, 100), None);
+        assert_eq!(proc.taken(), reads(&[(13, "cgroup"), (13, "cgroup")]));
+        // A sweep that does not ask forgets; a slot without a start time,
+        // or a cgroup that could not be read, is read once a sweep.
+        identities.sweep(|pid, name| proc.read(pid, name));
         for _ in 0..2 {
             let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-            assert_eq!(sweep.holder_owner(13), owner(true));
-            assert_eq!(sweep.holder_owner(13), owner(true));
+            assert_eq!(sweep.holder_owner(a, 13, 0), None);
+            assert_eq!(sweep.holder_owner(a, 13, 0), None);
+            assert_eq!(proc.taken(), reads(&[(13, "cgroup")]));
+        }
+        proc.remove(13, "cgroup");
+        for _ in 0..2 {
+            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            assert_eq!(sweep.holder_owner(a, 13, 200), None);
+            assert_eq!(sweep.holder_owner(a, 13, 200), None);
             assert_eq!(proc.taken(), reads(&[(13, "cgroup")]));
         }
     }

@@ -13,9 +13,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// Our vendor and class: devices are `gpumem.io/container=<container>`.
+/// Our vendor and classes: the device plugin's devices are
+/// `gpumem.io/container=<container>`, the DRA driver's
+/// `gpumem.io/claim=<claim UID>`.
 pub const VENDOR: &str = "gpumem.io";
 pub const CLASS: &str = "container";
+pub const CLAIM_CLASS: &str = "claim";
 /// NVIDIA's kind for whole GPUs, as `nvidia-ctk cdi generate` names them.
 /// Since NVIDIA Container Toolkit 1.15 it names each GPU by index and by
 /// UUID (`--device-name-strategy` defaults to both); gpumem uses the UUID.
@@ -133,12 +136,17 @@ pub fn qualified_name(kind: &str, name: &str) -> String {
     format!("{kind}={name}")
 }
 
-/// A spec of our kind holding one device, `name`, with `edits`.
+/// A spec of our container kind holding one device, `name`, with `edits`.
 pub fn container_spec(name: &str, edits: ContainerEdits) -> Result<Spec, CdiError> {
+    spec(CLASS, name, edits)
+}
+
+/// A spec of our kind `gpumem.io/<class>` holding one device, `name`.
+pub fn spec(class: &str, name: &str, edits: ContainerEdits) -> Result<Spec, CdiError> {
     validate_device_name(name)?;
     Ok(Spec {
         cdi_version: CDI_VERSION.to_owned(),
-        kind: kind(),
+        kind: format!("{VENDOR}/{class}"),
         devices: vec![Device {
             name: name.to_owned(),
             container_edits: edits,
@@ -210,30 +218,45 @@ pub fn validate_kind(kind: &str) -> Result<(), CdiError> {
     Ok(())
 }
 
-/// The spec files of our kind in one directory (`--cdi-spec-dir`), one per
-/// device, named as CDI's `GenerateTransientSpecName` names them:
+/// The spec files of one of our kinds in one directory (`--cdi-spec-dir`),
+/// one per device, named as CDI's `GenerateTransientSpecName` names them:
 /// `gpumem.io-container_<device name>.json`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecDir {
     dir: PathBuf,
+    class: &'static str,
 }
 
 impl SpecDir {
+    /// The device plugin's container specs.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        SpecDir { dir: dir.into() }
+        SpecDir::of_class(dir, CLASS)
+    }
+
+    /// The specs of kind `gpumem.io/<class>`.
+    pub fn of_class(dir: impl Into<PathBuf>, class: &'static str) -> Self {
+        SpecDir {
+            dir: dir.into(),
+            class,
+        }
+    }
+
+    /// `gpumem.io/<class>`.
+    pub fn kind(&self) -> String {
+        format!("{VENDOR}/{}", self.class)
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
-    fn prefix() -> String {
-        format!("{VENDOR}-{CLASS}_")
+    fn prefix(&self) -> String {
+        format!("{VENDOR}-{}_", self.class)
     }
 
     /// Where the spec holding device `name` lives.
     pub fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(format!("{}{name}.json", Self::prefix()))
+        self.dir.join(format!("{}{name}.json", self.prefix()))
     }
 
     /// Writes `spec` (one device of our kind) atomically: a runtime that
@@ -262,7 +285,7 @@ impl SpecDir {
         let write = || -> io::Result<()> {
             fs::create_dir_all(&self.dir)?;
             let mut staging = tempfile::Builder::new()
-                .prefix(&format!(".{}", Self::prefix()))
+                .prefix(&format!(".{}", self.prefix()))
                 .suffix(".tmp")
                 .tempfile_in(&self.dir)?;
             staging.write_all(&text)?;
@@ -291,7 +314,7 @@ impl SpecDir {
     /// The edits a runtime applies for the qualified device `qualified`
     /// (`gpumem.io/container=<name>`); `None` for another kind or no spec.
     pub fn edits(&self, qualified: &str) -> Option<ContainerEdits> {
-        let name = qualified.strip_prefix(&format!("{}=", kind()))?;
+        let name = qualified.strip_prefix(&format!("{}=", self.kind()))?;
         let spec = self.read(name).ok()?;
         spec.devices
             .into_iter()
@@ -313,7 +336,7 @@ impl SpecDir {
         let Ok(entries) = fs::read_dir(&self.dir) else {
             return Vec::new();
         };
-        let prefix = Self::prefix();
+        let prefix = self.prefix();
         let mut names: Vec<String> = entries
             .flatten()
             .filter_map(|e| {

@@ -12,7 +12,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::cdi::SpecDir;
 use crate::isolation::containers::{ContainerName, Containers};
 use crate::isolation::inject::{self, ShimConfig};
@@ -21,13 +20,23 @@ use crate::node::inventory::Inventory;
 /// Since when each directory has been unused.
 type UnusedSince = HashMap<ContainerName, Instant>;
 
+/// Who holds accounting directories now, as the front end knows it: the
+/// device plugin asks kubelet's pod-resources API, the DRA driver its
+/// prepared claims.
+#[tonic::async_trait]
+pub trait Holders: Send + Sync + 'static {
+    /// The directories in use; an error when unsure, and then nothing is
+    /// removed.
+    async fn live(&self, inv: &Inventory) -> Result<HashSet<ContainerName>, String>;
+}
+
 /// Sweeps `<state-dir>/containers` (and the CDI specs in `specs`, with the
 /// `cdi` device-list strategy) until `shutdown`.
 pub async fn run(
     shim: ShimConfig,
     specs: Option<SpecDir>,
     inventory: watch::Receiver<Arc<Inventory>>,
-    pod_resources: PodResources,
+    holders: impl Holders,
     grace: Duration,
     shutdown: CancellationToken,
 ) {
@@ -62,18 +71,14 @@ pub async fn run(
             warn!(%err, "state clean-up stopped");
             return;
         }
-        let holdings = match pod_resources.holdings().await {
-            Ok(h) => h,
+        let live = match holders.live(&inv).await {
+            Ok(live) => live,
             Err(err) => {
                 // Unsure who holds what: remove nothing.
                 debug!(%err, "skipping state clean-up");
                 continue;
             }
         };
-        let live: HashSet<ContainerName> = holdings
-            .iter()
-            .filter_map(|h| ContainerName::of_devices(&inv, &h.device_ids))
-            .collect();
         // Reading and removing directories blocks: off the async workers.
         let (containers, specs) = (containers.clone(), specs.clone());
         match tokio::task::spawn_blocking(move || {

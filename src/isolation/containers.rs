@@ -12,6 +12,8 @@ use crate::node::placement::{self, Assignment};
 
 /// Under the state dir, the parent of the per-container directories.
 const CONTAINERS: &str = "containers";
+/// Names a DRA claim's directory (device plugin names start with hex).
+const CLAIM_PREFIX: &str = "claim-";
 
 /// The per-container directories of one state dir.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +80,22 @@ impl Containers {
 pub struct ContainerName(String);
 
 impl ContainerName {
+    /// The directory of a DRA claim, shared by every container that
+    /// references it (kubelet tells the driver nothing about containers):
+    /// `claim-<claim UID>`. `None` for a UID that is not one (it becomes a
+    /// path).
+    pub fn of_claim(uid: &str) -> Option<Self> {
+        let valid = !uid.is_empty()
+            && uid.len() <= 64
+            && uid.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        valid.then(|| ContainerName(format!("{CLAIM_PREFIX}{uid}")))
+    }
+
+    /// The claim UID of a DRA claim's directory; `None` for a container's.
+    pub fn claim_uid(&self) -> Option<&str> {
+        self.0.strip_prefix(CLAIM_PREFIX)
+    }
+
     /// The name of the container holding `ids`, the devices of `assignment`.
     pub fn of(inv: &Inventory, assignment: Assignment, ids: &[String]) -> Self {
         let mut sorted: Vec<&str> = ids.iter().map(String::as_str).collect();

@@ -182,15 +182,7 @@ impl Grant {
             env::STATE_DIR.to_owned(),
             gpumem_layout::CONTAINER_DIR.to_owned(),
         );
-        grant.mounts = vec![
-            (
-                Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY),
-                shim.library(),
-                true,
-            ),
-            ("/etc/ld.so.preload".into(), shim.preload_list(), true),
-            (gpumem_layout::CONTAINER_DIR.into(), dir.path.clone(), false),
-        ];
+        grant.mounts = shim_mounts(shim, dir);
         grant
     }
 
@@ -238,11 +230,7 @@ pub fn container_response(
     let uuid = &gpu.gpu.uuid;
     let (mut grant, dir) = match isolation {
         Isolation::Shim(shim) => {
-            for needed in [shim.library(), shim.preload_list()] {
-                if !needed.is_file() {
-                    return Err(InjectError::ShimMissing(needed));
-                }
-            }
+            check_shim(shim)?;
             let dir = shim
                 .containers()
                 .get(ContainerName::of(inv, assignment, ids));
@@ -312,4 +300,71 @@ pub fn cdi_spec(inv: &Inventory, shim: &ShimConfig, dir: &ContainerDir) -> Optio
     }
     let grant = Grant::with_shim(inv, assignment, shim, dir);
     cdi::container_spec(dir.name.as_str(), grant.edits()).ok()
+}
+
+/// One GPU of a DRA claim: its position in the inventory and the claim's
+/// cap on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimGpu {
+    pub gpu: usize,
+    pub cap_mib: u64,
+}
+
+/// What every container referencing a DRA claim is given, as CDI edits: the
+/// cap env (on one GPU, with gpushare's env too), `visible` as
+/// `NVIDIA_VISIBLE_DEVICES`, and with the shim its preload, library and the
+/// claim's accounting directory `dir`.
+pub fn claim_edits(
+    inv: &Inventory,
+    gpus: &[ClaimGpu],
+    shim: Option<(&ShimConfig, &ContainerDir)>,
+    visible: String,
+) -> ContainerEdits {
+    let mut grant = Grant::default();
+    grant.env.insert(env::VISIBLE_DEVICES.to_owned(), visible);
+    if let [one] = gpus {
+        // gpushare's env speaks in units: the cap in whole units of the
+        // GPU's, as its tools expect.
+        let gpu = &inv.gpus()[one.gpu];
+        let unit_mib = inv.unit().mib();
+        let env = [
+            (env::LIMIT_MIB, one.cap_mib.to_string()),
+            (env::ALIYUN_IDX, gpu.gpu.index.to_string()),
+            (env::ALIYUN_CONTAINER, (one.cap_mib / unit_mib).to_string()),
+            (env::ALIYUN_DEV, gpu.units.to_string()),
+            (env::ALIYUN_UNIT, inv.unit().to_string()),
+        ];
+        grant.env.extend(env.map(|(k, v)| (k.to_owned(), v)));
+    }
+    if let Some((shim, dir)) = shim {
+        grant.env.insert(
+            env::STATE_DIR.to_owned(),
+            gpumem_layout::CONTAINER_DIR.to_owned(),
+        );
+        grant.mounts = shim_mounts(shim, dir);
+    }
+    grant.edits()
+}
+
+/// The preload, the library and the accounting directory `dir`.
+fn shim_mounts(shim: &ShimConfig, dir: &ContainerDir) -> Vec<(PathBuf, PathBuf, bool)> {
+    vec![
+        (
+            Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY),
+            shim.library(),
+            true,
+        ),
+        ("/etc/ld.so.preload".into(), shim.preload_list(), true),
+        (gpumem_layout::CONTAINER_DIR.into(), dir.path.clone(), false),
+    ]
+}
+
+/// The shim's files, which a container needs before it is given a cap.
+pub fn check_shim(shim: &ShimConfig) -> Result<(), InjectError> {
+    for needed in [shim.library(), shim.preload_list()] {
+        if !needed.is_file() {
+            return Err(InjectError::ShimMissing(needed));
+        }
+    }
+    Ok(())
 }

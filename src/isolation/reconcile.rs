@@ -258,9 +258,11 @@ fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
     who: &mut attribution::Sweep<'_, R>,
 ) -> HashMap<String, usize> {
     let mut containers = HashMap::new();
-    for (index, (_, processes)) in loaded.iter().enumerate() {
-        for pid in processes.live.iter().filter_map(|p| p.pid) {
-            if let Some(id) = who.holder_owner(pid).and_then(|o| o.container_id) {
+    for (index, (file, processes)) in loaded.iter().enumerate() {
+        for p in &processes.live {
+            let Some(pid) = p.pid else { continue };
+            let owner = who.holder_owner(file, pid, p.start_time);
+            if let Some(id) = owner.and_then(|o| o.container_id) {
                 containers.entry(id).or_insert(index);
             }
         }
@@ -635,6 +637,7 @@ mod tests {
     fn live(pid: Option<u32>, used_mib: u64) -> LiveProcess {
         LiveProcess {
             pid,
+            start_time: pid.map_or(0, u64::from),
             used: vec![used_mib * MIB],
         }
     }
@@ -763,12 +766,12 @@ mod tests {
         ]
         .into();
         let mut identities = attribution::Identities::default();
-        let mut sweep = |memory: &ProcessMemory| {
+        let mut sweep = |loaded: &[(PathBuf, Processes)], memory: &ProcessMemory| {
             let read = |pid, name: &str| {
                 reads.borrow_mut().push((pid, name.to_owned()));
                 files.borrow().get(&(pid, name)).cloned()
             };
-            let mut attributed = attribute(&loaded, memory, &mut identities.sweep(read));
+            let mut attributed = attribute(loaded, memory, &mut identities.sweep(read));
             attributed
                 .strangers
                 .sort_unstable_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
@@ -803,7 +806,7 @@ mod tests {
         };
 
         // First sweep: everything once (50's files once for both GPUs).
-        let (attributed, taken) = sweep(&memory);
+        let (attributed, taken) = sweep(&loaded, &memory);
         assert_eq!(attributed, expected(Some(3 * MIB)));
         let mut first = vec![
             (10, "cgroup"),
@@ -814,30 +817,32 @@ mod tests {
         first.extend([(40, "stat"), (40, "mountinfo"), (40, "cgroup")]);
         first.extend([(50, "stat"), (50, "mountinfo"), (50, "cgroup")]);
         assert_eq!(taken, names(&first));
-        // Then: the same answers from start times and the holders' cgroups.
-        let (attributed, taken) = sweep(&memory);
+        // Then: the same answers from start times, the holders' from the
+        // start times their slots name.
+        let (attributed, taken) = sweep(&loaded, &memory);
         assert_eq!(attributed, expected(Some(3 * MIB)));
-        assert_eq!(
-            taken,
-            names(&[
-                (10, "cgroup"),
-                (20, "cgroup"),
-                (30, "stat"),
-                (40, "stat"),
-                (50, "stat")
-            ])
-        );
+        assert_eq!(taken, names(&[(30, "stat"), (40, "stat"), (50, "stat")]));
         // 30's PID is taken by a host process: read again, and unmanaged.
         set(30, "stat", stat(30, 9));
         set(30, "mountinfo", "1 0 8:1 / / rw - ext4 a rw\n".into());
         set(30, "cgroup", "0::/\n".into());
-        let (attributed, _) = sweep(&memory);
+        let (attributed, _) = sweep(&loaded, &memory);
         assert_eq!(attributed, expected(None));
+        // B's holder exits and its PID goes to a process of the container
+        // that replaced B (same units, same file): its slot names a new
+        // start time, its cgroup is read again, and 40 is B's no more.
+        let mut replaced = loaded.clone();
+        replaced[1].1.live[0].start_time = 21;
+        set(20, "cgroup", cgroup('c'));
+        let (attributed, taken) = sweep(&replaced, &memory);
+        assert!(taken.contains(&(20, "cgroup".into())), "{taken:?}");
+        assert_eq!(attributed.unslotted[1], [vec![]]);
+        assert!(attributed.strangers.iter().any(|s| s.1 == 40));
         // Only processes whose mounts name their container: the holders'
         // cgroups are not read.
         let mounted: ProcessMemory = [(T4.to_owned(), [(10, MIB), (31, MIB)].into())].into();
         set(31, "mountinfo", mounts.into());
-        let (attributed, taken) = sweep(&mounted);
+        let (attributed, taken) = sweep(&loaded, &mounted);
         assert_eq!(attributed.unslotted[0], [vec![(31, MIB)]]);
         assert_eq!(taken, names(&[(31, "stat"), (31, "mountinfo")]));
     }

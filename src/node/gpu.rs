@@ -50,6 +50,26 @@ pub enum GpuError {
 pub trait GpuSource: Send + Sync {
     /// The node's GPUs, ordered by index.
     fn discover(&self) -> Result<Vec<Gpu>, GpuError>;
+
+    /// What else the node says about its GPUs, for selectors (a DRA
+    /// ResourceSlice's attributes). Best effort: a fact the source cannot
+    /// tell is left out rather than failing discovery.
+    fn facts(&self) -> NodeFacts {
+        NodeFacts::default()
+    }
+}
+
+/// Facts about the node's GPUs beyond what [`Gpu`] holds (which many callers
+/// construct, so it stays as it is). Every field is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// The NVIDIA kernel driver's version as NVML prints it, e.g.
+    /// `580.65.06` (not necessarily semver).
+    pub driver_version: Option<String>,
+    /// The newest CUDA version the driver supports, `(major, minor)`.
+    pub cuda_driver_version: Option<(u32, u32)>,
+    /// Each GPU's CUDA compute capability `(major, minor)`, by GPU UUID.
+    pub compute_capability: HashMap<String, (u32, u32)>,
 }
 
 /// Device memory per process on each GPU: GPU UUID → PID → bytes, as
@@ -57,13 +77,16 @@ pub trait GpuSource: Send + Sync {
 pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 
 /// A node described in TOML (`[[gpu]]` tables with `uuid`, `name`,
-/// `memory_mib`, optional `index` and `healthy`, and optional
-/// `[[gpu.process]]` tables with `pid` and `used_mib` standing in for
-/// NVML's per-process usage, and `cgroup` and `mountinfo` for what
-/// `/proc/<pid>/cgroup` and `/proc/<pid>/mountinfo` say of that process).
+/// `memory_mib`, optional `index`, `healthy` and `compute_capability`
+/// (`"7.5"`), and optional `[[gpu.process]]` tables with `pid` and
+/// `used_mib` standing in for NVML's per-process usage, and `cgroup` and
+/// `mountinfo` for what `/proc/<pid>/cgroup` and `/proc/<pid>/mountinfo` say
+/// of that process; optional top-level `driver_version` (`"580.65.06"`) and
+/// `cuda_driver_version` (`"13.0"`)).
 #[derive(Debug, Clone)]
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
+    facts: NodeFacts,
     processes: ProcessMemory,
     /// `(pid, file name)` → what `/proc/<pid>/<file name>` holds.
     proc_files: HashMap<(u32, String), String>,
@@ -72,6 +95,8 @@ pub struct FakeGpus {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FakeFile {
+    driver_version: Option<String>,
+    cuda_driver_version: Option<String>,
     #[serde(default)]
     gpu: Vec<FakeEntry>,
 }
@@ -85,6 +110,7 @@ struct FakeEntry {
     index: Option<u32>,
     #[serde(default = "default_healthy")]
     healthy: bool,
+    compute_capability: Option<String>,
     #[serde(default)]
     process: Vec<FakeProcess>,
 }
@@ -100,6 +126,18 @@ struct FakeProcess {
 
 fn default_healthy() -> bool {
     true
+}
+
+/// `"7.5"` → `(7, 5)`: digits, one dot, digits.
+fn major_minor(text: &str) -> Option<(u32, u32)> {
+    let (major, minor) = text.split_once('.')?;
+    let number = |part: &str| {
+        // Digits only: `parse` alone would take "+7".
+        (!part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| part.parse().ok())
+            .flatten()
+    };
+    Some((number(major)?, number(minor)?))
 }
 
 impl FakeGpus {
@@ -130,6 +168,25 @@ impl FakeGpus {
             field: field.to_owned(),
             message,
         };
+        let top = |field: &str, message: String| GpuError::Parse {
+            path: origin.to_owned(),
+            message: format!("{field}: {message}"),
+        };
+        let mut facts = NodeFacts::default();
+        if let Some(version) = file.driver_version {
+            if version.trim().is_empty() {
+                return Err(top("driver_version", "must not be empty".into()));
+            }
+            facts.driver_version = Some(version);
+        }
+        if let Some(version) = file.cuda_driver_version {
+            facts.cuda_driver_version = Some(major_minor(&version).ok_or_else(|| {
+                top(
+                    "cuda_driver_version",
+                    format!("{version:?} is not a CUDA version like \"13.0\""),
+                )
+            })?);
+        }
         let mut uuids = HashSet::new();
         let mut indices = HashSet::new();
         let mut gpus = Vec::with_capacity(file.gpu.len());
@@ -193,6 +250,18 @@ impl FakeGpus {
                     }
                 }
             }
+            if let Some(text) = &entry.compute_capability {
+                let capability = major_minor(text).ok_or_else(|| {
+                    field(
+                        position,
+                        "compute_capability",
+                        format!("{text:?} is not a compute capability like \"7.5\""),
+                    )
+                })?;
+                facts
+                    .compute_capability
+                    .insert(entry.uuid.clone(), capability);
+            }
             processes.insert(entry.uuid.clone(), memory);
             gpus.push(Gpu {
                 index,
@@ -205,6 +274,7 @@ impl FakeGpus {
         gpus.sort_by_key(|g| g.index);
         Ok(FakeGpus {
             gpus,
+            facts,
             processes,
             proc_files,
         })
@@ -227,6 +297,10 @@ impl FakeGpus {
 impl GpuSource for FakeGpus {
     fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
         Ok(self.gpus.clone())
+    }
+
+    fn facts(&self) -> NodeFacts {
+        self.facts.clone()
     }
 }
 
@@ -259,6 +333,39 @@ impl GpuSource for NvmlGpus {
             });
         }
         Ok(gpus)
+    }
+
+    fn facts(&self) -> NodeFacts {
+        use nvml_wrapper::{cuda_driver_version_major, cuda_driver_version_minor, Nvml};
+        let nvml = match Nvml::init() {
+            Ok(nvml) => nvml,
+            Err(err) => {
+                tracing::warn!(%err, "NVML is not usable; publishing GPUs without driver facts");
+                return NodeFacts::default();
+            }
+        };
+        let mut facts = NodeFacts {
+            driver_version: nvml.sys_driver_version().ok(),
+            cuda_driver_version: nvml.sys_cuda_driver_version().ok().and_then(|v| {
+                let major = u32::try_from(cuda_driver_version_major(v)).ok()?;
+                let minor = u32::try_from(cuda_driver_version_minor(v)).ok()?;
+                Some((major, minor))
+            }),
+            compute_capability: HashMap::new(),
+        };
+        let count = nvml.device_count().unwrap_or(0);
+        for index in 0..count {
+            let Ok(device) = nvml.device_by_index(index) else {
+                continue;
+            };
+            let (Ok(uuid), Ok(cc)) = (device.uuid(), device.cuda_compute_capability()) else {
+                continue;
+            };
+            if let (Ok(major), Ok(minor)) = (u32::try_from(cc.major), u32::try_from(cc.minor)) {
+                facts.compute_capability.insert(uuid, (major, minor));
+            }
+        }
+        facts
     }
 }
 
@@ -317,6 +424,67 @@ mod tests {
         );
         let err = parse(&format!("{gpu}[[gpu.process]]\npid = 0\nused_mib = 1\n")).unwrap_err();
         assert!(err.to_string().contains("gpu[0].process[0].pid"), "{err}");
+    }
+
+    #[test]
+    fn facts_come_from_the_file_and_are_optional() {
+        let gpu = "[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 15079\n";
+        let plain = FakeGpus::parse(gpu, Path::new("node.toml")).unwrap();
+        assert_eq!(plain.facts(), NodeFacts::default());
+
+        let text = format!(
+            "driver_version = \"580.65.06\"\ncuda_driver_version = \"13.0\"\n\
+             {gpu}compute_capability = \"7.5\"\n\
+             [[gpu]]\nuuid = \"GPU-b\"\nname = \"T4\"\nmemory_mib = 15079\n"
+        );
+        let facts = FakeGpus::parse(&text, Path::new("node.toml"))
+            .unwrap()
+            .facts();
+        assert_eq!(facts.driver_version.as_deref(), Some("580.65.06"));
+        assert_eq!(facts.cuda_driver_version, Some((13, 0)));
+        assert_eq!(
+            facts.compute_capability,
+            HashMap::from([("GPU-a".to_owned(), (7, 5))])
+        );
+
+        let err = parse(&format!("{gpu}compute_capability = \"7\"\n")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "fake GPU file node.toml: gpu[0].compute_capability: \"7\" is not a compute \
+             capability like \"7.5\""
+        );
+        let err = parse(&format!("{gpu}compute_capability = \"+7.5\"\n")).unwrap_err();
+        assert!(
+            err.to_string().contains("gpu[0].compute_capability"),
+            "{err}"
+        );
+        let err = parse(&format!("driver_version = \" \"\n{gpu}")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "fake GPU file node.toml: driver_version: must not be empty"
+        );
+        let err = parse(&format!("cuda_driver_version = \"13\"\n{gpu}")).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("fake GPU file node.toml: cuda_driver_version: \"13\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn shared_fixtures_still_parse() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpus");
+        let mut parsed = 0;
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                if let Err(err) = FakeGpus::from_file(&path) {
+                    panic!("{err}");
+                }
+                parsed += 1;
+            }
+        }
+        assert!(parsed > 0, "no fixtures in {}", dir.display());
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! `gpumem plugin` as a whole: the kubelet plugin, GPU health, the HTTP
-//! endpoint and state clean-up, all owned here and stopped by one token.
+//! `gpumem plugin` and `gpumem dra` as a whole: the front end kubelet talks
+//! to, GPU health, the HTTP endpoint, reconciliation and state clean-up, all
+//! owned here and stopped by one token.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -16,19 +17,34 @@ use crate::cluster::gpushare::{self, Extender, PlacedPod};
 use crate::cluster::pods::NodePods;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::deviceplugin::podresources::{Holding, PodResources};
+use crate::dra::checkpoint::Checkpoint;
+use crate::dra::prepare::{DriverConfig, PreparedClaims};
+use crate::dra::registration::Registration;
+use crate::dra::service::{self, DraSockets};
+use crate::dra::slice::{self, SliceStatus};
 use crate::isolation::cleanup;
 use crate::isolation::containers::ContainerName;
 use crate::isolation::enforce::{Notice, Noticed, OverCapAction};
-use crate::isolation::inject::Isolation;
+use crate::isolation::inject::{Isolation, ShimConfig};
 use crate::isolation::reconcile::{self, ProcessUsage, Reconciler};
+use crate::node::gpu::NodeFacts;
 use crate::node::health::{self, HealthWatch};
 use crate::node::inventory::Inventory;
 use crate::node::placement;
-use crate::ops::metrics::{self, Observed};
+use crate::ops::metrics::{self, FrontEnd, Observed};
 
 pub struct DaemonConfig {
     pub plugin: PluginConfig,
     pub pod_resources_socket: PathBuf,
+    pub common: Common,
+    /// The API server, where the plugin may use it.
+    pub cluster: Option<Cluster>,
+}
+
+/// What both front ends run the same way.
+pub struct Common {
+    /// The state dir (`--state-dir`), where the front end's lock is.
+    pub state_dir: PathBuf,
     /// Already bound, so a bad `--metrics-addr` fails before anything starts.
     pub metrics: Option<tokio::net::TcpListener>,
     /// How long a finished container's accounting directory is kept.
@@ -39,8 +55,54 @@ pub struct DaemonConfig {
     /// What to do with a container over its cap for longer than the grace
     /// period, seen from outside by reconciliation; `None`: nothing.
     pub over_cap: Option<(OverCapAction, Duration)>,
-    /// The API server, where the plugin may use it.
-    pub cluster: Option<Cluster>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error(transparent)]
+    Dra(#[from] crate::dra::service::DraError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::dra::checkpoint::CheckpointError),
+    #[error("cannot lock {path}: {source}")]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "another gpumem front end (the device plugin or the DRA driver) runs on this node with \
+         --state-dir {state_dir}: a node runs one, so no GPU is handed out by both; remove the \
+         other DaemonSet from this node (or give this one a node selector that excludes it)"
+    )]
+    OtherFrontEnd { state_dir: PathBuf },
+}
+
+/// Holds the node's front-end lock, `<state-dir>/front-end.lock`, until
+/// dropped (or the process ends, however it ends).
+fn lock_front_end(
+    state_dir: &std::path::Path,
+) -> Result<nix::fcntl::Flock<std::fs::File>, DaemonError> {
+    let path = state_dir.join("front-end.lock");
+    let err = |source| DaemonError::Lock {
+        path: path.clone(),
+        source,
+    };
+    std::fs::create_dir_all(state_dir).map_err(err)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(err)?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(
+        |(_, errno)| match errno {
+            nix::errno::Errno::EWOULDBLOCK => DaemonError::OtherFrontEnd {
+                state_dir: state_dir.to_owned(),
+            },
+            errno => err(errno.into()),
+        },
+    )
 }
 
 /// The API server and what gpumem does with it.
@@ -61,7 +123,14 @@ pub async fn run(
     inventory: Inventory,
     health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
-) -> Result<(), PluginError> {
+) -> Result<(), DaemonError> {
+    // With the shim, the state dir is ours: no other front end may hand out
+    // these GPUs. Without it nothing of ours stays on the node.
+    let _lock = match &config.plugin.isolation {
+        Isolation::Shim(_) => Some(lock_front_end(&config.common.state_dir)?),
+        Isolation::None => None,
+    };
+    let mut common = config.common;
     let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
     let isolation = Arc::new(config.plugin.isolation.clone());
     let cdi_specs = config.plugin.device_list.cdi_specs().cloned();
@@ -73,49 +142,26 @@ pub async fn run(
     let stop = shutdown.child_token();
     let mut tasks = tokio::task::JoinSet::new();
 
-    let mut notices = None;
-    let reconciler = match (&*isolation, config.reconcile) {
-        (Isolation::Shim(_), Some((source, every))) => {
-            // The over-cap action's caps come from the directory's name and
-            // the inventory, never from the file the container can write.
-            let inventory = inventory_rx.clone();
-            let reconciler =
-                Reconciler::new(source).with_granted_caps(Box::new(move |file, uuid| {
-                    let name = ContainerName::of_dir(file.parent()?)?;
-                    let mib = name.granted_mib(&inventory.borrow(), uuid)?;
-                    Some(mib.saturating_mul(1 << 20))
-                }));
-            let mut reconciler = match config.over_cap {
-                Some((action, grace)) => reconciler.with_over_cap(action, grace),
-                None => reconciler,
-            };
-            if config.cluster.is_some() {
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                reconciler = reconciler.with_notices(tx);
-                notices = Some(rx);
-            }
-            Some((reconciler, every))
-        }
-        _ => None,
-    };
-    if let Some(listener) = config.metrics {
-        let observed = Observed {
-            resource: resource.clone(),
-            inventory: inventory_rx.clone(),
-            plugin: plugin.status(),
-            counters: plugin.counters(),
-            pod_resources: pod_resources.clone(),
-            isolation: isolation.clone(),
-            overheads: reconciler.as_ref().map(|(r, _)| r.overheads()),
-            unmanaged: reconciler.as_ref().map(|(r, _)| r.unmanaged()),
-            over_cap: reconciler.as_ref().and_then(|(r, _)| r.actions()),
-        };
-        let stop = stop.clone();
-        tasks.spawn(async move {
-            if let Err(err) = metrics::serve(listener, observed, stop).await {
-                error!(%err, "metrics endpoint failed");
-            }
-        });
+    // The over-cap action's caps come from the directory's name and the
+    // inventory, never from the file the container can write.
+    let inventory = inventory_rx.clone();
+    let (reconciler, notices) = reconciler(
+        &isolation,
+        &mut common,
+        config.cluster.is_some(),
+        move |name, uuid| name.granted_mib(&inventory.borrow(), uuid),
+    );
+    if let Some(listener) = common.metrics {
+        let observed = Observed::new(
+            resource.clone(),
+            inventory_rx.clone(),
+            FrontEnd::DevicePlugin(plugin.status()),
+            plugin.counters(),
+            pod_resources.clone(),
+            isolation.clone(),
+            reconciler.as_ref().map(|(r, _)| r),
+        );
+        tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
     }
     if let Some(cluster) = config.cluster {
         let pods = NodePods::watch(cluster.client.clone(), &cluster.node, stop.clone());
@@ -149,16 +195,8 @@ pub async fn run(
     if let Some(watch) = health {
         tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
     }
-    if let (Isolation::Shim(shim), Some((reconciler, every))) = (&*isolation, reconciler) {
-        let containers = shim.containers();
-        tasks.spawn(reconcile::run(
-            reconciler,
-            move || containers.accounting_files(),
-            every,
-            stop.clone(),
-        ));
-    }
     if let Isolation::Shim(shim) = &*isolation {
+        spawn_reconcile(&mut tasks, shim, reconciler, &stop);
         if let Some(specs) = &cdi_specs {
             // Allocate refuses containers while it cannot write their specs.
             if let Err(err) = std::fs::create_dir_all(specs.dir()) {
@@ -170,7 +208,7 @@ pub async fn run(
             cdi_specs,
             inventory_rx.clone(),
             pod_resources,
-            config.state_grace,
+            common.state_grace,
             stop.clone(),
         ));
     }
@@ -178,7 +216,57 @@ pub async fn run(
     let result = plugin.run(inventory_rx, stop.clone()).await;
     stop.cancel();
     while tasks.join_next().await.is_some() {}
-    result
+    Ok(result?)
+}
+
+/// Compares NVML's per-process memory with the shim's charges (shim
+/// isolation, where `--reconcile-secs` is on), the over-cap action's caps
+/// from `granted` (by a directory's name and a GPU's UUID, in MiB); with
+/// `notices`, what it does is also sent for Events.
+fn reconciler(
+    isolation: &Isolation,
+    common: &mut Common,
+    notices: bool,
+    granted: impl Fn(&ContainerName, &str) -> Option<u64> + Send + Sync + 'static,
+) -> (
+    Option<(Reconciler, Duration)>,
+    Option<UnboundedReceiver<Notice>>,
+) {
+    let (Isolation::Shim(_), Some((source, every))) = (isolation, common.reconcile.take()) else {
+        return (None, None);
+    };
+    let mut reconciler = Reconciler::new(source).with_granted_caps(Box::new(move |file, uuid| {
+        let name = ContainerName::of_dir(file.parent()?)?;
+        Some(granted(&name, uuid)?.saturating_mul(1 << 20))
+    }));
+    if let Some((action, grace)) = common.over_cap {
+        reconciler = reconciler.with_over_cap(action, grace);
+    }
+    let mut receiver = None;
+    if notices {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        reconciler = reconciler.with_notices(tx);
+        receiver = Some(rx);
+    }
+    (Some((reconciler, every)), receiver)
+}
+
+/// Reconciles every accounting directory under the shim's state dir.
+fn spawn_reconcile(
+    tasks: &mut tokio::task::JoinSet<()>,
+    shim: &ShimConfig,
+    reconciler: Option<(Reconciler, Duration)>,
+    stop: &CancellationToken,
+) {
+    if let Some((reconciler, every)) = reconciler {
+        let containers = shim.containers();
+        tasks.spawn(reconcile::run(
+            reconciler,
+            move || containers.accounting_files(),
+            every,
+            stop.clone(),
+        ));
+    }
 }
 
 /// Posts an Event on the pod of each over-cap action and each process
@@ -306,4 +394,111 @@ fn placed_pods(
             .push((inv.gpus()[assignment.gpu].gpu.index, assignment.units));
     }
     pods
+}
+
+/// `gpumem dra`: the DRA driver's configuration.
+pub struct DraDaemonConfig {
+    pub driver: DriverConfig,
+    pub sockets: DraSockets,
+    pub client: kube::Client,
+    /// Driver version and compute capabilities, for the slice's attributes.
+    pub facts: NodeFacts,
+    /// This boot's ID: the checkpoint's entries of another boot are stale.
+    pub boot_id: String,
+    /// For `/status`: which pods and containers reference which claims.
+    pub pod_resources_socket: PathBuf,
+    pub common: Common,
+}
+
+/// Under the state dir, the DRA driver's record of prepared claims.
+pub const CHECKPOINT: &str = "dra/checkpoint.json";
+
+/// Runs the DRA driver until `shutdown` (or until it fails to start).
+pub async fn run_dra(
+    config: DraDaemonConfig,
+    inventory: Inventory,
+    health: Option<Box<dyn HealthWatch>>,
+    shutdown: CancellationToken,
+) -> Result<(), DaemonError> {
+    let mut common = config.common;
+    let _lock = lock_front_end(&common.state_dir)?;
+    let isolation = Arc::new(config.driver.isolation.clone());
+    let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
+    let opened = Checkpoint::open(&common.state_dir.join(CHECKPOINT), &config.boot_id)?;
+    if let Some(err) = &opened.corrupt {
+        error!(%err, "started a new DRA checkpoint: claims prepared before keep their files until the node restarts");
+    }
+    let claims = PreparedClaims::new(
+        config.driver.clone(),
+        config.client.clone(),
+        inventory_rx.clone(),
+        opened.checkpoint,
+    );
+    claims.recover(opened.interrupted, "interrupted while being prepared");
+    claims.recover(opened.stale, "prepared before the node rebooted");
+    claims.remove_unrecorded_specs();
+    if let Err(err) = std::fs::create_dir_all(config.driver.specs.dir()) {
+        warn!(dir = %config.driver.specs.dir().display(), %err, "--cdi-spec-dir is not usable; claims are refused until it is");
+    }
+
+    let stop = shutdown.child_token();
+    let mut tasks = tokio::task::JoinSet::new();
+    // Caps from the checkpoint, never from the file the claim's containers
+    // can write.
+    let granted = claims.clone();
+    let (reconciler, _) = reconciler(&isolation, &mut common, false, move |name, uuid| {
+        granted.granted_mib(name, uuid)
+    });
+    let (slice_tx, slice_rx) = watch::channel(SliceStatus::default());
+    let (registration_tx, registration_rx) = watch::channel(Registration::default());
+    if let Some(listener) = common.metrics {
+        let observed = Observed::new(
+            config.sockets.driver_name.clone(),
+            inventory_rx.clone(),
+            FrontEnd::Dra {
+                registration: registration_rx,
+                slice: slice_rx,
+                claims: claims.clone(),
+            },
+            Arc::default(),
+            PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
+            isolation.clone(),
+            reconciler.as_ref().map(|(r, _)| r),
+        );
+        tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
+    }
+    tasks.spawn(slice::run(
+        config.client.clone(),
+        config.driver.node.clone(),
+        config.driver.driver.clone(),
+        inventory_rx.clone(),
+        config.facts,
+        slice_tx,
+        stop.clone(),
+    ));
+    if let Some(watch) = health {
+        tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
+    }
+    if let Isolation::Shim(shim) = &*isolation {
+        spawn_reconcile(&mut tasks, shim, reconciler, &stop);
+        tasks.spawn(cleanup::run(
+            shim.clone(),
+            None,
+            inventory_rx.clone(),
+            claims.clone(),
+            common.state_grace,
+            stop.clone(),
+        ));
+    }
+
+    let result = service::serve(
+        &config.sockets,
+        Arc::new(claims),
+        registration_tx,
+        stop.clone(),
+    )
+    .await;
+    stop.cancel();
+    while tasks.join_next().await.is_some() {}
+    Ok(result?)
 }

@@ -15,13 +15,14 @@ use tokio_util::sync::CancellationToken;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::isolation::cdi::SpecDir;
 use crate::isolation::inject::{env, DeviceListStrategy, Isolation, ShimConfig, SHIM_LIBRARY};
-use crate::node::gpu::{FakeGpus, GpuError, GpuSource};
+use crate::node::gpu::{FakeGpus, Gpu, GpuError, GpuSource};
 use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
 use crate::simulator::{AdmissionError, Allocation, KubeletSim};
 
+mod dra;
 mod scheduling;
 
 /// The embedded default node: one Tesla T4 as NVML reports it on an Alibaba
@@ -60,6 +61,8 @@ pub struct DemoConfig {
     /// How Allocate names the GPU. With `cdi` the specs go to a directory of
     /// the demo's own, whatever directory this names.
     pub device_list: DeviceListStrategy,
+    /// Play the DRA driver's scenario instead of the device plugin's.
+    pub dra: bool,
 }
 
 /// What a container's process needs, as `cargo build --release --workspace`
@@ -115,6 +118,8 @@ pub enum DemoError {
     Install(#[from] crate::isolation::install::InstallError),
     #[error("scheduling scenario: {0}")]
     Cluster(String),
+    #[error("DRA scenario: {0}")]
+    Dra(String),
 }
 
 /// Runs the scenario and returns the report to print.
@@ -124,8 +129,13 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         None => FakeGpus::parse(DEFAULT_NODE, Path::new("<embedded T4 node>"))?,
     };
     let inventory = Arc::new(Inventory::new(source.discover()?, config.unit)?);
-    let dir = tempfile::Builder::new().prefix("gpumem-demo-").tempdir()?;
     let kit = tenant_kit(config.tenant_dir.as_deref())?;
+    if config.dra {
+        let mut out = String::new();
+        dra::run(&inventory, kit.as_ref(), &mut out).await?;
+        return Ok(out);
+    }
+    let dir = tempfile::Builder::new().prefix("gpumem-demo-").tempdir()?;
     let isolation = node_isolation(kit.as_ref(), dir.path())?;
     // Never the host's spec directory.
     let device_list = match &config.device_list {
@@ -255,7 +265,12 @@ async fn run_tenants(
     for (pod, result) in admitted {
         let Ok(allocation) = result else { continue };
         let applied = Applied::of(allocation, specs);
-        let line = match run_tenant(kit, driver_dir.path(), inv, allocation, &applied).await {
+        let gpu = allocated_gpu(inv, allocation);
+        let ran = match gpu {
+            Ok(gpu) => run_tenant(kit, driver_dir.path(), gpu, &applied).await,
+            Err(err) => Err(err),
+        };
+        let line = match ran {
             Ok(line) => line,
             Err(err) => format!("could not run: {err}"),
         };
@@ -274,28 +289,31 @@ fn driver_dir(kit: &TenantKit) -> std::io::Result<tempfile::TempDir> {
     Ok(dir)
 }
 
+/// The GPU a container was admitted on.
+fn allocated_gpu<'a>(inv: &'a Inventory, allocation: &Allocation) -> Result<&'a Gpu, String> {
+    allocation
+        .device_ids
+        .first()
+        .and_then(|id| inv.resolve(id))
+        .map(|(_, position)| &inv.gpus()[position].gpu)
+        .ok_or_else(|| "admitted with unknown devices".to_owned())
+}
+
 async fn run_tenant(
     kit: &TenantKit,
     driver_dir: &Path,
-    inv: &Inventory,
-    allocation: &Allocation,
+    gpu: &Gpu,
     applied: &Applied,
 ) -> Result<String, String> {
     let state = applied
         .mounts
         .get(Path::new(gpumem_layout::CONTAINER_DIR))
-        .ok_or("Allocate mounted no accounting directory")?;
-    let gpu = allocation
-        .device_ids
-        .first()
-        .and_then(|id| inv.resolve(id))
-        .map(|(_, position)| &inv.gpus()[position])
-        .ok_or("admitted with unknown devices")?;
+        .ok_or("no accounting directory was mounted")?;
     let cap: u64 = applied
         .env
         .get(env::LIMIT_MIB)
         .and_then(|v| v.parse().ok())
-        .ok_or("Allocate gave no cap")?;
+        .ok_or("no cap was given")?;
     let steps = cap / STEP_MIB + 1;
     let mut cmd = tokio::process::Command::new(&kit.probe);
     cmd.env_clear()
@@ -304,8 +322,8 @@ async fn run_tenant(
         .env("LD_PRELOAD", &kit.shim)
         .env("LD_LIBRARY_PATH", driver_dir)
         // The one GPU the runtime would expose, as the fake driver's only one.
-        .env("FAKEGPU_UUIDS", &gpu.gpu.uuid)
-        .env("FAKEGPU_MEMORY_MIB", gpu.gpu.memory_mib.to_string())
+        .env("FAKEGPU_UUIDS", &gpu.uuid)
+        .env("FAKEGPU_MEMORY_MIB", gpu.memory_mib.to_string())
         .env("FAKEGPU_CONTEXT_MIB", FAKE_CONTEXT_MIB.to_string())
         .arg("nvml")
         .args((0..steps).map(|_| format!("alloc:{STEP_MIB}")))
@@ -486,6 +504,19 @@ struct Applied {
 }
 
 impl Applied {
+    /// What a runtime applies for the CDI devices `ids` whose specs are in
+    /// `specs` (others, such as NVIDIA's, the demo has not).
+    fn of_cdi(ids: &[&str], specs: &SpecDir) -> Self {
+        let mut applied = Applied {
+            env: BTreeMap::new(),
+            mounts: BTreeMap::new(),
+        };
+        for edits in ids.iter().filter_map(|id| specs.edits(id)) {
+            applied.apply(edits);
+        }
+        applied
+    }
+
     fn of(allocation: &Allocation, specs: Option<&SpecDir>) -> Self {
         let response = &allocation.response;
         let mut applied = Applied {
@@ -501,13 +532,17 @@ impl Applied {
             .iter()
             .filter_map(|d| specs?.edits(&d.name));
         for edits in edits {
-            applied.env.extend(edits.env_map());
-            for m in edits.mounts {
-                applied
-                    .mounts
-                    .insert(m.container_path.into(), m.host_path.into());
-            }
+            applied.apply(edits);
         }
         applied
+    }
+
+    /// A CDI device's edits, as the runtime applies them.
+    fn apply(&mut self, edits: crate::isolation::cdi::ContainerEdits) {
+        self.env.extend(edits.env_map());
+        for m in edits.mounts {
+            self.mounts
+                .insert(m.container_path.into(), m.host_path.into());
+        }
     }
 }

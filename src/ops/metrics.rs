@@ -26,20 +26,57 @@ use tracing::error;
 use crate::deviceplugin::plugin::PluginStatus;
 use crate::deviceplugin::podresources::{Holding, PodResources, PodResourcesError};
 use crate::deviceplugin::service::Counters;
+use crate::dra::prepare::PreparedClaims;
+use crate::dra::registration::Registration;
+use crate::dra::slice::SliceStatus;
 use crate::isolation::enforce::Actions;
 use crate::isolation::inject::Isolation;
-use crate::isolation::reconcile::{Overheads, Unmanaged};
+use crate::isolation::reconcile::{Overheads, Reconciler, Unmanaged};
 use crate::node::inventory::Inventory;
-use crate::ops::status::{ContainerStatus, GpuStatus, NodeStatus};
+use crate::ops::status::{
+    ClaimShare, ClaimStatus, ContainerStatus, DraStatus, GpuStatus, NodeStatus,
+};
 
 const MIB: u64 = 1 << 20;
+
+/// The front end kubelet talks to, and what it knows.
+#[derive(Clone)]
+pub enum FrontEnd {
+    DevicePlugin(watch::Receiver<PluginStatus>),
+    Dra {
+        registration: watch::Receiver<Registration>,
+        slice: watch::Receiver<SliceStatus>,
+        claims: PreparedClaims,
+    },
+}
+
+impl FrontEnd {
+    /// Registered with the running kubelet.
+    pub fn registered(&self) -> bool {
+        match self {
+            FrontEnd::DevicePlugin(plugin) => plugin.borrow().registered,
+            FrontEnd::Dra { registration, .. } => {
+                matches!(*registration.borrow(), Registration::Registered)
+            }
+        }
+    }
+
+    /// Registrations with kubelet so far (the device plugin re-registers
+    /// at every kubelet restart; the DRA driver is registered by kubelet).
+    fn registrations(&self) -> u64 {
+        match self {
+            FrontEnd::DevicePlugin(plugin) => plugin.borrow().registrations,
+            FrontEnd::Dra { .. } => u64::from(self.registered()),
+        }
+    }
+}
 
 /// Everything the endpoints report on.
 #[derive(Clone)]
 pub struct Observed {
     pub resource: String,
     pub inventory: watch::Receiver<Arc<Inventory>>,
-    pub plugin: watch::Receiver<PluginStatus>,
+    pub front_end: FrontEnd,
     pub counters: Arc<Counters>,
     pub pod_resources: PodResources,
     pub isolation: Arc<Isolation>,
@@ -52,6 +89,29 @@ pub struct Observed {
 }
 
 impl Observed {
+    /// What the endpoints report on; `reconciler` where usage is reconciled.
+    pub fn new(
+        resource: String,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        front_end: FrontEnd,
+        counters: Arc<Counters>,
+        pod_resources: PodResources,
+        isolation: Arc<Isolation>,
+        reconciler: Option<&Reconciler>,
+    ) -> Self {
+        Observed {
+            resource,
+            inventory,
+            front_end,
+            counters,
+            pod_resources,
+            isolation,
+            overheads: reconciler.map(Reconciler::overheads),
+            unmanaged: reconciler.map(Reconciler::unmanaged),
+            over_cap: reconciler.and_then(Reconciler::actions),
+        }
+    }
+
     /// Asks pod-resources, then reads the accounting files off the async
     /// workers.
     pub async fn status(&self) -> Result<NodeStatus, JoinError> {
@@ -63,13 +123,47 @@ impl Observed {
     /// Reads the accounting files: blocking.
     fn build(&self, holdings: Result<Vec<Holding>, PodResourcesError>) -> NodeStatus {
         let inventory = self.inventory.borrow().clone();
+        let claim_holders = holdings.as_ref().ok().cloned().unwrap_or_default();
         let mut status = NodeStatus::build(
             &inventory,
             &self.resource,
-            self.plugin.borrow().registered,
+            self.front_end.registered(),
             holdings,
             &self.isolation,
         );
+        if let FrontEnd::Dra {
+            registration,
+            slice,
+            claims,
+        } = &self.front_end
+        {
+            let shares = claims
+                .shares()
+                .into_iter()
+                .map(|s| ClaimShare {
+                    namespace: s.claim.namespace,
+                    name: s.claim.name,
+                    uid: s.claim.uid,
+                    gpu_uuid: s.gpu_uuid,
+                    cap_mib: s.cap_mib,
+                    dir: s.dir,
+                })
+                .collect();
+            status.add_claims(&inventory, shares, &claim_holders, &self.isolation);
+            let slice = slice.borrow().clone();
+            status.dra = Some(DraStatus {
+                driver: self.resource.clone(),
+                registration: match &*registration.borrow() {
+                    Registration::Waiting => "waiting for kubelet".to_owned(),
+                    Registration::Registered => "registered with kubelet".to_owned(),
+                    Registration::Refused(reason) => format!("REFUSED by kubelet: {reason}"),
+                },
+                slice: Some(slice.name).filter(|n| !n.is_empty() && slice.generation > 0),
+                slice_devices: slice.devices,
+                consumable_capacity: slice.consumable_capacity,
+                slice_error: slice.last_error,
+            });
+        }
         if let Some(unmanaged) = &self.unmanaged {
             let unmanaged = unmanaged.lock().unwrap_or_else(|e| e.into_inner());
             for gpu in &mut status.gpus {
@@ -95,7 +189,7 @@ impl Observed {
         Reading {
             status: self.build(holdings),
             overheads,
-            registrations: self.plugin.borrow().registrations,
+            registrations: self.front_end.registrations(),
             over_cap,
         }
     }
@@ -136,6 +230,17 @@ pub fn router(observed: Observed) -> Router {
         .with_state(Endpoint { observed, metrics })
 }
 
+/// Serves the endpoints until `shutdown`, logging a failure.
+pub async fn serve_logged(
+    listener: tokio::net::TcpListener,
+    observed: Observed,
+    shutdown: CancellationToken,
+) {
+    if let Err(err) = serve(listener, observed, shutdown).await {
+        error!(%err, "metrics endpoint failed");
+    }
+}
+
 /// Serves the endpoints on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -148,7 +253,7 @@ pub async fn serve(
 }
 
 async fn healthz(State(endpoint): State<Endpoint>) -> impl IntoResponse {
-    if endpoint.observed.plugin.borrow().registered {
+    if endpoint.observed.front_end.registered() {
         (StatusCode::OK, "ok\n")
     } else {
         (
@@ -435,6 +540,48 @@ impl Collector for NodeCollector {
             |c| c.refused_allocations.map(ConstCounter::new),
         )?;
 
+        let claims = &status.claims;
+        let per_claim = |e: &mut DescriptorEncoder,
+                         name: &str,
+                         help: &str,
+                         value: &dyn Fn(&ClaimStatus) -> Option<u64>|
+         -> std::fmt::Result {
+            let samples = claims.iter().filter_map(|c| {
+                let labels: Labels = vec![
+                    ("namespace", c.namespace.clone()),
+                    ("claim", c.name.clone()),
+                    ("gpu", c.gpu.to_string()),
+                ];
+                Some((labels, ConstGauge::new(value(c)?.saturating_mul(MIB))))
+            });
+            family(e, name, help, samples)
+        };
+        if status.dra.is_some() {
+            per_claim(
+                e,
+                "claim_cap_bytes",
+                "The DRA claim's GPU memory cap, shared by the containers referencing it",
+                &|c| Some(c.cap_mib),
+            )?;
+            per_claim(
+                e,
+                "claim_used_bytes",
+                "GPU memory the processes of the DRA claim's containers hold",
+                &|c| c.used_mib,
+            )?;
+        }
+        if let Some(dra) = &status.dra {
+            if let Some(kept) = dra.consumable_capacity {
+                single(
+                    e,
+                    "dra_consumable_capacity",
+                    "1 if the API server kept the ResourceSlice's consumable-capacity fields; 0: \
+                     DRAConsumableCapacity is off and each GPU goes whole to one claim",
+                    ConstGauge::new(u64::from(kept)),
+                )?;
+            }
+        }
+
         if let Some((kills, reports)) = over_cap {
             single(
                 e,
@@ -501,6 +648,8 @@ mod tests {
                 gpus: vec![],
                 containers,
                 pod_resources_error: None,
+                claims: vec![],
+                dra: None,
             },
             overheads: HashMap::new(),
             over_cap: None,

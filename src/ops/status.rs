@@ -26,6 +26,68 @@ pub struct NodeStatus {
     /// Set when kubelet's pod-resources API could not be read: allocations
     /// are then unknown, not zero.
     pub pod_resources_error: Option<String>,
+    /// The DRA driver's claims prepared on this node, one row per GPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub claims: Vec<ClaimStatus>,
+    /// The DRA driver's own state; `None` for the device plugin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dra: Option<DraStatus>,
+}
+
+/// One DRA claim's share of one GPU: every container referencing the claim
+/// shares its cap.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimStatus {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub gpu: u32,
+    pub cap_mib: u64,
+    #[serde(default)]
+    pub accounting_dir: Option<String>,
+    /// The containers referencing the claim, `pod/container`, as kubelet's
+    /// pod-resources API lists them (empty when it could not be read).
+    #[serde(default)]
+    pub containers: Vec<String>,
+    #[serde(default)]
+    pub used_mib: Option<u64>,
+    #[serde(default)]
+    pub untracked_mib: Option<u64>,
+    #[serde(default)]
+    pub peak_mib: Option<u64>,
+    #[serde(default)]
+    pub refused_allocations: Option<u64>,
+}
+
+/// The DRA driver: its registration with kubelet and its ResourceSlice.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraStatus {
+    pub driver: String,
+    /// `Waiting`, `Registered` or `Refused: <kubelet's reason>`.
+    pub registration: String,
+    /// The published slice's name; `None` until published.
+    #[serde(default)]
+    pub slice: Option<String>,
+    #[serde(default)]
+    pub slice_devices: usize,
+    /// Whether the API server kept the slice's consumable-capacity fields
+    /// (`DRAConsumableCapacity`); `false`: each GPU goes whole to one claim.
+    #[serde(default)]
+    pub consumable_capacity: Option<bool>,
+    /// The last failure to publish the slice, if it has not been published since.
+    #[serde(default)]
+    pub slice_error: Option<String>,
+}
+
+/// One claim's cap on one GPU, from the driver's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimShare {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub gpu_uuid: String,
+    pub cap_mib: u64,
+    pub dir: ContainerName,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,7 +191,62 @@ impl NodeStatus {
             gpus,
             containers,
             pod_resources_error,
+            claims: Vec::new(),
+            dra: None,
         }
+    }
+
+    /// Adds the DRA driver's claims, counted on their GPUs, with the
+    /// containers `holdings` says reference them and, with the shim, their
+    /// usage. Reads accounting files: call it off the async workers.
+    pub fn add_claims(
+        &mut self,
+        inv: &Inventory,
+        shares: Vec<ClaimShare>,
+        holdings: &[Holding],
+        isolation: &Isolation,
+    ) {
+        let state = match isolation {
+            Isolation::Shim(shim) => Some(shim.containers()),
+            Isolation::None => None,
+        };
+        for share in shares {
+            let Some(position) = inv.gpus().iter().position(|g| g.gpu.uuid == share.gpu_uuid)
+            else {
+                continue;
+            };
+            let dir = state.as_ref().map(|c| c.get(share.dir.clone()));
+            let usage = dir
+                .as_ref()
+                .and_then(|d| d.accounting().ok())
+                .and_then(|p| p.devices.into_iter().find(|u| u.uuid == share.gpu_uuid));
+            let gpu = &mut self.gpus[position];
+            gpu.allocated_mib += share.cap_mib;
+            let containers = holdings
+                .iter()
+                .filter(|h| {
+                    h.claims
+                        .iter()
+                        .any(|(ns, name)| *ns == share.namespace && *name == share.name)
+                })
+                .map(|h| format!("{}/{}", h.pod, h.container))
+                .collect();
+            self.claims.push(ClaimStatus {
+                namespace: share.namespace,
+                name: share.name,
+                uid: share.uid,
+                gpu: gpu.index,
+                cap_mib: share.cap_mib,
+                accounting_dir: dir.map(|d| d.name.to_string()),
+                containers,
+                used_mib: usage.as_ref().map(|u| u.used_bytes / MIB),
+                untracked_mib: usage.as_ref().map(|u| u.untracked_bytes / MIB),
+                peak_mib: usage.as_ref().map(|u| u.peak_bytes / MIB),
+                refused_allocations: usage.as_ref().map(|u| u.refusals),
+            });
+        }
+        self.claims
+            .sort_by(|a, b| (&a.namespace, &a.name, a.gpu).cmp(&(&b.namespace, &b.name, b.gpu)));
     }
 
     /// A table like `arena top node -s` (and `-d` with `details`).
@@ -172,7 +289,51 @@ impl NodeStatus {
                 );
             }
         }
-        if details {
+        if let Some(dra) = &self.dra {
+            let capacity = match dra.consumable_capacity {
+                Some(true) => "memory as consumable capacity",
+                Some(false) => "consumable capacity DROPPED by the API server: each GPU goes whole to one claim",
+                None => "not published yet",
+            };
+            let _ = writeln!(
+                out,
+                "DRA driver {}: {}; ResourceSlice {} ({} devices; {capacity})",
+                dra.driver,
+                dra.registration,
+                dra.slice.as_deref().unwrap_or("-"),
+                dra.slice_devices
+            );
+            if let Some(err) = &dra.slice_error {
+                let _ = writeln!(out, "warning: ResourceSlice: {err}");
+            }
+        }
+        if details && !self.claims.is_empty() {
+            let mib = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |u| u.to_string());
+            let _ = writeln!(
+                out,
+                "\n{:<16} {:<24} {:<4} {:<9} {:<10} {:<15} {:<8} CONTAINERS",
+                "NAMESPACE", "CLAIM", "GPU", "CAP(MiB)", "USED(MiB)", "UNTRACKED(MiB)", "REFUSED"
+            );
+            for c in &self.claims {
+                let containers = if c.containers.is_empty() {
+                    "-".to_owned()
+                } else {
+                    c.containers.join(",")
+                };
+                let _ = writeln!(
+                    out,
+                    "{:<16} {:<24} {:<4} {:<9} {:<10} {:<15} {:<8} {containers}",
+                    c.namespace,
+                    c.name,
+                    c.gpu,
+                    c.cap_mib,
+                    mib(c.used_mib),
+                    mib(c.untracked_mib),
+                    mib(c.refused_allocations)
+                );
+            }
+        }
+        if details && (self.dra.is_none() || !self.containers.is_empty()) {
             let _ = writeln!(
                 out,
                 "\n{:<16} {:<24} {:<16} {:<4} {:<6} {:<9} {:<10} {:<15} REFUSED",
@@ -321,6 +482,8 @@ mod tests {
                 refused_allocations: Some(3),
             }],
             pod_resources_error: None,
+            claims: vec![],
+            dra: None,
         };
         let table = status.table(true);
         let lines: Vec<&str> = table.lines().collect();

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod cdi;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -334,4 +336,17 @@ pub fn installed_shim() -> TempDir {
     let host = tempfile::tempdir().unwrap();
     gpumem::isolation::install::install(&shim_kit().shim, host.path()).unwrap();
     host
+}
+
+/// A host directory with the shim "installed" in `dir`: Allocate and
+/// Prepare only check that the library and the preload list are there;
+/// nothing loads them.
+pub fn fake_installed_shim(dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("libgpumem_shim.so"), b"").unwrap();
+    std::fs::write(
+        dir.join("ld.so.preload"),
+        b"/usr/local/gpumem/libgpumem_shim.so\n",
+    )
+    .unwrap();
 }

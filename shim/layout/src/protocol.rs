@@ -15,8 +15,10 @@
 //! ```
 //!
 //! - claim (the process itself): its record lock on the slot's first byte
-//!   first, then counters, pid and start time, then CAS FREE → ALIVE one
-//!   generation on. A live slot therefore always shows a lock.
+//!   first, then counters, pid and start time, then the header's high-water
+//!   mark raised past the slot, then CAS FREE → ALIVE one generation on. A
+//!   live slot therefore always shows a lock, and a slot whose state word
+//!   ever left its first value (zero) lies below the mark.
 //! - reap (any shim of the container): an ALIVE slot whose lock is gone and
 //!   whose process the caller finds dead, reused or exec'd; CAS ALIVE →
 //!   REAPING, counters := 0, store FREE.
@@ -29,9 +31,10 @@
 //!   retry under it.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::OnceLock;
 
 use crate::{device, device_offset, get_u32, get_u64, header, slot, slot_offset, state};
-use crate::{validate, Geometry, LayoutError};
+use crate::{validate, Geometry, LayoutError, HEADER_LEN};
 
 /// The file's mutable words as atomics: the shim's shared mapping, or the
 /// daemon's [`Snapshot`]. [`AccountingFile`] asks only for offsets of fields
@@ -372,38 +375,74 @@ impl<W: Words> AccountingFile<W> {
 /// A copy of an accounting file in memory, for a reader that does not map
 /// it (the daemon): read by the same rules as the shim's mapping. What is
 /// stored to it stays in the copy.
+///
+/// Only the header, the device records and the slots ever claimed are
+/// copied: a node daemon reads every container's file every few seconds,
+/// and most of a file is slots no process has taken (256, of which a
+/// container uses a few). The slots past them read as they were, FREE and
+/// empty; they are made, zero, for a caller that writes there (a claim on
+/// the copy).
 pub struct Snapshot {
-    u64s: Box<[AtomicU64]>,
-    u32s: Box<[AtomicU32]>,
+    /// The header's words as u32 (all of the file's u32 fields are there).
+    header: [AtomicU32; HEADER_LEN / 4],
+    /// The file up to the end of the last slot copied.
+    copied: Box<[AtomicU64]>,
+    /// The slots past it, made on first use.
+    rest: OnceLock<Box<[AtomicU64]>>,
+    /// Their length in words.
+    rest_words: usize,
 }
 
 impl Words for Snapshot {
     fn u64_at(&self, offset: usize) -> &AtomicU64 {
         debug_assert!(offset.is_multiple_of(8));
-        &self.u64s[offset / 8]
+        let word = offset / 8;
+        match word.checked_sub(self.copied.len()) {
+            None => &self.copied[word],
+            Some(past) => {
+                let rest = self
+                    .rest
+                    .get_or_init(|| (0..self.rest_words).map(|_| AtomicU64::new(0)).collect());
+                &rest[past]
+            }
+        }
     }
 
     fn u32_at(&self, offset: usize) -> &AtomicU32 {
         debug_assert!(offset.is_multiple_of(4));
-        &self.u32s[offset / 4]
+        &self.header[offset / 4]
     }
 }
 
 impl AccountingFile<Snapshot> {
     /// Validates the bytes of a file and copies its words.
+    ///
+    /// The bytes of a file a shim has mapped are not read at one instant
+    /// (`read(2)` copies them while claims go on), so the header's
+    /// high-water mark may predate a slot's claim the bytes show: the copy
+    /// raises its mark past every slot whose state word is not the first
+    /// one, as the claim did before publishing it. A slot the bytes show
+    /// FREE and never claimed holds nothing at the instant it was read,
+    /// whatever else was read of it.
     pub fn snapshot(bytes: &[u8]) -> Result<Self, LayoutError> {
         let geometry = validate(bytes)?;
-        let len = geometry.file_len();
+        let marked = (get_u32(bytes, header::SLOT_HWM) as usize).min(geometry.slots);
+        let state_at = |index| get_u64(bytes, slot_offset(geometry.devices, index) + slot::STATE);
+        let claimed = (marked..geometry.slots)
+            .rev()
+            .find(|&index| state_at(index) != 0)
+            .map_or(marked, |index| index + 1);
+        let copied_len = slot_offset(geometry.devices, claimed);
         let words = Snapshot {
-            u64s: (0..len)
+            header: std::array::from_fn(|i| AtomicU32::new(get_u32(bytes, 4 * i))),
+            copied: (0..copied_len)
                 .step_by(8)
                 .map(|at| AtomicU64::new(get_u64(bytes, at)))
                 .collect(),
-            u32s: (0..len)
-                .step_by(4)
-                .map(|at| AtomicU32::new(get_u32(bytes, at)))
-                .collect(),
+            rest: OnceLock::new(),
+            rest_words: (geometry.file_len() - copied_len) / 8,
         };
+        words.header[header::SLOT_HWM / 4].store(claimed as u32, SeqCst);
         Ok(AccountingFile::new(words, geometry))
     }
 }
@@ -411,7 +450,7 @@ impl AccountingFile<Snapshot> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{encode, DeviceSpec};
+    use crate::{encode, put_u32, put_u64, DeviceSpec};
 
     fn file(devices: usize, slots: u32) -> AccountingFile<Snapshot> {
         let spec = DeviceSpec {
@@ -435,6 +474,18 @@ mod tests {
         for (at, v) in publish_writes(dev, seq, value) {
             file.words.u64_at(at).store(v, SeqCst);
         }
+    }
+
+    /// The bytes a reader of the file gets when `f` is the shim's mapping.
+    fn bytes_of(f: &AccountingFile<Snapshot>) -> Vec<u8> {
+        let mut bytes: Vec<u8> = (0..f.geometry().file_len())
+            .step_by(8)
+            .flat_map(|at| f.words.u64_at(at).load(SeqCst).to_le_bytes())
+            .collect();
+        for at in (0..HEADER_LEN).step_by(4) {
+            put_u32(&mut bytes, at, f.words.u32_at(at).load(SeqCst));
+        }
+        bytes
     }
 
     #[test]
@@ -558,6 +609,69 @@ mod tests {
         f.note_oom(0);
         f.note_oom(0);
         assert_eq!((f.peak(0), f.refusals(0)), (10, 2));
+    }
+
+    /// `read(2)` copies the header, then the slots, while shims claim: the
+    /// bytes can show a slot claimed past the high-water mark they show.
+    #[test]
+    fn a_slot_claimed_while_the_file_is_read_is_seen() {
+        let mapped = file(1, 8);
+        assert_eq!(mapped.claim(owner(10), |_| true, |_| {}), Some(0));
+        let header_then = bytes_of(&mapped)[..HEADER_LEN].to_vec();
+        // Then: a claimer holds slot 1's lock, midway; another claims slot
+        // 2 and charges; a third claims slot 3, exits and is reaped.
+        assert_eq!(mapped.claim(owner(12), |i| i != 1, |_| {}), Some(2));
+        mapped.used_counter(2, 0).store(7 << 20, SeqCst);
+        assert_eq!(mapped.claim(owner(13), |i| i >= 3, |_| {}), Some(3));
+        assert_eq!(mapped.reap(Some(2), |i, _| i == 3), 1);
+        let mut torn = bytes_of(&mapped);
+        torn[..HEADER_LEN].copy_from_slice(&header_then);
+        assert_eq!(get_u32(&torn, header::SLOT_HWM), 1);
+
+        let read = AccountingFile::snapshot(&torn).unwrap();
+        assert_eq!(read.high_water(), 4, "past every slot ever claimed");
+        let views: Vec<_> = read.slots().iter().map(|v| (v.state, v.pid)).collect();
+        assert_eq!(
+            views,
+            [
+                (state::ALIVE, 10),
+                (state::FREE, 0),
+                (state::ALIVE, 12),
+                (state::FREE, 13)
+            ]
+        );
+        assert_eq!(read.owner(2), owner(12));
+        assert_eq!(read.used(0), 7 << 20);
+        assert_eq!(read.state(3), StateWord(1 << 8 | state::FREE));
+    }
+
+    /// A claimer that died before raising the mark left its pid in a slot
+    /// still FREE; the copy does not carry it, nor any slot past the mark.
+    #[test]
+    fn slots_never_claimed_are_not_copied() {
+        let spec = DeviceSpec {
+            uuid: [7; 16],
+            cap_bytes: 1 << 30,
+            context_charge_bytes: 0,
+        };
+        let mut bytes = encode(&[spec], 8);
+        put_u32(&mut bytes, header::SLOT_HWM, 1);
+        put_u64(&mut bytes, slot_offset(1, 0), StateWord(0).claimed().0);
+        put_u64(&mut bytes, slot_offset(1, 0) + slot::PID, 10);
+        put_u64(&mut bytes, slot_offset(1, 1) + slot::PID, 99);
+        let (a, b) = (
+            AccountingFile::snapshot(&bytes).unwrap(),
+            AccountingFile::snapshot(&bytes).unwrap(),
+        );
+        assert_eq!((a.high_water(), a.owner(0).pid), (1, 10));
+        assert_eq!((a.state(1), a.owner(1).pid), (StateWord(0), 0));
+        assert_eq!(a.used(0), 0);
+        // What is stored past the copied slots stays in that copy.
+        a.used_counter(7, 0).store(5, SeqCst);
+        assert_eq!(a.claim(owner(20), |_| true, |_| {}), Some(1));
+        assert_eq!((a.owner(1), a.high_water()), (owner(20), 2));
+        assert_eq!(b.used_counter(7, 0).load(SeqCst), 0);
+        assert_eq!((b.state(1), b.high_water()), (StateWord(0), 1));
     }
 
     #[test]

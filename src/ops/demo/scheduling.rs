@@ -34,7 +34,7 @@ use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
 use crate::ops::demo::{
-    driver_dir, node_isolation, run_tenant, Applied, DemoError, TenantKit, STARTUP,
+    allocated_gpu, driver_dir, node_isolation, run_tenant, Applied, DemoError, TenantKit, STARTUP,
 };
 use crate::simulator::{KubeletSim, NAMESPACE};
 
@@ -208,9 +208,11 @@ impl Scenario<'_> {
             if let Some(allocation) = allocation {
                 let driver = driver_dir(kit)?;
                 let applied = Applied::of(&allocation, None);
-                let line = run_tenant(kit, driver.path(), self.inventory, &allocation, &applied)
-                    .await
-                    .unwrap_or_else(|err| format!("could not run: {err}"));
+                let ran = match allocated_gpu(self.inventory, &allocation) {
+                    Ok(gpu) => run_tenant(kit, driver.path(), gpu, &applied).await,
+                    Err(err) => Err(err),
+                };
+                let line = ran.unwrap_or_else(|err| format!("could not run: {err}"));
                 let _ = writeln!(out, "\n  In {}: {line}", FITS.0);
             }
         }

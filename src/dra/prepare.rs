@@ -1,0 +1,704 @@
+//! Prepares DRA claims on this node: reads each claim kubelet names, takes
+//! its cap on each GPU from what the scheduler allocated, and gives every
+//! container that references it the same cap through one accounting
+//! directory and one CDI spec. The checkpoint records what was made, so
+//! Unprepare and a restarted driver never depend on the API server.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
+use kube::Api;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::cluster::client::ADMISSION_CALL_BOUND;
+use crate::dra::checkpoint::{Checkpoint, ClaimEntry, DeviceEntry, State};
+use crate::dra::claims::{ClaimRef, Claims, Prepared, PreparedDevice, Unprepared};
+use crate::dra::quantity;
+use crate::dra::slice::{self, MEMORY};
+use crate::isolation::accounting::{self, Cap, Durability};
+use crate::isolation::cdi::{self, SpecDir};
+use crate::isolation::containers::{ContainerDir, ContainerName};
+use crate::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
+use crate::node::inventory::Inventory;
+
+#[derive(Debug, Clone)]
+pub struct DriverConfig {
+    /// The driver's name: results of other drivers are theirs to prepare.
+    pub driver: String,
+    /// This node's name, which is also the pool of our slice.
+    pub node: String,
+    pub isolation: Isolation,
+    /// Where the claims' CDI specs go (kind `gpumem.io/claim`).
+    pub specs: SpecDir,
+    /// Where NVIDIA's CDI spec for the node's GPUs may be (`nvidia-ctk cdi
+    /// generate` writes /etc/cdi/nvidia.yaml; its DaemonSet /var/run/cdi).
+    pub nvidia_spec_dirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("claim UID {0:?} is not a UID")]
+    BadUid(String),
+    #[error("ResourceClaim {namespace}/{name} does not exist (deleted before its pod started?)")]
+    NotFound { namespace: String, name: String },
+    #[error("cannot read ResourceClaim {namespace}/{name} from the API server: {source}")]
+    Api {
+        namespace: String,
+        name: String,
+        source: kube::Error,
+    },
+    #[error(
+        "the API server did not answer within {secs} s for ResourceClaim {namespace}/{name}; \
+         kubelet will ask again"
+    )]
+    Timeout {
+        namespace: String,
+        name: String,
+        secs: u64,
+    },
+    #[error(
+        "ResourceClaim {namespace}/{name} now has UID {found}, not {asked}: it was deleted and \
+         created again, and the pod refers to the old one; delete the pod so it is created with \
+         the new claim"
+    )]
+    UidChanged {
+        namespace: String,
+        name: String,
+        asked: String,
+        found: String,
+    },
+    #[error(
+        "ResourceClaim {namespace}/{name} is not allocated: the scheduler allocates a claim \
+         before it binds the pod"
+    )]
+    NotAllocated { namespace: String, name: String },
+    #[error(
+        "ResourceClaim {claim} was allocated device {device} of pool {pool}, which is not this \
+         node's pool {node}"
+    )]
+    OtherPool {
+        claim: String,
+        device: String,
+        pool: String,
+        node: String,
+    },
+    #[error(
+        "ResourceClaim {claim} was allocated device {device}, which this node does not have \
+         (its GPUs: {known}); was a GPU removed since the claim was allocated?"
+    )]
+    UnknownDevice {
+        claim: String,
+        device: String,
+        known: String,
+    },
+    #[error(
+        "ResourceClaim {claim} consumes {value:?} of {MEMORY} on device {device}, which is not a \
+         quantity of at least 1Mi"
+    )]
+    BadCapacity {
+        claim: String,
+        device: String,
+        value: String,
+    },
+    #[error(
+        "ResourceClaim {claim} consumes {cap_mib} MiB on device {device}, more than its {gpu_mib} MiB"
+    )]
+    OverGpu {
+        claim: String,
+        device: String,
+        cap_mib: u64,
+        gpu_mib: u64,
+    },
+    #[error(transparent)]
+    Inject(#[from] inject::InjectError),
+    #[error(transparent)]
+    Accounting(#[from] crate::isolation::accounting::AccountingError),
+    #[error(transparent)]
+    Cdi(#[from] cdi::CdiError),
+    #[error(transparent)]
+    Checkpoint(#[from] crate::dra::checkpoint::CheckpointError),
+    #[error("preparing the claim stopped unexpectedly: {0}")]
+    Internal(String),
+    #[error("cannot remove the CDI spec {path}: {source}")]
+    RemoveSpec {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// One claim's share of one GPU, as status and metrics show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    pub claim: ClaimRef,
+    pub gpu_uuid: String,
+    pub cap_mib: u64,
+    /// The claim's accounting directory (name).
+    pub dir: ContainerName,
+}
+
+/// The claims prepared on this node. Cheap to clone.
+#[derive(Clone)]
+pub struct PreparedClaims {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: DriverConfig,
+    client: kube::Client,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    /// Also serialises the file work of concurrent prepares, so two pods
+    /// starting with one claim make its files once.
+    checkpoint: Mutex<Checkpoint>,
+}
+
+impl PreparedClaims {
+    /// Over `checkpoint` as opened at start. Roll-back of its interrupted
+    /// and stale entries is the caller's (see `recover`).
+    pub fn new(
+        config: DriverConfig,
+        client: kube::Client,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        checkpoint: Checkpoint,
+    ) -> Self {
+        PreparedClaims {
+            inner: Arc::new(Inner {
+                config,
+                client,
+                inventory,
+                checkpoint: Mutex::new(checkpoint),
+            }),
+        }
+    }
+
+    fn checkpoint(&self) -> MutexGuard<'_, Checkpoint> {
+        // A panic while holding it left the file as it was written last.
+        self.inner
+            .checkpoint
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Removes what `entries` (interrupted prepares, or those of another
+    /// boot) created and forgets them. Their accounting directories follow
+    /// the clean-up rules: they go once no process uses them.
+    pub fn recover(&self, entries: Vec<(String, ClaimEntry)>, why: &str) {
+        for (uid, entry) in entries {
+            info!(claim = %format!("{}/{}", entry.namespace, entry.name), %uid, why, "rolling back a prepared claim");
+            if let Err(err) = self.forget_entry(&mut self.checkpoint(), &uid, &entry) {
+                warn!(%uid, %err, "cannot roll back a prepared claim; trying again at the next start");
+            }
+        }
+    }
+
+    /// Removes the specs of our kind that no prepared claim names: those of
+    /// a checkpoint that did not parse, or of another boot's claims whose
+    /// roll-back was cut off. Call it at start, before kubelet can prepare.
+    pub fn remove_unrecorded_specs(&self) {
+        let specs = &self.inner.config.specs;
+        let checkpoint = self.checkpoint();
+        for name in specs.list() {
+            if checkpoint.claims().any(|(_, e)| e.cdi_device == name) {
+                continue;
+            }
+            match specs.remove(&name) {
+                Ok(()) => {
+                    info!(spec = %specs.path(&name).display(), "removed the CDI spec of a claim no longer prepared")
+                }
+                Err(err) => {
+                    warn!(spec = %specs.path(&name).display(), %err, "cannot remove the CDI spec of a claim no longer prepared")
+                }
+            }
+        }
+    }
+
+    /// The directories of prepared claims: never removed by clean-up.
+    pub fn live_dirs(&self) -> HashSet<ContainerName> {
+        self.checkpoint()
+            .claims()
+            .filter_map(|(uid, _)| ContainerName::of_claim(uid))
+            .collect()
+    }
+
+    /// Every prepared claim's share of each GPU.
+    pub fn shares(&self) -> Vec<Share> {
+        let checkpoint = self.checkpoint();
+        let mut shares = Vec::new();
+        for (uid, entry) in checkpoint.claims() {
+            let Some(dir) = ContainerName::of_claim(uid) else {
+                continue;
+            };
+            let claim = ClaimRef {
+                namespace: entry.namespace.clone(),
+                uid: uid.to_owned(),
+                name: entry.name.clone(),
+            };
+            for (gpu_uuid, cap_mib) in caps_by_gpu(&entry.devices) {
+                shares.push(Share {
+                    claim: claim.clone(),
+                    gpu_uuid,
+                    cap_mib,
+                    dir: dir.clone(),
+                });
+            }
+        }
+        shares
+    }
+
+    /// The cap of the claim whose directory is `dir` on the GPU `uuid`, in
+    /// MiB, from the checkpoint: never from the accounting file, which the
+    /// claim's containers can write.
+    pub fn granted_mib(&self, dir: &ContainerName, uuid: &str) -> Option<u64> {
+        let uid = dir.claim_uid()?;
+        let checkpoint = self.checkpoint();
+        let entry = checkpoint.get(uid)?;
+        caps_by_gpu(&entry.devices).remove(uuid)
+    }
+
+    async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
+        let dir = ContainerName::of_claim(&claim.uid)
+            .ok_or_else(|| PrepareError::BadUid(claim.uid.clone()))?;
+        if let Some(done) = self.completed(&claim.uid) {
+            // Kubelet asks again after its own restart, and for each pod
+            // sharing the claim: the same answer, with the spec back if it
+            // went (a reboot empties /var/run).
+            let this = self.clone();
+            let uid = claim.uid.clone();
+            return tokio::task::spawn_blocking(move || this.restore_spec(&uid, &done))
+                .await
+                .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())));
+        }
+        let object = self.read(claim).await?;
+        let inv = self.inner.inventory.borrow().clone();
+        let devices = self.plan(claim, &object, &inv)?;
+        let this = self.clone();
+        let claim = claim.clone();
+        tokio::task::spawn_blocking(move || this.commit(&claim, dir, devices, &inv))
+            .await
+            .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())))
+    }
+
+    fn completed(&self, uid: &str) -> Option<ClaimEntry> {
+        self.checkpoint()
+            .get(uid)
+            .filter(|e| e.state == State::Completed)
+            .cloned()
+    }
+
+    /// The claim, checked to be the one kubelet means and allocated.
+    async fn read(&self, claim: &ClaimRef) -> Result<ResourceClaim, PrepareError> {
+        let api: Api<ResourceClaim> = Api::namespaced(self.inner.client.clone(), &claim.namespace);
+        let (namespace, name) = (claim.namespace.clone(), claim.name.clone());
+        let object =
+            match tokio::time::timeout(ADMISSION_CALL_BOUND, api.get_opt(&claim.name)).await {
+                Err(_) => {
+                    return Err(PrepareError::Timeout {
+                        namespace,
+                        name,
+                        secs: ADMISSION_CALL_BOUND.as_secs(),
+                    })
+                }
+                Ok(Err(source)) => {
+                    return Err(PrepareError::Api {
+                        namespace,
+                        name,
+                        source,
+                    })
+                }
+                Ok(Ok(None)) => return Err(PrepareError::NotFound { namespace, name }),
+                Ok(Ok(Some(object))) => object,
+            };
+        let found = object.metadata.uid.clone().unwrap_or_default();
+        if found != claim.uid {
+            return Err(PrepareError::UidChanged {
+                namespace,
+                name,
+                asked: claim.uid.clone(),
+                found,
+            });
+        }
+        Ok(object)
+    }
+
+    /// What the scheduler allocated to the claim from our driver, as the
+    /// devices to prepare.
+    fn plan(
+        &self,
+        claim: &ClaimRef,
+        object: &ResourceClaim,
+        inv: &Inventory,
+    ) -> Result<Vec<DeviceEntry>, PrepareError> {
+        let config = &self.inner.config;
+        let results: &[DeviceRequestAllocationResult] = object
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .ok_or_else(|| PrepareError::NotAllocated {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+            })?
+            .devices
+            .as_ref()
+            .and_then(|d| d.results.as_deref())
+            .unwrap_or_default();
+        let label = format!("{}/{}", claim.namespace, claim.name);
+        let cdi_id = cdi::qualified_name(&config.specs.kind(), &claim.uid);
+        let mut devices = Vec::new();
+        for result in results.iter().filter(|r| r.driver == config.driver) {
+            if result.pool != config.node {
+                return Err(PrepareError::OtherPool {
+                    claim: label,
+                    device: result.device.clone(),
+                    pool: result.pool.clone(),
+                    node: config.node.clone(),
+                });
+            }
+            let Some(gpu) = inv
+                .gpus()
+                .iter()
+                .find(|g| slice::device_name(&g.gpu) == result.device)
+            else {
+                return Err(PrepareError::UnknownDevice {
+                    claim: label,
+                    device: result.device.clone(),
+                    known: inv
+                        .gpus()
+                        .iter()
+                        .map(|g| slice::device_name(&g.gpu))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            };
+            // Without consumedCapacity (an API server without
+            // DRAConsumableCapacity) the device was allocated whole.
+            let cap_mib = match result
+                .consumed_capacity
+                .as_ref()
+                .and_then(|c| c.get(MEMORY))
+            {
+                None => gpu.gpu.memory_mib,
+                Some(value) => quantity::mib(&value.0)
+                    .filter(|&mib| mib > 0)
+                    .ok_or_else(|| PrepareError::BadCapacity {
+                        claim: label.clone(),
+                        device: result.device.clone(),
+                        value: value.0.clone(),
+                    })?,
+            };
+            if cap_mib > gpu.gpu.memory_mib {
+                return Err(PrepareError::OverGpu {
+                    claim: label,
+                    device: result.device.clone(),
+                    cap_mib,
+                    gpu_mib: gpu.gpu.memory_mib,
+                });
+            }
+            let mut cdi_device_ids = vec![cdi_id.clone()];
+            if let Some(nvidia) = nvidia_cdi_id(&config.nvidia_spec_dirs, &gpu.gpu.uuid) {
+                cdi_device_ids.push(nvidia);
+            }
+            devices.push(DeviceEntry {
+                request_names: vec![result.request.clone()],
+                pool: result.pool.clone(),
+                device: result.device.clone(),
+                share_id: result.share_id.clone(),
+                gpu_uuid: gpu.gpu.uuid.clone(),
+                cap_mib,
+                cdi_device_ids,
+                ..Default::default()
+            });
+        }
+        Ok(devices)
+    }
+
+    /// Records the claim as started, makes its directory and spec, and
+    /// records it completed: a crash in between is rolled back at start.
+    fn commit(
+        &self,
+        claim: &ClaimRef,
+        dir: ContainerName,
+        devices: Vec<DeviceEntry>,
+        inv: &Inventory,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        let entry = ClaimEntry {
+            namespace: claim.namespace.clone(),
+            name: claim.name.clone(),
+            state: State::Started,
+            dir: dir.as_str().to_owned(),
+            cdi_device: claim.uid.clone(),
+            devices,
+            ..Default::default()
+        };
+        {
+            let mut checkpoint = self.checkpoint();
+            if let Some(done) = checkpoint
+                .get(&claim.uid)
+                .filter(|e| e.state == State::Completed)
+            {
+                // Prepared by a concurrent call meanwhile.
+                return Ok(answer(done));
+            }
+            checkpoint.start(&claim.uid, entry.clone())?;
+        }
+        // The files without the lock: other claims' prepares go on
+        // meanwhile. A concurrent prepare of this claim makes the same
+        // files (each write is atomic) and records the same devices.
+        let made = self.make_files(&claim.uid, &entry, inv);
+        let mut checkpoint = self.checkpoint();
+        let made = made.and_then(|()| Ok(checkpoint.complete(&claim.uid, entry.devices.clone())?));
+        if let Err(err) = made {
+            // Nothing half-made stays named: the spec goes, the directory
+            // follows the clean-up rules.
+            let _ = self.inner.config.specs.remove(&claim.uid);
+            if let Err(forget) = checkpoint.remove(&claim.uid) {
+                warn!(uid = %claim.uid, err = %forget, "cannot forget a failed prepare; it is rolled back at the next start");
+            }
+            return Err(err);
+        }
+        drop(checkpoint);
+        info!(
+            claim = %format!("{}/{}", claim.namespace, claim.name),
+            uid = %claim.uid,
+            caps = ?caps_by_gpu(&entry.devices),
+            "prepared"
+        );
+        Ok(answer(&entry))
+    }
+
+    /// The claim's accounting directory (with the shim) and CDI spec.
+    fn make_files(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+    ) -> Result<(), PrepareError> {
+        let config = &self.inner.config;
+        let caps = caps_by_gpu(&entry.devices);
+        let mut gpus = Vec::new();
+        for (uuid, cap_mib) in &caps {
+            if let Some(gpu) = inv.gpus().iter().position(|g| &g.gpu.uuid == uuid) {
+                gpus.push(ClaimGpu {
+                    gpu,
+                    cap_mib: *cap_mib,
+                });
+            }
+        }
+        let dir = match &config.isolation {
+            Isolation::Shim(shim) => {
+                inject::check_shim(shim)?;
+                let dir = shim.containers().get(
+                    ContainerName::of_claim(uid)
+                        .ok_or_else(|| PrepareError::BadUid(uid.to_owned()))?,
+                );
+                let caps: Vec<Cap> = caps
+                    .iter()
+                    .map(|(uuid, cap_mib)| Cap {
+                        uuid: uuid.clone(),
+                        cap_mib: *cap_mib,
+                        context_charge_mib: shim.context_charge_mib,
+                    })
+                    .collect();
+                if !caps.is_empty() {
+                    // After a reboot kubelet prepares the claim again.
+                    accounting::prepare_with(&dir.path, &caps, Durability::Unsynced)?;
+                }
+                Some((shim, dir))
+            }
+            Isolation::None => None,
+        };
+        let spec = self.spec(uid, entry, inv, &gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
+        config.specs.write(&spec)?;
+        Ok(())
+    }
+
+    fn spec(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+        gpus: &[ClaimGpu],
+        shim: Option<(&ShimConfig, &ContainerDir)>,
+    ) -> Result<cdi::Spec, PrepareError> {
+        // With NVIDIA's CDI device in the answer, the runtime gets the GPU
+        // from it, and `void` keeps NVIDIA's legacy hook from adding it
+        // again; without, the hook reads the UUIDs.
+        let nvidia_cdi = entry.devices.iter().any(|d| {
+            d.cdi_device_ids
+                .iter()
+                .any(|id| id.starts_with(cdi::NVIDIA_GPU_KIND))
+        });
+        let visible = if nvidia_cdi {
+            "void".to_owned()
+        } else {
+            let uuids: Vec<&str> = gpus
+                .iter()
+                .map(|g| inv.gpus()[g.gpu].gpu.uuid.as_str())
+                .collect();
+            if uuids.is_empty() {
+                "void".to_owned()
+            } else {
+                uuids.join(",")
+            }
+        };
+        let edits = inject::claim_edits(inv, gpus, shim, visible);
+        Ok(cdi::spec(cdi::CLAIM_CLASS, uid, edits)?)
+    }
+
+    /// A prepared claim's answer, its spec rewritten if it is missing.
+    fn restore_spec(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+    ) -> Result<Vec<PreparedDevice>, PrepareError> {
+        let specs = &self.inner.config.specs;
+        if !specs.path(uid).exists() {
+            let inv = self.inner.inventory.borrow().clone();
+            self.make_files(uid, entry, &inv)?;
+            info!(%uid, "rewrote the missing CDI spec of a prepared claim");
+        }
+        Ok(answer(entry))
+    }
+
+    /// Removes the claim's spec and record; its directory follows the
+    /// clean-up rules.
+    fn forget(&self, uid: &str) -> Result<(), PrepareError> {
+        let mut checkpoint = self.checkpoint();
+        match checkpoint.get(uid).cloned() {
+            Some(entry) => self.forget_entry(&mut checkpoint, uid, &entry),
+            None => Ok(()),
+        }
+    }
+
+    fn forget_entry(
+        &self,
+        checkpoint: &mut Checkpoint,
+        uid: &str,
+        entry: &ClaimEntry,
+    ) -> Result<(), PrepareError> {
+        let specs = &self.inner.config.specs;
+        specs
+            .remove(&entry.cdi_device)
+            .map_err(|source| PrepareError::RemoveSpec {
+                path: specs.path(&entry.cdi_device),
+                source,
+            })?;
+        checkpoint.remove(uid)?;
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl Claims for PreparedClaims {
+    async fn prepare(&self, claims: Vec<ClaimRef>) -> Prepared {
+        let answers =
+            futures_util::future::join_all(claims.iter().map(|c| self.prepare_one(c))).await;
+        claims
+            .into_iter()
+            .zip(answers)
+            .map(|(claim, answer)| {
+                let answer = answer.map_err(|err| {
+                    warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, %err, "cannot prepare");
+                    err.to_string()
+                });
+                (claim.uid, answer)
+            })
+            .collect()
+    }
+
+    async fn unprepare(&self, claims: Vec<ClaimRef>) -> Unprepared {
+        let this = self.clone();
+        let answers = tokio::task::spawn_blocking(move || {
+            claims
+                .into_iter()
+                .map(|claim| {
+                    let done = this.forget(&claim.uid).map_err(|err| err.to_string());
+                    if done.is_ok() {
+                        info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "unprepared");
+                    }
+                    (claim.uid, done)
+                })
+                .collect::<Unprepared>()
+        })
+        .await;
+        answers.unwrap_or_default()
+    }
+}
+
+/// What kubelet is told for a prepared claim.
+fn answer(entry: &ClaimEntry) -> Vec<PreparedDevice> {
+    entry
+        .devices
+        .iter()
+        .map(|d| PreparedDevice {
+            request_names: d.request_names.clone(),
+            pool_name: d.pool.clone(),
+            device_name: d.device.clone(),
+            cdi_device_ids: d.cdi_device_ids.clone(),
+            share_id: d.share_id.clone(),
+        })
+        .collect()
+}
+
+/// The claim's cap on each GPU: its shares of one GPU add up.
+fn caps_by_gpu(devices: &[DeviceEntry]) -> BTreeMap<String, u64> {
+    let mut caps = BTreeMap::new();
+    for device in devices {
+        *caps.entry(device.gpu_uuid.clone()).or_insert(0u64) += device.cap_mib;
+    }
+    caps
+}
+
+/// NVIDIA's CDI name for the GPU `uuid` (`nvidia.com/gpu=<UUID>`) where a
+/// spec of NVIDIA's in `dirs` names it (`nvidia-ctk cdi generate` names
+/// each GPU by index and by UUID).
+pub fn nvidia_cdi_id(dirs: &[PathBuf], uuid: &str) -> Option<String> {
+    let names_gpu = |path: &std::path::Path| -> bool {
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return false;
+        };
+        if path.extension().is_some_and(|e| e == "json") {
+            let Ok(spec) = serde_json::from_str::<serde_json::Value>(&text) else {
+                return false;
+            };
+            return spec["kind"] == cdi::NVIDIA_GPU_KIND
+                && spec["devices"]
+                    .as_array()
+                    .is_some_and(|d| d.iter().any(|d| d["name"] == uuid));
+        }
+        // YAML, read as text (no YAML parser for one lookup): the kind, and
+        // a device whose name is the UUID.
+        let value = |line: &str, key: &str| -> Option<String> {
+            let line = line.trim().trim_start_matches("- ");
+            let v = line.strip_prefix(key)?.strip_prefix(':')?.trim();
+            Some(v.trim_matches(['"', '\'']).to_owned())
+        };
+        text.lines()
+            .any(|l| value(l, "kind").as_deref() == Some(cdi::NVIDIA_GPU_KIND))
+            && text
+                .lines()
+                .any(|l| value(l, "name").as_deref() == Some(uuid))
+    };
+    for dir in dirs {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            continue;
+        };
+        let found = entries.flatten().map(|e| e.path()).any(|path| {
+            path.extension()
+                .is_some_and(|e| e == "json" || e == "yaml" || e == "yml")
+                && names_gpu(&path)
+        });
+        if found {
+            return Some(cdi::qualified_name(cdi::NVIDIA_GPU_KIND, uuid));
+        }
+    }
+    None
+}
+
+#[tonic::async_trait]
+impl crate::isolation::cleanup::Holders for PreparedClaims {
+    async fn live(&self, _inv: &Inventory) -> Result<HashSet<ContainerName>, String> {
+        Ok(self.live_dirs())
+    }
+}

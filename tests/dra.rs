@@ -1,0 +1,691 @@
+//! `gpumem dra`, the DRA driver, through the real binary: a fake kubelet
+//! registers it and calls NodePrepareResources/NodeUnprepareResources over
+//! unix sockets (both API versions), and the in-process fake API server
+//! serves `resource.k8s.io/v1` (slices, claims; with and without
+//! `DRAConsumableCapacity`).
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use common::cdi::check_cdi_spec;
+use common::{fixture, T4_UUID};
+use gpumem::dra::claims::ClaimRef;
+use gpumem::fake_apiserver::{FakeApiServer, Kind};
+use gpumem::simulator::dra::{DraVersion, FakeDraKubelet, KUBELET_1_33, KUBELET_1_34};
+use gpumem::simulator::{ClaimUse, KubeletSim};
+
+const NODE: &str = "gpu-node-1";
+const NODE_UID: &str = "3f1b7c2e-8d4a-4e6b-9c1d-2a5e7f9b0c43";
+const DRIVER: &str = "gpumem.io";
+const WAIT: Duration = Duration::from_secs(20);
+
+/// One node's host directories, kept across driver restarts.
+struct Host {
+    root: tempfile::TempDir,
+}
+
+impl Host {
+    fn new() -> Host {
+        let root = tempfile::tempdir().unwrap();
+        common::fake_installed_shim(&root.path().join("shim"));
+        std::fs::create_dir_all(root.path().join("registry")).unwrap();
+        Host { root }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.root.path().join(name)
+    }
+
+    fn registration_socket(&self) -> PathBuf {
+        self.path("registry").join(format!("{DRIVER}-reg.sock"))
+    }
+
+    fn spec_file(&self, uid: &str) -> PathBuf {
+        self.path("cdi").join(format!("gpumem.io-claim_{uid}.json"))
+    }
+
+    fn checkpoint(&self) -> PathBuf {
+        self.path("state").join("dra/checkpoint.json")
+    }
+}
+
+/// `gpumem dra` on a fake T4 node.
+struct Driver {
+    child: Child,
+    log: PathBuf,
+    metrics: String,
+}
+
+impl Driver {
+    async fn start(host: &Host, api: &FakeApiServer) -> Driver {
+        Driver::start_with(host, api, &host.path("no-kubelet.sock")).await
+    }
+
+    async fn start_with(host: &Host, api: &FakeApiServer, pod_resources: &Path) -> Driver {
+        let kubeconfig = host.path("kubeconfig");
+        api.write_kubeconfig(&kubeconfig).unwrap();
+        let metrics = {
+            let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+            probe.local_addr().unwrap().to_string()
+        };
+        let log = host.path(&format!("driver-{}.log", std::process::id()));
+        let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .arg("dra")
+            .args(["--node-name", NODE, "--driver-name", DRIVER])
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .arg("--fake-gpus")
+            .arg(fixture("t4"))
+            .arg("--kubelet-plugins-dir")
+            .arg(host.path("plugins"))
+            .arg("--kubelet-registry-dir")
+            .arg(host.path("registry"))
+            .arg("--cdi-spec-dir")
+            .arg(host.path("cdi"))
+            .arg("--state-dir")
+            .arg(host.path("state"))
+            .arg("--shim-host-dir")
+            .arg(host.path("shim"))
+            .arg("--pod-resources-socket")
+            .arg(pod_resources)
+            .args(["--reconcile-secs", "0", "--state-grace-secs", "1"])
+            .args(["--metrics-addr", &metrics])
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            )
+            .spawn()
+            .unwrap();
+        let driver = Driver {
+            child,
+            log,
+            metrics,
+        };
+        // A killed driver's socket stays behind: wait for one that answers.
+        let deadline = Instant::now() + WAIT;
+        while std::os::unix::net::UnixStream::connect(host.registration_socket()).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "no registration socket; the driver's log:\n{}",
+                driver.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        driver
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// `/status`, as `gpumem inspect -o json` reads it.
+    async fn status(&self) -> Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .args(["inspect", "-o", "json", "--metrics-addr", &self.metrics])
+            .args(["--fake-gpus"])
+            .arg(fixture("t4"))
+            .output()
+            .unwrap();
+        let status: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        // Read from the driver, not from the node directly.
+        assert!(
+            status.get("dra").is_some(),
+            "{status}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        status
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn api() -> FakeApiServer {
+    let api = FakeApiServer::start().await.unwrap();
+    api.put(json!({
+        "kind": "Node",
+        "metadata": {"name": NODE, "uid": NODE_UID},
+        "status": {"capacity": {"cpu": "8"}},
+    }));
+    api
+}
+
+/// A claim allocated from our driver: (device, consumed memory, share ID)
+/// per result.
+fn claim(name: &str, uid: &str, results: &[(&str, Option<&str>, Option<&str>)]) -> Value {
+    let results: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (device, consumed, share))| {
+            let mut result = json!({
+                "request": format!("gpu-{i}"),
+                "driver": DRIVER,
+                "pool": NODE,
+                "device": device,
+            });
+            if let Some(consumed) = consumed {
+                result["consumedCapacity"] = json!({"memory": consumed});
+            }
+            if let Some(share) = share {
+                result["shareID"] = json!(share);
+            }
+            result
+        })
+        .collect();
+    json!({
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": "default", "name": name, "uid": uid},
+        "spec": {"devices": {"requests": [{"name": "gpu-0", "exactly": {
+            "deviceClassName": DRIVER,
+            "capacity": {"requests": {"memory": "4Gi"}},
+        }}]}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    })
+}
+
+fn claim_ref(name: &str, uid: &str) -> ClaimRef {
+    ClaimRef {
+        namespace: "default".into(),
+        uid: uid.into(),
+        name: name.into(),
+    }
+}
+
+fn uid(n: u32) -> String {
+    format!("0c5e1a7b-0000-4000-8000-{n:012}")
+}
+
+async fn wait_until<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(value) = probe() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn our_slice(api: &FakeApiServer) -> Option<Value> {
+    api.list(Kind::ResourceSlice)
+        .into_iter()
+        .find(|s| s["spec"]["nodeName"] == NODE && s["spec"]["driver"] == DRIVER)
+}
+
+#[tokio::test]
+async fn registers_with_kubelets_that_speak_v1_and_those_that_speak_only_v1beta1() {
+    let host = Host::new();
+    let api = api().await;
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    assert_eq!(kubelet.version(), DraVersion::V1);
+    assert_eq!(kubelet.info().name, DRIVER);
+    assert_eq!(
+        kubelet.info().endpoint,
+        host.path("plugins")
+            .join(DRIVER)
+            .join("dra.sock")
+            .display()
+            .to_string()
+    );
+    let old = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_33)
+        .await
+        .unwrap();
+    assert_eq!(old.version(), DraVersion::V1beta1);
+    let status = driver.status().await;
+    assert_eq!(status["registered"], true, "{status}");
+    assert_eq!(status["dra"]["driver"], DRIVER, "{status}");
+}
+
+#[tokio::test]
+async fn publishes_the_nodes_slice_and_publishes_it_again_when_kubelet_deletes_it() {
+    let host = Host::new();
+    let api = api().await;
+    let driver = Driver::start(&host, &api).await;
+    let slice = wait_until("the slice", || our_slice(&api)).await;
+    let golden: Value = serde_json::from_str(include_str!("fixtures/dra/slice-t4.json")).unwrap();
+    assert_eq!(slice["metadata"]["name"], golden["metadata"]["name"]);
+    assert_eq!(
+        slice["metadata"]["ownerReferences"], golden["metadata"]["ownerReferences"],
+        "the Node owns the slice"
+    );
+    assert_eq!(slice["spec"]["pool"]["name"], NODE);
+    let device = &slice["spec"]["devices"][0];
+    let want = &golden["spec"]["devices"][0];
+    assert_eq!(slice["spec"]["devices"].as_array().unwrap().len(), 1);
+    assert_eq!(device["name"], want["name"]);
+    assert_eq!(device["allowMultipleAllocations"], true);
+    assert_eq!(device["capacity"], want["capacity"], "{slice}");
+    for attribute in ["uuid", "productName", "index", "type"] {
+        assert_eq!(
+            device["attributes"][attribute],
+            want["attributes"][attribute]
+        );
+    }
+    assert_eq!(device["attributes"]["uuid"]["string"], T4_UUID);
+
+    // kubelet deletes the node's slices when it starts.
+    assert!(!api.delete_node_slices(NODE, None).is_empty());
+    assert!(our_slice(&api).is_none());
+    let again = wait_until("the slice again", || our_slice(&api)).await;
+    assert_eq!(again["spec"]["devices"], slice["spec"]["devices"]);
+    let status = driver.status().await;
+    assert_eq!(status["dra"]["consumable_capacity"], true, "{status}");
+}
+
+#[tokio::test]
+async fn an_api_server_without_consumable_capacity_is_detected_and_said() {
+    let host = Host::new();
+    let api = api().await;
+    api.drop_consumable_capacity(true);
+    let driver = Driver::start(&host, &api).await;
+    let slice = wait_until("the slice", || our_slice(&api)).await;
+    assert!(slice["spec"]["devices"][0]
+        .get("allowMultipleAllocations")
+        .is_none());
+    wait_until("the log to say so", || {
+        driver.log().contains("DRAConsumableCapacity").then_some(())
+    })
+    .await;
+    let status = driver.status().await;
+    assert_eq!(status["dra"]["consumable_capacity"], false, "{status}");
+    let table = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["inspect", "--metrics-addr", &driver.metrics])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.contains("each GPU goes whole to one claim"),
+        "{table}"
+    );
+
+    // A claim allocated whole (no consumedCapacity) is capped at the GPU.
+    api.put(claim("whole", &uid(9), &[("gpu-0", None, None)]));
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    let prepared = kubelet
+        .prepare(&[claim_ref("whole", &uid(9))])
+        .await
+        .unwrap();
+    prepared[&uid(9)].as_ref().unwrap();
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(host.spec_file(&uid(9))).unwrap()).unwrap();
+    let env = spec["devices"][0]["containerEdits"]["env"].to_string();
+    assert!(env.contains("GPUMEM_LIMIT_MIB=15079"), "{env}");
+}
+
+// Multi-threaded: the test blocks on `gpumem inspect` while the simulated
+// kubelet it asks runs on the same runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
+    let host = Host::new();
+    let api = api().await;
+    std::fs::create_dir_all(host.path("kubelet")).unwrap();
+    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
+    let driver = Driver::start_with(&host, &api, &pod_resources.pod_resources_socket()).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    let names = ["notebook-1", "notebook-2", "notebook-3"];
+    let mut refs = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let share = format!("share-{i}");
+        api.put(claim(
+            name,
+            &uid(i as u32),
+            &[("gpu-0", Some("4Gi"), Some(&share))],
+        ));
+        refs.push(claim_ref(name, &uid(i as u32)));
+    }
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    assert_eq!(prepared.len(), 3, "every claim gets an entry");
+    for (i, claim) in refs.iter().enumerate() {
+        let devices = prepared[&claim.uid]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+        assert_eq!(devices.len(), 1);
+        let device = &devices[0];
+        assert_eq!(device.pool_name, NODE);
+        assert_eq!(device.device_name, "gpu-0");
+        assert_eq!(device.request_names, ["gpu-0"]);
+        assert_eq!(
+            device.share_id.as_deref(),
+            Some(format!("share-{i}").as_str())
+        );
+        let ours = format!("gpumem.io/claim={}", claim.uid);
+        assert_eq!(device.cdi_device_ids, [ours]);
+
+        // The spec: valid CDI, the cap and the shim's mounts.
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(host.spec_file(&claim.uid)).unwrap()).unwrap();
+        check_cdi_spec(&spec).unwrap_or_else(|e| panic!("{e}: {spec}"));
+        let edits = &spec["devices"][0]["containerEdits"];
+        let env: Vec<&str> = edits["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_str().unwrap())
+            .collect();
+        assert!(env.contains(&"GPUMEM_LIMIT_MIB=4096"), "{env:?}");
+        assert!(
+            env.contains(&format!("NVIDIA_VISIBLE_DEVICES={T4_UUID}").as_str()),
+            "{env:?}"
+        );
+        assert!(env.contains(&"ALIYUN_COM_GPU_MEM_CONTAINER=4"), "{env:?}");
+        let mounts: Vec<(String, String)> = edits["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["containerPath"].as_str().unwrap().to_owned(),
+                    m["hostPath"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        let dir = host
+            .path("state")
+            .join("containers")
+            .join(format!("claim-{}", claim.uid));
+        for (container, host_path) in [
+            (
+                "/usr/local/gpumem/libgpumem_shim.so".to_owned(),
+                host.path("shim/libgpumem_shim.so"),
+            ),
+            (
+                "/etc/ld.so.preload".to_owned(),
+                host.path("shim/ld.so.preload"),
+            ),
+            ("/var/run/gpumem".to_owned(), dir.clone()),
+        ] {
+            assert!(
+                mounts.contains(&(container.clone(), host_path.display().to_string())),
+                "{container}: {mounts:?}"
+            );
+        }
+        // The accounting file the shim reads holds the cap.
+        let usage =
+            gpumem::isolation::accounting::usage(&dir.join(gpumem_layout::FILE_NAME)).unwrap();
+        assert_eq!(usage[0].uuid, T4_UUID);
+        assert_eq!(usage[0].cap_bytes, 4096 << 20);
+    }
+
+    // Asked again (kubelet restarted, or a second pod): the same answer.
+    let again = kubelet.prepare(&refs).await.unwrap();
+    assert_eq!(again, prepared);
+
+    // Two pods' containers share the first claim; kubelet's pod-resources
+    // API links them to it.
+    for pod in ["notebook-1-a", "notebook-1-b"] {
+        pod_resources.run_with_claim(
+            pod,
+            "main",
+            ClaimUse {
+                namespace: "default".into(),
+                name: "notebook-1".into(),
+                driver: DRIVER.into(),
+                pool: NODE.into(),
+                device: "gpu-0".into(),
+            },
+        );
+    }
+    let status = driver.status().await;
+    let claims = status["claims"].as_array().unwrap();
+    assert_eq!(claims.len(), 3, "{status}");
+    assert!(claims.iter().all(|c| c["cap_mib"] == 4096), "{status}");
+    assert_eq!(status["gpus"][0]["allocated_mib"], 3 * 4096, "{status}");
+    assert_eq!(
+        claims[0]["containers"],
+        json!(["notebook-1-a/main", "notebook-1-b/main"]),
+        "{status}"
+    );
+    assert_eq!(claims[0]["used_mib"], 0, "{status}");
+    let table = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["inspect", "-d", "--metrics-addr", &driver.metrics])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    let row = table
+        .lines()
+        .find(|l| l.contains("notebook-1 "))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(
+        row.contains("4096") && row.contains("notebook-1-a/main"),
+        "{row}"
+    );
+
+    // Unprepared: the spec goes at once, the directory after the grace.
+    let done = kubelet.unprepare(&refs[..1]).await.unwrap();
+    done[&refs[0].uid].as_ref().unwrap();
+    assert!(!host.spec_file(&refs[0].uid).exists());
+    let dir = host
+        .path("state/containers")
+        .join(format!("claim-{}", refs[0].uid));
+    wait_until("the directory to be cleaned up", || {
+        (!dir.exists()).then_some(())
+    })
+    .await;
+    assert!(host.spec_file(&refs[1].uid).exists());
+}
+
+#[tokio::test]
+async fn where_nvidias_cdi_spec_names_the_gpu_the_claim_gets_it_too() {
+    let host = Host::new();
+    std::fs::create_dir_all(host.path("cdi")).unwrap();
+    // As `nvidia-ctk cdi generate` writes it (YAML, each GPU by index and UUID).
+    let nvidia = format!(
+        "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\ndevices:\n- name: \"0\"\n  containerEdits: \
+         {{}}\n- name: {T4_UUID}\n  containerEdits:\n    deviceNodes:\n    - path: /dev/nvidia0\n"
+    );
+    std::fs::write(host.path("cdi/nvidia.yaml"), nvidia).unwrap();
+    let api = api().await;
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    api.put(claim("c", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    let prepared = kubelet.prepare(&[claim_ref("c", &uid(1))]).await.unwrap();
+    let devices = prepared[&uid(1)]
+        .as_ref()
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    assert_eq!(
+        devices[0].cdi_device_ids,
+        [
+            format!("gpumem.io/claim={}", uid(1)),
+            format!("nvidia.com/gpu={T4_UUID}")
+        ]
+    );
+    // The GPU comes from NVIDIA's spec; the legacy hook must not add it again.
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(host.spec_file(&uid(1))).unwrap()).unwrap();
+    let env = spec["devices"][0]["containerEdits"]["env"].to_string();
+    assert!(env.contains("NVIDIA_VISIBLE_DEVICES=void"), "{env}");
+}
+
+#[tokio::test]
+async fn claims_kubelet_must_not_use_are_refused_with_a_reason() {
+    let host = Host::new();
+    let api = api().await;
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_33)
+        .await
+        .unwrap();
+    // Deleted and created again under the same name: another UID.
+    api.put(claim("recreated", &uid(2), &[("gpu-0", Some("4Gi"), None)]));
+    let mut unallocated = claim("pending", &uid(3), &[]);
+    unallocated["status"] = json!({});
+    api.put(unallocated);
+    api.put(claim("elsewhere", &uid(4), &[("gpu-7", Some("4Gi"), None)]));
+    let asked = [
+        claim_ref("recreated", &uid(1)),
+        claim_ref("pending", &uid(3)),
+        claim_ref("elsewhere", &uid(4)),
+        claim_ref("gone", &uid(5)),
+    ];
+    let prepared = kubelet.prepare(&asked).await.unwrap();
+    let error = |n: u32| prepared[&uid(n)].clone().unwrap_err();
+    assert!(
+        error(1).contains("deleted and created again"),
+        "{}",
+        error(1)
+    );
+    assert!(error(3).contains("is not allocated"), "{}", error(3));
+    assert!(
+        error(4).contains("gpu-7") && error(4).contains("gpu-0"),
+        "{}",
+        error(4)
+    );
+    assert!(error(5).contains("does not exist"), "{}", error(5));
+    assert!(!host.spec_file(&uid(1)).exists());
+    assert!(driver.log().contains("cannot prepare"));
+}
+
+#[tokio::test]
+async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boots() {
+    let host = Host::new();
+    let api = api().await;
+    let mut driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    for n in [1, 2] {
+        api.put(claim(
+            &format!("c{n}"),
+            &uid(n),
+            &[("gpu-0", Some("2Gi"), None)],
+        ));
+    }
+    let refs = [claim_ref("c1", &uid(1)), claim_ref("c2", &uid(2))];
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    assert!(prepared.values().all(Result::is_ok), "{prepared:?}");
+
+    // Killed; the claim deleted meanwhile: unprepare needs only the record.
+    driver.kill();
+    api.delete(Kind::ResourceClaim, "default", "c1");
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    let again = kubelet.prepare(&refs[1..]).await.unwrap();
+    assert_eq!(again[&uid(2)], prepared[&uid(2)], "the record answers");
+    let done = kubelet.unprepare(&refs[..1]).await.unwrap();
+    done[&uid(1)].as_ref().unwrap();
+    assert!(!host.spec_file(&uid(1)).exists());
+    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    assert!(record["claims"].get(uid(1)).is_none(), "{record}");
+    assert!(record["claims"].get(uid(2)).is_some(), "{record}");
+    drop(driver);
+
+    // The record says another boot wrote it: everything in it is stale.
+    let mut record = record;
+    record["bootId"] = json!("00000000-0000-0000-0000-000000000000");
+    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    let driver = Driver::start(&host, &api).await;
+    wait_until("the stale spec to go", || {
+        (!host.spec_file(&uid(2)).exists()).then_some(())
+    })
+    .await;
+    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    assert!(record["claims"].get(uid(2)).is_none(), "{record}");
+    assert!(driver.log().contains("rebooted"), "{}", driver.log());
+}
+
+#[tokio::test]
+async fn a_node_runs_one_front_end() {
+    let host = Host::new();
+    let api = api().await;
+    api.write_kubeconfig(&host.path("kubeconfig")).unwrap();
+    let lock = host.path("state");
+    std::fs::create_dir_all(&lock).unwrap();
+    let file = std::fs::File::create(lock.join("front-end.lock")).unwrap();
+    let _held = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|(_, e)| e)
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["dra", "--node-name", NODE, "--metrics-addr", ""])
+        .arg("--fake-gpus")
+        .arg(fixture("t4"))
+        .arg("--state-dir")
+        .arg(&lock)
+        .arg("--kubeconfig")
+        .arg(host.path("kubeconfig"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("another gpumem front end"), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
+    let host = Host::new();
+    let api = api().await;
+    // What a driver killed between recording and finishing a prepare leaves:
+    // the entry `Started` and the spec already written.
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+    std::fs::create_dir_all(host.checkpoint().parent().unwrap()).unwrap();
+    let record = json!({
+        "version": 1,
+        "bootId": boot_id.trim(),
+        "claims": {uid(7): {
+            "namespace": "default",
+            "name": "cut-off",
+            "state": "Started",
+            "dir": format!("claim-{}", uid(7)),
+            "cdiDevice": uid(7),
+            "devices": [],
+        }},
+    });
+    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    std::fs::create_dir_all(host.path("cdi")).unwrap();
+    std::fs::write(host.spec_file(&uid(7)), b"{}").unwrap();
+    // And a spec no record names (its checkpoint was lost).
+    std::fs::write(host.spec_file(&uid(8)), b"{}").unwrap();
+    // Not ours: left alone.
+    std::fs::write(host.path("cdi/nvidia.yaml"), b"kind: nvidia.com/gpu\n").unwrap();
+
+    let driver = Driver::start(&host, &api).await;
+    wait_until("the half-made spec to go", || {
+        (!host.spec_file(&uid(7)).exists()).then_some(())
+    })
+    .await;
+    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    assert!(record["claims"].get(uid(7)).is_none(), "{record}");
+    assert!(driver.log().contains("interrupted"), "{}", driver.log());
+    assert!(!host.spec_file(&uid(8)).exists());
+    assert!(host.path("cdi/nvidia.yaml").exists());
+
+    // Prepared afresh when kubelet asks again.
+    api.put(claim("cut-off", &uid(7), &[("gpu-0", Some("4Gi"), None)]));
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    let prepared = kubelet
+        .prepare(&[claim_ref("cut-off", &uid(7))])
+        .await
+        .unwrap();
+    prepared[&uid(7)].as_ref().unwrap();
+    assert!(host.spec_file(&uid(7)).exists());
+}
