@@ -239,6 +239,14 @@ async fn allocate_refuses_devices_on_another_gpu_than_the_extenders() {
 async fn without_the_extender_placed_pods_get_gpushares_annotations() {
     let c = Cluster::start(&[]).await;
     c.pod("notebook", 4, json!({}));
+    // The node's own writes first, so the conflicts below go to the pod's.
+    c.wait_for("the Node published", || {
+        let node = c.api.get(Kind::Node, "", NODE)?;
+        node["metadata"]["annotations"]
+            .get(gpumem::cluster::node::GPUS_ANNOTATION)
+            .map(drop)
+    })
+    .await;
     // Two writers race the plugin: it reads the pod again and retries.
     c.api.conflict_next_writes(2);
     let placed = c

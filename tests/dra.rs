@@ -522,6 +522,20 @@ async fn where_nvidias_cdi_spec_names_the_gpu_the_claim_gets_it_too() {
         serde_json::from_slice(&std::fs::read(host.spec_file(&uid(1))).unwrap()).unwrap();
     let env = spec["devices"][0]["containerEdits"]["env"].to_string();
     assert!(env.contains("NVIDIA_VISIBLE_DEVICES=void"), "{env}");
+
+    // A prioritized list's subrequest: kubelet matches containers against
+    // the claim's request, so that is the name it must be told.
+    let mut listed = claim("listed", &uid(2), &[("gpu-0", Some("2Gi"), None)]);
+    listed["status"]["allocation"]["devices"]["results"][0]["request"] = json!("gpu/small");
+    api.put(listed);
+    let prepared = kubelet
+        .prepare(&[claim_ref("listed", &uid(2))])
+        .await
+        .unwrap();
+    assert_eq!(
+        prepared[&uid(2)].as_ref().unwrap()[0].request_names,
+        ["gpu"]
+    );
 }
 
 #[tokio::test]

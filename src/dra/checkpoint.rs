@@ -15,9 +15,9 @@
 //!
 //! [`Checkpoint::open`] returns the entries still `Started` (a prepare cut off
 //! by a crash: the caller removes what they name, then calls `remove`) and,
-//! when the boot ID differs, every entry as stale: after a reboot the
-//! accounting tmpfs and `/var/run/cdi` are empty, and answering a Prepare
-//! from such an entry would hand out devices whose files are gone.
+//! when the boot ID differs, every entry as stale: after a reboot no process
+//! of those claims runs and `/var/run/cdi` is empty, and answering a Prepare
+//! from such an entry would hand out CDI devices whose specs are gone.
 //!
 //! Compatibility, both ways: fields unknown to this version are kept and
 //! written back unchanged, so a downgrade loses nothing a newer version

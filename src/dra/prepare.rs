@@ -400,7 +400,10 @@ impl PreparedClaims {
                 cdi_device_ids.push(nvidia);
             }
             devices.push(DeviceEntry {
-                request_names: vec![result.request.clone()],
+                // kubelet matches a container's `request` against the
+                // claim's request, not a prioritized list's subrequest
+                // (`gpu/small`).
+                request_names: vec![base_request(&result.request).to_owned()],
                 pool: result.pool.clone(),
                 device: result.device.clone(),
                 share_id: result.share_id.clone(),
@@ -449,6 +452,16 @@ impl PreparedClaims {
         let mut checkpoint = self.checkpoint();
         let made = made.and_then(|()| Ok(checkpoint.complete(&claim.uid, entry.devices.clone())?));
         if let Err(err) = made {
+            if let Some(done) = checkpoint
+                .get(&claim.uid)
+                .filter(|e| e.state == State::Completed)
+            {
+                // A concurrent prepare of this claim (two pods starting
+                // with it) finished, and kubelet may already have its
+                // answer: what it made stays.
+                warn!(uid = %claim.uid, %err, "a concurrent prepare of the claim failed after another succeeded");
+                return Ok(answer(done));
+            }
             // Nothing half-made stays named: the spec goes, the directory
             // follows the clean-up rules.
             let _ = self.inner.config.specs.remove(&claim.uid);
@@ -553,10 +566,15 @@ impl PreparedClaims {
         entry: &ClaimEntry,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         let specs = &self.inner.config.specs;
-        if !specs.path(uid).exists() {
+        let dir_gone = match &self.inner.config.isolation {
+            Isolation::Shim(shim) => ContainerName::of_claim(uid)
+                .is_some_and(|name| !shim.containers().get(name).accounting_file().is_file()),
+            Isolation::None => false,
+        };
+        if dir_gone || !specs.path(uid).exists() {
             let inv = self.inner.inventory.borrow().clone();
             self.make_files(uid, entry, &inv)?;
-            info!(%uid, "rewrote the missing CDI spec of a prepared claim");
+            info!(%uid, "made the missing files of a prepared claim again");
         }
         Ok(answer(entry))
     }
@@ -624,6 +642,11 @@ impl Claims for PreparedClaims {
         .await;
         answers.unwrap_or_default()
     }
+}
+
+/// The claim's request a result serves: `gpu` of a subrequest `gpu/small`.
+fn base_request(request: &str) -> &str {
+    request.split_once('/').map_or(request, |(base, _)| base)
 }
 
 /// What kubelet is told for a prepared claim.

@@ -87,7 +87,7 @@ pub fn prepare_with(
     // Readable by the container's processes whatever their uid.
     fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err)?;
     let path = dir.join(layout::FILE_NAME);
-    if let Ok(existing) = fs::read(&path) {
+    if let Ok((_, existing)) = read_regular(&path, false) {
         if layout::validate(&existing).is_ok_and(|g| layout::devices(&existing, g) == devices) {
             return Ok(path);
         }
@@ -143,13 +143,38 @@ struct Opened {
     snapshot: AccountingFile<Snapshot>,
 }
 
+/// More than any accounting file holds (256 slots take about 49 KiB).
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
+/// Opens and reads the file at `path` if it is a regular file of a sane
+/// size. The directory is mounted read-write into the container, so its
+/// processes can put a symlink, a FIFO or `/dev/zero` in the file's place:
+/// the daemon must not follow the first, block on the second or fill its
+/// memory from the third.
+fn read_regular(path: &Path, write: bool) -> io::Result<(fs::File, Vec<u8>)> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.len() > MAX_FILE_BYTES {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is not an accounting file", path.display()),
+        ));
+    }
+    let mut bytes = Vec::new();
+    (&file).take(MAX_FILE_BYTES).read_to_end(&mut bytes)?;
+    Ok((file, bytes))
+}
+
 /// Opens and reads an accounting file. Asking who holds a lock needs only
 /// read access.
 fn open_validated(path: &Path, write: bool) -> io::Result<Opened> {
-    use std::io::Read;
-    let mut file = fs::OpenOptions::new().read(true).write(write).open(path)?;
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
+    let (file, bytes) = read_regular(path, write)?;
     let snapshot = AccountingFile::snapshot(&bytes)
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     Ok(Opened {
@@ -379,5 +404,28 @@ mod tests {
             prepare(dir.path(), &[]),
             Err(AccountingError::TooManyGpus { .. })
         ));
+    }
+
+    #[test]
+    fn a_link_a_fifo_or_a_device_in_the_files_place_is_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("elsewhere");
+        let cap = Cap {
+            uuid: "GPU-6b1c2d3e-0000-4000-8000-000000000400".into(),
+            cap_mib: 1024,
+            context_charge_mib: 0,
+        };
+        let real = prepare(&target, std::slice::from_ref(&cap)).unwrap();
+        let path = dir.path().join(layout::FILE_NAME);
+        std::os::unix::fs::symlink(&real, &path).unwrap();
+        assert!(usage(&path).is_err(), "a symlink is not followed");
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+        assert!(usage(&path).is_err());
+        std::fs::remove_file(&path).unwrap();
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // Returns at once instead of waiting for a writer.
+        assert!(usage(&path).is_err());
+        assert!(usage(&real).is_ok());
     }
 }

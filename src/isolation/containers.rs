@@ -67,7 +67,8 @@ impl Containers {
         self.list()
             .into_iter()
             .map(|dir| dir.accounting_file())
-            .filter(|file| file.is_file())
+            // Not through a link a container put there.
+            .filter(|file| file.symlink_metadata().is_ok_and(|m| m.is_file()))
             .collect()
     }
 }
