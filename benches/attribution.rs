@@ -8,6 +8,9 @@
 //! proc root with each process's `cgroup`, `mountinfo` and `stat` as a
 //! containerd node shows them. NVML's answer is a map (on an H100 it costs 26 µs per
 //! GPU). Results go to docs/BENCHMARKS.md.
+mod common;
+
+use common::cpu_model;
 
 use std::collections::HashMap;
 use std::fs;
@@ -240,19 +243,6 @@ fn thread_cpu() -> Duration {
     let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } == 0;
     assert!(ok, "CLOCK_THREAD_CPUTIME_ID");
     Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
-}
-
-/// The CPU's name, so a figure can be compared with one from another machine.
-fn cpu_model() -> String {
-    fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, name)| name.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// What the sweeps asked of the proc root.

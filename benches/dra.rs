@@ -13,6 +13,9 @@
 //! dir, or `GPUMEM_BENCH_DIR` (to compare file systems); the CDI specs under
 //! /dev/shm where it exists, as `/var/run/cdi` is a tmpfs on a node, or
 //! `GPUMEM_BENCH_CDI_DIR`. `GPUMEM_BENCH_N` sets the iterations (default 500).
+mod common;
+
+use common::{cpu_model, percentile};
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -34,7 +37,7 @@ use gpumem::dra::prepare::DriverConfig;
 use gpumem::dra::service::DraSockets;
 use gpumem::dra::slice;
 use gpumem::dra::DEFAULT_DRIVER_NAME as DRIVER;
-use gpumem::fake_apiserver::{FakeApiServer, Kind};
+use gpumem::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use gpumem::isolation::accounting::{self, Cap, Durability};
 use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::containers::ContainerName;
@@ -269,22 +272,19 @@ impl Driver {
                 let i = self.made;
                 let claim = claim_ref(i);
                 let gpu = &self.inventory.gpus()[i as usize % GPUS as usize].gpu;
-                self.api.put(json!({
-                    "kind": "ResourceClaim",
-                    "metadata": {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid},
-                    "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                        "deviceClassName": DRIVER,
-                        "capacity": {"requests": {"memory": format!("{CLAIM_MIB}Mi")}},
-                    }}]}},
-                    "status": {"allocation": {"devices": {"results": [{
-                        "request": "gpu",
-                        "driver": DRIVER,
-                        "pool": NODE,
-                        "device": slice::device_name(gpu),
-                        "shareID": format!("9a3e5c71-0000-4000-8000-{i:012x}"),
-                        "consumedCapacity": {"memory": format!("{CLAIM_MIB}Mi")},
-                    }]}}},
-                }));
+                self.api.put(allocated_claim(
+                    &claim.namespace,
+                    &claim.name,
+                    &claim.uid,
+                    DRIVER,
+                    NODE,
+                    &[Allocated {
+                        request: "gpu".to_owned(),
+                        device: slice::device_name(gpu),
+                        memory: Some(format!("{CLAIM_MIB}Mi")),
+                        share_id: Some(format!("9a3e5c71-0000-4000-8000-{i:012x}")),
+                    }],
+                ));
                 claim
             })
             .collect()
@@ -837,10 +837,6 @@ impl Lap {
 
 // ---------------------------------------------------------------- reporting
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
 fn report(name: &str, mut samples: Vec<Duration>) {
     samples.sort_unstable();
     println!(
@@ -885,17 +881,4 @@ fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
-}
-
-/// The CPU's name, so a figure can be compared with one from another machine.
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, name)| name.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }

@@ -5,6 +5,9 @@
 //! the pure core, then filter through HTTP on loopback as kube-scheduler
 //! calls it (names only, and whole Nodes). Target: filter ≤ 5 ms p99.
 //! Results and the machine go to docs/BENCHMARKS.md.
+mod common;
+
+use common::percentile;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -30,10 +33,6 @@ const NODES: usize = 1000;
 const GPUS: u32 = 8;
 const GPU_UNITS: u32 = 79;
 const PODS_PER_GPU: usize = 4;
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
 
 fn report(name: &str, mut samples: Vec<Duration>) {
     samples.sort_unstable();

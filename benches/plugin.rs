@@ -4,6 +4,9 @@
 //! real unix socket (1 and 16 concurrent callers), ListAndWatch message sizes,
 //! and the pure placement function at 8 GPUs × 141 units. Results and the
 //! machine they were taken on go to docs/BENCHMARKS.md.
+mod common;
+
+use common::percentile;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,10 +38,6 @@ fn gpus(count: u32, memory_mib: u64) -> Vec<Gpu> {
             healthy: true,
         })
         .collect()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 fn report(name: &str, mut samples: Vec<Duration>) {

@@ -7,6 +7,9 @@
 //! shim adds, with its spread over alternated rounds. The fake
 //! driver's own calls cost tens of nanoseconds (and serialise on one lock,
 //! as the real driver's do), so the difference is the shim's.
+mod common;
+
+use common::cpu_model;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -133,17 +136,4 @@ const ROUNDS: usize = 7;
 
 fn median(sorted: &[f64]) -> f64 {
     sorted[sorted.len() / 2]
-}
-
-/// The CPU's name, so a figure can be compared with one from another machine.
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, name)| name.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".into())
 }

@@ -162,6 +162,64 @@ pub struct FakeApiServer {
     stop: CancellationToken,
 }
 
+/// One device the scheduler allocated to a claim: a result of its allocation.
+#[derive(Debug, Clone, Default)]
+pub struct Allocated {
+    pub request: String,
+    pub device: String,
+    /// `consumedCapacity.memory`; `None` as an API server without
+    /// `DRAConsumableCapacity` leaves it (the device allocated whole).
+    pub memory: Option<String>,
+    pub share_id: Option<String>,
+}
+
+/// A ResourceClaim as the scheduler leaves it once allocated: one request
+/// per result, asking the result's memory of device class `driver`, and the
+/// results, from `driver`'s pool `pool`.
+pub fn allocated_claim(
+    namespace: &str,
+    name: &str,
+    uid: &str,
+    driver: &str,
+    pool: &str,
+    results: &[Allocated],
+) -> Value {
+    let requests: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            let mut exactly = json!({"deviceClassName": driver});
+            if let Some(memory) = &r.memory {
+                exactly["capacity"] = json!({"requests": {"memory": memory}});
+            }
+            json!({"name": r.request, "exactly": exactly})
+        })
+        .collect();
+    let results: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            let mut result = json!({
+                "request": r.request,
+                "driver": driver,
+                "pool": pool,
+                "device": r.device,
+            });
+            if let Some(memory) = &r.memory {
+                result["consumedCapacity"] = json!({"memory": memory});
+            }
+            if let Some(share) = &r.share_id {
+                result["shareID"] = json!(share);
+            }
+            result
+        })
+        .collect();
+    json!({
+        "kind": "ResourceClaim",
+        "metadata": {"namespace": namespace, "name": name, "uid": uid},
+        "spec": {"devices": {"requests": requests}},
+        "status": {"allocation": {"devices": {"results": results}}},
+    })
+}
+
 impl FakeApiServer {
     /// Serves on an ephemeral loopback port.
     pub async fn start() -> io::Result<FakeApiServer> {

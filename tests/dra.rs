@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use common::cdi::check_cdi_spec;
 use common::{fixture, T4_UUID};
 use gpumem::dra::claims::ClaimRef;
-use gpumem::fake_apiserver::{FakeApiServer, Kind};
+use gpumem::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use gpumem::simulator::dra::{DraVersion, FakeDraKubelet, KUBELET_1_33, KUBELET_1_34};
 use gpumem::simulator::{ClaimUse, KubeletSim};
 
@@ -172,34 +172,17 @@ async fn api() -> FakeApiServer {
 /// A claim allocated from our driver: (device, consumed memory, share ID)
 /// per result.
 fn claim(name: &str, uid: &str, results: &[(&str, Option<&str>, Option<&str>)]) -> Value {
-    let results: Vec<Value> = results
+    let results: Vec<Allocated> = results
         .iter()
         .enumerate()
-        .map(|(i, (device, consumed, share))| {
-            let mut result = json!({
-                "request": format!("gpu-{i}"),
-                "driver": DRIVER,
-                "pool": NODE,
-                "device": device,
-            });
-            if let Some(consumed) = consumed {
-                result["consumedCapacity"] = json!({"memory": consumed});
-            }
-            if let Some(share) = share {
-                result["shareID"] = json!(share);
-            }
-            result
+        .map(|(i, (device, memory, share))| Allocated {
+            request: format!("gpu-{i}"),
+            device: (*device).to_owned(),
+            memory: memory.map(str::to_owned),
+            share_id: share.map(str::to_owned),
         })
         .collect();
-    json!({
-        "kind": "ResourceClaim",
-        "metadata": {"namespace": "default", "name": name, "uid": uid},
-        "spec": {"devices": {"requests": [{"name": "gpu-0", "exactly": {
-            "deviceClassName": DRIVER,
-            "capacity": {"requests": {"memory": "4Gi"}},
-        }}]}},
-        "status": {"allocation": {"devices": {"results": results}}},
-    })
+    allocated_claim("default", name, uid, DRIVER, NODE, &results)
 }
 
 fn claim_ref(name: &str, uid: &str) -> ClaimRef {

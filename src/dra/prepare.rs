@@ -272,12 +272,16 @@ impl PreparedClaims {
         }
         let object = self.read(claim).await?;
         let inv = self.inner.inventory.borrow().clone();
-        let devices = self.plan(claim, &object, &inv)?;
         let this = self.clone();
         let claim = claim.clone();
-        tokio::task::spawn_blocking(move || this.commit(&claim, dir, devices, &inv))
-            .await
-            .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())))
+        // The plan reads NVIDIA's specs, the commit writes files: both off
+        // the async workers.
+        tokio::task::spawn_blocking(move || {
+            let devices = this.plan(&claim, &object, &inv)?;
+            this.commit(&claim, dir, devices, &inv)
+        })
+        .await
+        .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())))
     }
 
     fn completed(&self, uid: &str) -> Option<ClaimEntry> {
@@ -521,42 +525,9 @@ impl PreparedClaims {
             }
             Isolation::None => None,
         };
-        let spec = self.spec(uid, entry, inv, &gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
+        let spec = claim_spec(uid, entry, inv, &gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
         config.specs.write(&spec)?;
         Ok(())
-    }
-
-    fn spec(
-        &self,
-        uid: &str,
-        entry: &ClaimEntry,
-        inv: &Inventory,
-        gpus: &[ClaimGpu],
-        shim: Option<(&ShimConfig, &ContainerDir)>,
-    ) -> Result<cdi::Spec, PrepareError> {
-        // With NVIDIA's CDI device in the answer, the runtime gets the GPU
-        // from it, and `void` keeps NVIDIA's legacy hook from adding it
-        // again; without, the hook reads the UUIDs.
-        let nvidia_cdi = entry.devices.iter().any(|d| {
-            d.cdi_device_ids
-                .iter()
-                .any(|id| id.starts_with(cdi::NVIDIA_GPU_KIND))
-        });
-        let visible = if nvidia_cdi {
-            "void".to_owned()
-        } else {
-            let uuids: Vec<&str> = gpus
-                .iter()
-                .map(|g| inv.gpus()[g.gpu].gpu.uuid.as_str())
-                .collect();
-            if uuids.is_empty() {
-                "void".to_owned()
-            } else {
-                uuids.join(",")
-            }
-        };
-        let edits = inject::claim_edits(inv, gpus, shim, visible);
-        Ok(cdi::spec(cdi::CLAIM_CLASS, uid, edits)?)
     }
 
     /// A prepared claim's answer, its spec rewritten if it is missing.
@@ -644,6 +615,39 @@ impl Claims for PreparedClaims {
     }
 }
 
+/// The CDI spec of claim `uid`: the edits every container referencing it gets.
+fn claim_spec(
+    uid: &str,
+    entry: &ClaimEntry,
+    inv: &Inventory,
+    gpus: &[ClaimGpu],
+    shim: Option<(&ShimConfig, &ContainerDir)>,
+) -> Result<cdi::Spec, PrepareError> {
+    // With NVIDIA's CDI device in the answer, the runtime gets the GPU
+    // from it, and `void` keeps NVIDIA's legacy hook from adding it
+    // again; without, the hook reads the UUIDs.
+    let nvidia_cdi = entry.devices.iter().any(|d| {
+        d.cdi_device_ids
+            .iter()
+            .any(|id| id.starts_with(cdi::NVIDIA_GPU_KIND))
+    });
+    let visible = if nvidia_cdi {
+        "void".to_owned()
+    } else {
+        let uuids: Vec<&str> = gpus
+            .iter()
+            .map(|g| inv.gpus()[g.gpu].gpu.uuid.as_str())
+            .collect();
+        if uuids.is_empty() {
+            "void".to_owned()
+        } else {
+            uuids.join(",")
+        }
+    };
+    let edits = inject::claim_edits(inv, gpus, shim, visible);
+    Ok(cdi::spec(cdi::CLAIM_CLASS, uid, edits)?)
+}
+
 /// The claim's request a result serves: `gpu` of a subrequest `gpu/small`.
 fn base_request(request: &str) -> &str {
     request.split_once('/').map_or(request, |(base, _)| base)
@@ -707,11 +711,17 @@ pub fn nvidia_cdi_id(dirs: &[PathBuf], uuid: &str) -> Option<String> {
         let Ok(entries) = std::fs::read_dir(dir) else {
             continue;
         };
-        let found = entries.flatten().map(|e| e.path()).any(|path| {
-            path.extension()
-                .is_some_and(|e| e == "json" || e == "yaml" || e == "yml")
-                && names_gpu(&path)
-        });
+        // Our own specs (one per claim) are never NVIDIA's: not read.
+        let ours = format!("{}-", cdi::VENDOR);
+        let found = entries
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with(&ours))
+            .map(|e| e.path())
+            .any(|path| {
+                path.extension()
+                    .is_some_and(|e| e == "json" || e == "yaml" || e == "yml")
+                    && names_gpu(&path)
+            });
         if found {
             return Some(cdi::qualified_name(cdi::NVIDIA_GPU_KIND, uuid));
         }

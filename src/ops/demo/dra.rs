@@ -17,7 +17,7 @@ use crate::dra::claims::ClaimRef;
 use crate::dra::prepare::DriverConfig;
 use crate::dra::service::DraSockets;
 use crate::dra::DEFAULT_DRIVER_NAME;
-use crate::fake_apiserver::{FakeApiServer, Kind};
+use crate::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use crate::isolation::cdi::{self, SpecDir};
 use crate::node::gpu::NodeFacts;
 use crate::node::inventory::Inventory;
@@ -144,22 +144,20 @@ async fn scenario(
     let mut claims = Vec::new();
     for (i, name) in CLAIMS.iter().enumerate() {
         let uid = format!("5d2f8c1e-0000-4000-8000-{:012}", i + 1);
-        api.put(json!({
-            "kind": "ResourceClaim",
-            "metadata": {"namespace": "default", "name": name, "uid": uid},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                "deviceClassName": DEFAULT_DRIVER_NAME,
-                "capacity": {"requests": {"memory": format!("{REQUEST_GIB}Gi")}},
-            }}]}},
-            "status": {"allocation": {"devices": {"results": [{
-                "request": "gpu",
-                "driver": DEFAULT_DRIVER_NAME,
-                "pool": NODE,
-                "device": device,
-                "shareID": format!("share-{}", i + 1),
-                "consumedCapacity": {"memory": format!("{REQUEST_GIB}Gi")},
-            }]}}},
-        }));
+        let memory = format!("{REQUEST_GIB}Gi");
+        api.put(allocated_claim(
+            "default",
+            name,
+            &uid,
+            DEFAULT_DRIVER_NAME,
+            NODE,
+            &[Allocated {
+                request: "gpu".to_owned(),
+                device: device.clone(),
+                memory: Some(memory),
+                share_id: Some(format!("share-{}", i + 1)),
+            }],
+        ));
         claims.push(ClaimRef {
             namespace: "default".to_owned(),
             uid,
