@@ -1,8 +1,8 @@
 //! Shim overhead (not a test): `cargo bench --bench shim`.
 //!
 //! Runs the probe against the fake driver (release builds) with and without
-//! the shim preloaded, through dlsym and through cuGetProcAddress, on one
-//! thread, on two and on 16 at once, and prints the thread CPU time per
+//! the shim preloaded, through dlsym and through cuGetProcAddress, on the
+//! main thread, on one thread, on two and on 16 at once, and prints the thread CPU time per
 //! cuMemAlloc(1 MiB) + cuMemFree pair and per cuMemGetInfo, and what the
 //! shim adds, with its spread over alternated rounds. The fake
 //! driver's own calls cost tens of nanoseconds (and serialise on one lock,
@@ -14,9 +14,15 @@ use common::cpu_model;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Pairs per thread, and threads: one, one per CPU of a 2-CPU machine, and
+/// Pairs per thread, and threads: the main thread (the one most programs
+/// allocate on), one started later, one per CPU of a 2-CPU machine, and
 /// more threads than most machines have CPUs.
-const RUNS: [(u64, u32); 3] = [(500_000, 1), (500_000, 2), (100_000, 16)];
+const RUNS: [(u64, &str); 4] = [
+    (500_000, "main"),
+    (500_000, "1"),
+    (500_000, "2"),
+    (100_000, "16"),
+];
 
 fn build() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
@@ -45,7 +51,7 @@ fn build() -> PathBuf {
 }
 
 /// One probe run: per operation, (pair wall, pair CPU, info wall, info CPU) in ns.
-fn run(out: &Path, state: Option<&Path>, via: &str, pairs: u64, threads: u32) -> [f64; 4] {
+fn run(out: &Path, state: Option<&Path>, via: &str, pairs: u64, threads: &str) -> [f64; 4] {
     let mut cmd = Command::new(out.join("gpumem-probe"));
     cmd.env("LD_LIBRARY_PATH", out.join("bench-fake-driver"))
         .args(["--via", via, &format!("bench:{pairs}:{threads}")]);
@@ -110,7 +116,7 @@ fn main() {
             let pair_added = column(&|(b, s)| s[1] - b[1]);
             let info_added = column(&|(b, s)| s[3] - b[3]);
             println!(
-                "{threads:>2} thread(s) × {pairs:<6} via {via:<5} alloc+free pair: bare {:6.1}, \
+                "{threads:>4} thread(s) × {pairs:<6} via {via:<5} alloc+free pair: bare {:6.1}, \
                  shimmed {:6.1}, added {:+6.1} [{:+6.1}, {:+6.1}]; cuMemGetInfo: bare {:5.1}, \
                  shimmed {:5.1}, added {:+5.1} [{:+5.1}, {:+5.1}]",
                 median(&column(&|(b, _)| b[1])),

@@ -5,7 +5,9 @@ mod common;
 
 use std::process::Stdio;
 
-use common::{capped_dir, field, line, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB};
+use common::{
+    capped_dir, field, line, nth, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB,
+};
 
 const CAP: u64 = 4308 * MIB;
 const FULL: u64 = 15079 * MIB;
@@ -241,6 +243,49 @@ fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
         assert!(
             lines.contains(&"alloc:400 2 #4".to_owned()),
             "{via:?}: {lines:?}"
+        );
+    }
+}
+
+/// A driver whose exports call one another through the dynamic symbol
+/// table reaches the shim's hook from inside a hook: the fake's pitched
+/// allocation, made through the process's `cuMemAlloc_v2` (the driver in
+/// the global scope, as for a program linked with `-lcuda`). The inner
+/// call passes straight through, so the allocation is charged once.
+#[test]
+fn an_allocation_the_driver_makes_through_a_hooked_export_is_charged_once() {
+    let dir = capped_dir(4308);
+    let kit = shim_kit();
+    let preload = format!(
+        "{} {}",
+        kit.shim.display(),
+        kit.driver_dir.join("libcuda.so.1").display()
+    );
+    for via in ["dlsym", "gpa"] {
+        let mut probe = kit.probe(Some(dir.path()));
+        probe.env("LD_PRELOAD", &preload);
+        probe.env("FAKEGPU_PITCH_VIA_EXPORT", "1").args([
+            "--via",
+            via,
+            "pitch:1048576:1500",
+            "info",
+            "pitch:1048576:1500",
+        ]);
+        let (ok, lines, stderr) = run_lines(&mut probe);
+        assert!(ok, "{via}: {stderr}");
+        assert!(
+            nth(&lines, "pitch:", 0).starts_with("pitch:1048576:1500 0 #0"),
+            "{via}: {lines:?}"
+        );
+        // The cap less the 300 MiB context and one 1500 MiB allocation.
+        let free = (4308 - 1500) * MIB - CONTEXT;
+        assert!(
+            lines.contains(&format!("info 0 free={free} total={}", 4308 * MIB)),
+            "{via}: charged more than once: {lines:?}"
+        );
+        assert!(
+            nth(&lines, "pitch:", 1).starts_with("pitch:1048576:1500 0 #1"),
+            "{via}: {lines:?}"
         );
     }
 }

@@ -98,7 +98,7 @@ struct Held {
 static ARRAYS: Mutex<BTreeMap<usize, Held>> = Mutex::new(BTreeMap::new());
 
 fn arrays() -> MutexGuard<'static, BTreeMap<usize, Held>> {
-    ARRAYS.lock().unwrap_or_else(|e| e.into_inner())
+    crate::fork::lock(&ARRAYS)
 }
 
 /// Charges `bytes` on the current device, creates, and remembers the array.
@@ -116,7 +116,11 @@ fn create(
     let result = call();
     match (result, made()) {
         (CUDA_SUCCESS, Some(array)) => {
-            arrays().insert(array, Held { dev, ctx, bytes });
+            // A record under the same handle is of an array the driver
+            // destroyed unseen, with its context: what it held goes back.
+            if let Some(stale) = arrays().insert(array, Held { dev, ctx, bytes }) {
+                shim.uncharge(stale.dev, stale.bytes);
+            }
         }
         _ => shim.uncharge(dev, bytes),
     }

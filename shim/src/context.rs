@@ -15,7 +15,7 @@ use crate::cuda::{
     refused, written, CUcontext, CUdevice, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::dlsym::LIBCUDA;
-use crate::hook::{answered, as_fn, guarded, real, Real};
+use crate::hook::{as_fn, guarded, real, Real};
 use crate::ops::Shim;
 use crate::{array, cuda, devices, log, nvml};
 
@@ -36,7 +36,7 @@ static MADE: Mutex<Vec<Made>> = Mutex::new(Vec::new());
 static CREATING: Mutex<()> = Mutex::new(());
 
 fn made() -> MutexGuard<'static, Vec<Made>> {
-    MADE.lock().unwrap_or_else(|e| e.into_inner())
+    crate::fork::lock(&MADE)
 }
 
 type PrimaryGetStateFn = unsafe extern "C" fn(CUdevice, *mut c_uint, *mut c_int) -> CUresult;
@@ -67,7 +67,11 @@ fn create(
     handle: impl FnOnce() -> Option<usize>,
     undo: impl FnOnce() -> CUresult,
 ) -> CUresult {
-    let _one_at_a_time = CREATING.lock().unwrap_or_else(|e| e.into_inner());
+    // NVML is loaded before the lock, not under it: its dlopen takes the
+    // loader's lock, which a library constructor making a context on
+    // another thread would hold while it waited for ours.
+    nvml::load();
+    let _one_at_a_time = crate::fork::lock(&CREATING);
     // A slot from the first context on, even with nothing charged: its
     // record lock is how the node daemon finds this process in NVML.
     shim.claim_slot(dev);
@@ -237,12 +241,26 @@ fn primary_gone(ordinal: CUdevice) {
     }
 }
 
+/// A context's end (destroy, primary release or reset) and its records'
+/// clean-up, under the creation lock: a creation measured meanwhile sees
+/// the device as the call leaves it (a primary context released under a
+/// retain would be made again uncharged), and a context made meanwhile
+/// cannot get the ending one's handle before its records are dropped.
+fn ending(call: impl FnOnce() -> CUresult, gone: impl FnOnce()) -> CUresult {
+    let _one_at_a_time = crate::fork::lock(&CREATING);
+    let result = call();
+    if result == CUDA_SUCCESS {
+        gone();
+    }
+    result
+}
+
 macro_rules! primary_end {
     ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dev: CUdevice) -> CUresult {
             real!(let call = $name(dev) else CUDA_ERROR_NOT_INITIALIZED);
-            answered(call, CUDA_SUCCESS, || primary_gone(dev))
+            guarded(call, || ending(call, || primary_gone(dev)))
         }
     };
 }
@@ -264,5 +282,5 @@ fn context_gone(ctx: CUcontext) {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     real!(let call = cuCtxDestroy_v2(ctx) else CUDA_ERROR_NOT_INITIALIZED);
-    answered(call, CUDA_SUCCESS, || context_gone(ctx))
+    guarded(call, || ending(call, || context_gone(ctx)))
 }

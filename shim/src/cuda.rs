@@ -9,7 +9,7 @@ use crate::devices::{self, Site};
 use crate::hook::{answered, guarded, real};
 use crate::ops::{self, Refusal, Shim};
 use crate::pool;
-use crate::track::{self, Allocation, Allocations};
+use crate::track::{self, Allocation, Allocations, Inserted};
 
 pub type CUresult = c_int;
 pub type CUdevice = c_int;
@@ -70,6 +70,7 @@ pub fn written<T: Copy>(ptr: *const T) -> Option<T> {
 /// shares with earlier allocations costs nothing more. If it took more than
 /// charged and that does not fit, it is freed with `undo` and refused.
 fn allocate(
+    table: &Allocations,
     site: Site,
     estimate: u64,
     call: impl FnOnce() -> CUresult,
@@ -92,16 +93,32 @@ fn allocate(
         ptr,
         size,
     };
-    let taken = ALLOCATIONS.insert(allocation);
+    let taken = record(table, shim, allocation);
     match shim.settle(dev, upfront, taken) {
         Ok(()) => result,
         Err(refusal) => {
-            ALLOCATIONS.take(ptr);
-            shim.uncharge(dev, upfront);
+            // Out again before the driver gets it back. A chunk it shared
+            // that another allocation entered meanwhile stays taken, and
+            // charged: this allocation's charge moves from what it holds
+            // (`upfront`) to what it took less what it gives back.
+            let back = table.take(ptr).map_or(0, |(_, back)| back);
+            shim.settle_held(dev, upfront + back, taken);
             undo(ptr);
             refused(refusal)
         }
     }
+}
+
+/// Records an allocation; returns the bytes it took. A record already at
+/// its address is of memory the driver freed without the shim seeing it
+/// (with its context, before the shim dropped the context's records): it
+/// goes, and what it held is given back.
+fn record(table: &Allocations, shim: &Shim, allocation: Allocation) -> u64 {
+    let Inserted { taken, stale } = table.insert(allocation);
+    if let Some((old, back)) = stale {
+        shim.uncharge(old.dev, back);
+    }
+    taken
 }
 
 /// An allocation of `bytesize` at `site` (none: not capped), written to
@@ -115,6 +132,7 @@ fn sized(
 ) -> CUresult {
     match site {
         Some(site) => allocate(
+            &ALLOCATIONS,
             site,
             bytesize as u64,
             call,
@@ -127,19 +145,28 @@ fn sized(
 
 /// A free: forget the record first (so an address reused by a racing
 /// allocation is not dropped), give back what the driver got back only on
-/// success.
-fn free(ptr: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let Some((allocation, back)) = ALLOCATIONS.take(ptr) else {
+/// success. A failed free puts the record back and keeps the charge, moved
+/// to what the record takes now: another allocation may have entered, and
+/// been charged for, a chunk this one was giving up.
+fn free(
+    table: &Allocations,
+    shim: impl FnOnce() -> Option<&'static Shim>,
+    ptr: u64,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let Some((allocation, back)) = table.take(ptr) else {
         // Not ours (allocated before the shim saw it): just forward.
         return call();
     };
     let result = call();
-    if result != CUDA_SUCCESS {
-        ALLOCATIONS.untake(allocation);
+    let Some(shim) = shim() else {
         return result;
-    }
-    if let Some(shim) = ops::shim() {
+    };
+    if result == CUDA_SUCCESS {
         shim.uncharge(allocation.dev, back);
+    } else {
+        let taken = record(table, shim, allocation);
+        shim.settle_held(allocation.dev, back, taken);
     }
     result
 }
@@ -198,6 +225,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
             .next_multiple_of(512)
             .saturating_mul(height as u64);
         allocate(
+            &ALLOCATIONS,
             site,
             estimate,
             call,
@@ -213,7 +241,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     real!(let call = cuMemFree_v2(dptr) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || free(dptr, call))
+    guarded(call, || free(&ALLOCATIONS, ops::shim, dptr, call))
 }
 
 /// Stream-ordered allocations from the current device's pool: charged like
@@ -264,7 +292,7 @@ macro_rules! free_async {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
             real!(let call = $name(dptr, stream) else CUDA_ERROR_NOT_INITIALIZED);
-            guarded(call, || free(dptr, call))
+            guarded(call, || free(&ALLOCATIONS, ops::shim, dptr, call))
         }
     };
 }
@@ -313,4 +341,180 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
     real!(let call = cuDeviceTotalMem_v2(bytes, dev) else CUDA_ERROR_NOT_INITIALIZED);
     answered(call, CUDA_SUCCESS, || report_total(bytes, dev))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const BASE: u64 = 0x7f00_0000_0000;
+    const MADE: fn() -> CUresult = || CUDA_SUCCESS;
+    const UNDONE: fn(u64) -> CUresult = |_| CUDA_SUCCESS;
+
+    /// What the allocation path does with the driver's answer `placed`.
+    fn allocate_at(
+        table: &Allocations,
+        shim: &'static Shim,
+        estimate: u64,
+        placed: (u64, u64),
+    ) -> CUresult {
+        let site = Site {
+            shim,
+            dev: 0,
+            ctx: 1,
+        };
+        allocate(table, site, estimate, MADE, || Some(placed), UNDONE)
+    }
+
+    /// An 8 MiB allocation placed 1 MiB into a chunk covers five, more than
+    /// the four it was charged for up front, and does not fit: it is refused
+    /// after ~5 ms of retries. A 4 KiB allocation lands in its last chunk
+    /// meanwhile, finds the chunk in use and is charged nothing for it. The
+    /// refused one must leave that chunk charged.
+    #[test]
+    fn a_refused_allocation_leaves_charged_the_chunk_another_entered() {
+        let (table, shim) = (Allocations::new(), Shim::for_test(9 * MIB));
+        shim.charge(0, 2 * MIB).unwrap(); // what the process holds already
+        let (placed, wait) = mpsc::channel();
+        std::thread::scope(|s| {
+            let big = s.spawn(|| {
+                let site = Site {
+                    shim,
+                    dev: 0,
+                    ctx: 1,
+                };
+                let made = || {
+                    placed.send(()).unwrap();
+                    Some((BASE + MIB, 8 * MIB))
+                };
+                allocate(&table, site, MIB, MADE, made, UNDONE)
+            });
+            wait.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+            let small = allocate_at(&table, shim, 4096, (BASE + 9 * MIB, 4096));
+            assert_eq!(small, CUDA_SUCCESS);
+            assert_eq!(big.join().unwrap(), CUDA_ERROR_OUT_OF_MEMORY);
+        });
+        assert_eq!(
+            shim.own_charges(0),
+            4 * MIB,
+            "2 held and the small one's chunk"
+        );
+        assert_eq!(
+            free(&table, || Some(shim), BASE + 9 * MIB, MADE),
+            CUDA_SUCCESS
+        );
+        assert_eq!(shim.own_charges(0), 2 * MIB);
+    }
+
+    /// A free fails while another thread allocates in a chunk the freed
+    /// allocation was the last in: the chunk is then charged to the other
+    /// allocation, and the failed free's record, put back, must not be
+    /// charged for it a second time.
+    #[test]
+    fn a_failed_free_does_not_charge_twice_a_chunk_another_entered() {
+        let (table, shim) = (Allocations::new(), Shim::for_test(1 << 30));
+        // 2 MiB at 1 MiB: the chunks at 0 and 2 MiB, shared.
+        assert_eq!(
+            allocate_at(&table, shim, 2 * MIB, (BASE + MIB, 2 * MIB)),
+            CUDA_SUCCESS
+        );
+        assert_eq!(shim.own_charges(0), 4 * MIB);
+        let failed = free(
+            &table,
+            || Some(shim),
+            BASE + MIB,
+            || {
+                // Meanwhile, 4 KiB in the chunk at 2 MiB.
+                assert_eq!(
+                    allocate_at(&table, shim, 4096, (BASE + 3 * MIB, 4096)),
+                    CUDA_SUCCESS
+                );
+                700 // CUDA_ERROR_ILLEGAL_ADDRESS: sticky, every free fails
+            },
+        );
+        assert_eq!(failed, 700);
+        assert_eq!(shim.own_charges(0), 4 * MIB, "both live, in two chunks");
+        assert_eq!(
+            free(&table, || Some(shim), BASE + 3 * MIB, MADE),
+            CUDA_SUCCESS
+        );
+        assert_eq!(free(&table, || Some(shim), BASE + MIB, MADE), CUDA_SUCCESS);
+        assert_eq!(shim.own_charges(0), 0);
+    }
+
+    /// An allocation at the address of one freed unseen (with its context)
+    /// gives back what the old one held.
+    #[test]
+    fn an_allocation_at_a_reused_address_gives_back_the_stale_charge() {
+        let (table, shim) = (Allocations::new(), Shim::for_test(1 << 30));
+        assert_eq!(
+            allocate_at(&table, shim, 64 * MIB, (BASE, 64 * MIB)),
+            CUDA_SUCCESS
+        );
+        assert_eq!(
+            allocate_at(&table, shim, 2 * MIB, (BASE, 2 * MIB)),
+            CUDA_SUCCESS
+        );
+        assert_eq!(shim.own_charges(0), 2 * MIB);
+    }
+
+    /// A child forked while another thread of a process without an
+    /// accounting file holds a shard lock in cuMemFree's logic passes its
+    /// calls through instead of waiting for that lock forever. Run in a
+    /// process of its own: any other test engages the shim's fork guard.
+    #[test]
+    fn a_child_forked_while_a_free_holds_a_shard_lock_passes_through() {
+        let exe = std::env::current_exe().unwrap();
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "--include-ignored", "--nocapture"])
+            .arg("cuda::tests::forks_while_a_free_holds_a_shard_lock")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains("1 passed"), "{text}");
+    }
+
+    #[test]
+    #[ignore = "run in a process of its own by a_child_forked_while_a_free_holds_a_shard_lock_passes_through"]
+    fn forks_while_a_free_holds_a_shard_lock() {
+        let table = Allocations::new();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let free_unseen = || guarded(MADE, || free(&table, || None, BASE, MADE));
+        let hung = std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    free_unseen();
+                }
+            });
+            std::thread::sleep(Duration::from_millis(5));
+            let hung = (0..100)
+                .filter(|_| {
+                    // SAFETY: the child runs the hook's logic under an
+                    // alarm and leaves with _exit.
+                    let child = unsafe { libc::fork() };
+                    if child == 0 {
+                        // SAFETY: as above.
+                        unsafe { libc::alarm(2) };
+                        free_unseen();
+                        // SAFETY: as above.
+                        unsafe { libc::_exit(0) };
+                    }
+                    let mut status = 0;
+                    // SAFETY: waits for our own child.
+                    unsafe { libc::waitpid(child, &mut status, 0) };
+                    libc::WIFSIGNALED(status)
+                })
+                .count();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            hung
+        });
+        assert_eq!(hung, 0, "children stuck on a lock the parent held at fork");
+    }
 }

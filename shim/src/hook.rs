@@ -3,15 +3,68 @@
 //! on re-entry or panic (`guarded`, and `answered` for logic that only
 //! reads the real answer); and the real functions (`real!`, their slots).
 
-use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::log;
 
-thread_local! {
-    static INSIDE: Cell<bool> = const { Cell::new(false) };
+/// Whether this thread is inside a hook: one byte of initial-exec TLS.
+/// The shim is loaded at start-up (LD_PRELOAD, /etc/ld.so.preload), so the
+/// byte sits in the static TLS block at an offset fixed at load, two
+/// instructions away. `thread_local!` in a shared library costs a call to
+/// `__tls_get_addr` per access instead, and glibc before 2.34 takes that
+/// call's slow path every time in a thread that was running when a library
+/// with TLS was dlopen'ed (BZ #19924): the main thread of every CUDA program
+/// once it loads the driver. Measured under glibc 2.31: +35 ns per
+/// alloc+free pair (docs/BENCHMARKS.md).
+#[cfg(target_arch = "x86_64")]
+mod inside {
+    std::arch::global_asm!(
+        ".pushsection .tbss.gpumem_shim_inside,\"awT\",@nobits",
+        ".globl gpumem_shim_inside",
+        ".hidden gpumem_shim_inside",
+        ".type gpumem_shim_inside, @object",
+        ".size gpumem_shim_inside, 1",
+        "gpumem_shim_inside:",
+        ".zero 1",
+        ".popsection",
+    );
+
+    /// Sets this thread's flag to `value`; returns what it was.
+    #[inline(always)]
+    pub fn replace(value: bool) -> bool {
+        let old: u32;
+        // SAFETY: reads and writes this thread's own byte in the shim's
+        // static TLS block, at the thread-pointer offset the loader wrote
+        // into the GOT (the initial-exec model of the x86-64 TLS ABI).
+        unsafe {
+            std::arch::asm!(
+                "mov {offset}, qword ptr [rip + gpumem_shim_inside@GOTTPOFF]",
+                "movzx {old:e}, byte ptr fs:[{offset}]",
+                "mov byte ptr fs:[{offset}], {new}",
+                offset = out(reg) _,
+                old = out(reg) old,
+                new = in(reg_byte) u8::from(value),
+                options(nostack, preserves_flags),
+            );
+        }
+        old != 0
+    }
+}
+
+/// Elsewhere, std's thread-local.
+#[cfg(not(target_arch = "x86_64"))]
+mod inside {
+    use std::cell::Cell;
+
+    thread_local! {
+        static INSIDE: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub fn replace(value: bool) -> bool {
+        INSIDE.with(|inside| inside.replace(value))
+    }
 }
 
 /// Runs `logic` unless this thread is already inside a hook, or this is a
@@ -22,25 +75,21 @@ pub fn guarded<R>(real: impl FnOnce() -> R, logic: impl FnOnce() -> R) -> R {
     if crate::fork::passing_through() {
         return real();
     }
-    // One thread-local lookup per call (each costs a `__tls_get_addr` in a
-    // shared library): the flag is read, set and cleared through it.
-    INSIDE.with(|inside| {
-        if inside.replace(true) {
-            return real();
+    if inside::replace(true) {
+        return real();
+    }
+    let outcome = catch_unwind(AssertUnwindSafe(logic));
+    inside::replace(false);
+    match outcome {
+        Ok(result) => result,
+        Err(_) => {
+            log::warn_once(
+                &log::PANICKED,
+                "internal error in a hook; passing calls through",
+            );
+            real()
         }
-        let outcome = catch_unwind(AssertUnwindSafe(logic));
-        inside.set(false);
-        match outcome {
-            Ok(result) => result,
-            Err(_) => {
-                log::warn_once(
-                    &log::PANICKED,
-                    "internal error in a hook; passing calls through",
-                );
-                real()
-            }
-        }
-    })
+    }
 }
 
 /// Address of the real function behind one hook, filled by whichever path

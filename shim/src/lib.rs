@@ -6,8 +6,9 @@
 //! driver function), and the hooked functions themselves for programs linked
 //! directly. Hooks charge a shared per-container accounting file
 //! (`gpumem-layout`) and refuse with `CUDA_ERROR_OUT_OF_MEMORY` past the cap.
-//! Nothing runs at load time: a process that never touches CUDA or NVML
-//! pays nothing. All of the project's `unsafe` lives in this crate.
+//! At load time the shim only registers its fork handler: a process that
+//! never touches CUDA or NVML pays nothing more. All of the project's
+//! `unsafe` lives in this crate.
 
 // Unit tests do not export the entry points, so nothing calls most of
 // the hook modules there.
@@ -28,6 +29,7 @@ mod ops;
 #[cfg_attr(test, allow(dead_code))]
 mod pool;
 mod procaddr;
+mod ptrmap;
 mod region;
 mod sigbus;
 mod spin;

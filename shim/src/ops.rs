@@ -10,7 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use gpumem_layout::{self as layout, MAX_DEVICES};
 
 use crate::log;
-use crate::region::{self, Region};
+use crate::region::{self, Reaper, Region};
 
 /// Why a call is refused without asking the driver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,18 +19,14 @@ pub enum Refusal {
 }
 
 const NO_SLOT: usize = usize::MAX;
-/// The file was full: count this process in `OVERFLOW` instead.
+/// The file was full: count this process in `Shim::overflow` instead.
 const PRIVATE_SLOT: usize = usize::MAX - 1;
 
-/// This process's slot; reset in a forked child, which must claim its own.
-static SLOT: AtomicUsize = AtomicUsize::new(NO_SLOT);
-static CLAIM: Mutex<()> = Mutex::new(());
-static OVERFLOW: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static FULL: AtomicBool = AtomicBool::new(false);
 static MISSING: AtomicBool = AtomicBool::new(false);
-/// Set while a thread opens the file: a child forked then must not wait
-/// for an opening that will never finish there.
-static OPENING: AtomicBool = AtomicBool::new(false);
+/// Threads opening the file or waiting for it to open: a child forked then
+/// must not wait for an opening that will never finish there.
+static OPENING: AtomicUsize = AtomicUsize::new(0);
 
 /// Pauses between the retries of a charge that lost a race near the cap:
 /// together (about 5 ms) long enough for a racer that will back out to do
@@ -41,6 +37,12 @@ const RETRY_PAUSES_US: [u64; 10] = [0, 0, 20, 50, 100, 200, 400, 800, 1600, 2000
 /// A process's view of its container's accounting file.
 pub struct Shim {
     region: Region,
+    /// This process's slot; reset in a forked child, which must claim its own.
+    slot: AtomicUsize,
+    /// One claim at a time.
+    claim: Mutex<()>,
+    /// This process's charges when every slot was taken.
+    overflow: [AtomicU64; MAX_DEVICES],
 }
 
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
@@ -48,11 +50,19 @@ static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
 /// The shim's state, opened on first use. `None` means pass-through: the
 /// reason was written to stderr once.
 pub fn shim() -> Option<&'static Shim> {
-    crate::fork::watch();
     if crate::sigbus::broken() {
         return None;
     }
-    SHIM.get_or_init(open).as_ref()
+    if let Some(opened) = SHIM.get() {
+        return opened.as_ref();
+    }
+    // Counted from before the first thread starts the opening until after
+    // the last waiter sees it done: a child forked in between finds the
+    // opening unfinished, forever, and passes calls through.
+    OPENING.fetch_add(1, SeqCst);
+    let opened = SHIM.get_or_init(open);
+    OPENING.fetch_sub(1, SeqCst);
+    opened.as_ref()
 }
 
 /// The shim's state for a CUDA call, which may take the shim's locks.
@@ -64,23 +74,22 @@ pub fn cuda_shim() -> Option<&'static Shim> {
 
 /// Whether a thread is opening the file right now.
 pub fn opening() -> bool {
-    OPENING.load(SeqCst)
+    OPENING.load(SeqCst) > 0
 }
 
 fn open() -> Option<Shim> {
-    OPENING.store(true, SeqCst);
     let dir = std::env::var_os("GPUMEM_STATE_DIR")
         .filter(|d| !d.is_empty())
         .map_or_else(|| PathBuf::from(layout::CONTAINER_DIR), PathBuf::from);
     let path = dir.join(layout::FILE_NAME);
-    let opened = match Region::open(&path) {
+    match Region::open(&path) {
         Ok(region) => {
             log::info(&format!(
                 "capping {} device(s) from {}",
                 region.devices().len(),
                 path.display()
             ));
-            Some(Shim { region })
+            Some(Shim::over(region))
         }
         Err(err) => {
             log::warn_once(
@@ -92,21 +101,52 @@ fn open() -> Option<Shim> {
             );
             None
         }
-    };
-    OPENING.store(false, SeqCst);
-    opened
+    }
 }
 
 /// Forgets this process's slot and charges: called in a forked child, whose
 /// record locks were not inherited and whose CUDA state is unusable.
 pub fn forget_after_fork() {
-    SLOT.store(NO_SLOT, SeqCst);
-    for counter in &OVERFLOW {
-        counter.store(0, SeqCst);
+    if let Some(Some(shim)) = SHIM.get() {
+        shim.slot.store(NO_SLOT, SeqCst);
+        for counter in &shim.overflow {
+            counter.store(0, SeqCst);
+        }
     }
 }
 
 impl Shim {
+    fn over(region: Region) -> Shim {
+        Shim {
+            region,
+            slot: AtomicUsize::new(NO_SLOT),
+            claim: Mutex::new(()),
+            overflow: [const { AtomicU64::new(0) }; MAX_DEVICES],
+        }
+    }
+
+    /// A shim over a new accounting file of one device capped at `cap`,
+    /// apart from the process's own: for tests of the accounting logic.
+    #[cfg(test)]
+    pub fn for_test(cap: u64) -> &'static Shim {
+        static FILES: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "gpumem-shim-test-{}-{}",
+            std::process::id(),
+            FILES.fetch_add(1, SeqCst)
+        ));
+        let device = layout::DeviceSpec {
+            uuid: [7; 16],
+            cap_bytes: cap,
+            context_charge_bytes: 0,
+        };
+        std::fs::write(&path, layout::encode(&[device], 8)).expect("a temporary file");
+        let region = Region::open(&path).expect("the file just written");
+        // The mapping and descriptor stay; the name can go.
+        let _ = std::fs::remove_file(&path);
+        Box::leak(Box::new(Shim::over(region)))
+    }
+
     /// Position of a device in the file, by its 16-byte UUID.
     pub fn device_of(&self, uuid: &[u8; 16]) -> Option<usize> {
         self.region.devices().iter().position(|d| &d.uuid == uuid)
@@ -127,9 +167,9 @@ impl Shim {
 
     /// This process's counter for `dev`, if it has a slot.
     fn own_counter(&self, dev: usize) -> Option<&AtomicU64> {
-        match SLOT.load(SeqCst) {
+        match self.slot.load(SeqCst) {
             NO_SLOT => None,
-            PRIVATE_SLOT => Some(&OVERFLOW[dev]),
+            PRIVATE_SLOT => Some(&self.overflow[dev]),
             index => Some(self.region.file().used_counter(index, dev)),
         }
     }
@@ -153,14 +193,14 @@ impl Shim {
 
     #[cold]
     fn register(&self, dev: usize) -> &AtomicU64 {
-        let _one_at_a_time = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
-        let mut slot = SLOT.load(SeqCst);
+        let _one_at_a_time = crate::fork::lock(&self.claim);
+        let mut slot = self.slot.load(SeqCst);
         if slot == NO_SLOT {
             let pid = std::process::id();
             let start = region::start_time_of(pid).unwrap_or(0);
             // Slots an earlier image of this process left before an exec
             // go first: they carry this pid and start time.
-            self.region.reap(None);
+            self.region.reap(Reaper::Claiming);
             slot = self.region.claim(pid, start).unwrap_or_else(|| {
                 log::warn_once(
                     &FULL,
@@ -171,18 +211,18 @@ impl Shim {
                 );
                 PRIVATE_SLOT
             });
-            SLOT.store(slot, SeqCst);
+            self.slot.store(slot, SeqCst);
         }
         match slot {
-            PRIVATE_SLOT => &OVERFLOW[dev],
+            PRIVATE_SLOT => &self.overflow[dev],
             index => self.region.file().used_counter(index, dev),
         }
     }
 
     /// Bytes in use on `dev` by the whole container.
     pub fn used(&self, dev: usize) -> u64 {
-        let private = if SLOT.load(SeqCst) == PRIVATE_SLOT {
-            OVERFLOW[dev].load(SeqCst)
+        let private = if self.slot.load(SeqCst) == PRIVATE_SLOT {
+            self.overflow[dev].load(SeqCst)
         } else {
             0
         };
@@ -253,8 +293,7 @@ impl Shim {
     /// Frees the slots of dead processes (not on the allocation fast path:
     /// at registration, on a refusal, and before reporting usage).
     fn reap(&self) {
-        let own = Some(SLOT.load(SeqCst)).filter(|&s| s < self.region.file().slot_count());
-        self.region.reap(own);
+        self.region.reap(Reaper::Running);
     }
 
     /// Gives back bytes charged earlier; never wraps below zero.
@@ -275,6 +314,19 @@ impl Shim {
                 Ok(())
             }
             std::cmp::Ordering::Equal => Ok(()),
+        }
+    }
+
+    /// Moves a charge of `charged` bytes to `actual` without asking the
+    /// cap: for memory the driver holds already, which a refusal would not
+    /// give back.
+    pub fn settle_held(&self, dev: usize, charged: u64, actual: u64) {
+        match actual.cmp(&charged) {
+            std::cmp::Ordering::Greater => {
+                self.counter(dev).fetch_add(actual - charged, SeqCst);
+            }
+            std::cmp::Ordering::Less => self.uncharge(dev, charged - actual),
+            std::cmp::Ordering::Equal => {}
         }
     }
 

@@ -26,7 +26,7 @@ enum Location {
 static POOLS: Mutex<BTreeMap<usize, Location>> = Mutex::new(BTreeMap::new());
 
 fn pools() -> MutexGuard<'static, BTreeMap<usize, Location>> {
-    POOLS.lock().unwrap_or_else(|e| e.into_inner())
+    crate::fork::lock(&POOLS)
 }
 
 fn remember(pool: CUmemoryPool, location: Location) {

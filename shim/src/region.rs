@@ -29,6 +29,19 @@ impl std::fmt::Display for RegionError {
     }
 }
 
+/// Who reaps, which decides whether a slot with this process's pid may go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reaper {
+    /// The thread claiming this process's slot, under the claim lock and
+    /// with no slot yet: a slot with this pid is an earlier image's, left
+    /// before an exec.
+    Claiming,
+    /// Anyone else: a slot with this pid is this image's, the one it holds
+    /// or the one another of its threads has just claimed and not yet
+    /// recorded, and must not be freed under it.
+    Running,
+}
+
 /// A mapping that lives until the process exits: the file descriptor is
 /// never closed, because closing any descriptor of the file would drop this
 /// process's record locks and make its slot look dead.
@@ -182,9 +195,14 @@ impl Region {
     /// Frees the slots of processes that died without cleaning up (SIGKILL,
     /// OOM kill) or exec'd (the descriptor is close-on-exec, so the lock
     /// went, but the pid lives on). Returns how many were reaped.
-    pub fn reap(&self, own: Option<usize>) -> usize {
-        self.file.reap(own, |index, owner| {
-            matches!(self.holder(index), Holder::Gone) && self.abandoned(owner)
+    pub fn reap(&self, by: Reaper) -> usize {
+        let me = u64::from(std::process::id());
+        self.file.reap(None, |index, owner| {
+            // F_GETLK never reports the caller's own locks: only a claimer,
+            // which has no slot yet, can tell this pid's slot is not its own.
+            (owner.pid != me || by == Reaper::Claiming)
+                && matches!(self.holder(index), Holder::Gone)
+                && self.abandoned(owner)
         })
     }
 
@@ -200,8 +218,7 @@ impl Region {
         if owner.start_time == 0 || start_time_of(pid) != Some(owner.start_time) {
             return true;
         }
-        // Ours, but not this image's slot (the caller skips that one): an
-        // image before an exec.
+        // Ours, and the claimer is asking: an image before an exec.
         if pid == std::process::id() {
             return true;
         }
@@ -214,7 +231,7 @@ impl Region {
     pub fn lock_charges(&self) -> ChargeLock<'_> {
         static LOCAL: Mutex<()> = Mutex::new(());
         const PATIENCE: Duration = Duration::from_millis(50);
-        let local = LOCAL.lock().unwrap_or_else(|e| e.into_inner());
+        let local = crate::fork::lock(&LOCAL);
         let offset = protocol::charge_lock_offset(self.file.geometry());
         let deadline = Instant::now() + PATIENCE;
         let locked = loop {
@@ -328,4 +345,38 @@ fn maps_file(pid: u32, (device, inode): (u64, u64)) -> Option<bool> {
 pub fn start_time_of(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     layout::protocol::start_time_in_stat(&stat)
+}
+
+#[cfg(test)]
+mod tests {
+    use gpumem_layout::state;
+
+    use super::*;
+
+    /// A slot this process has claimed but not yet recorded as its own
+    /// looks dead to it (F_GETLK never reports the caller's own locks): a
+    /// running process's reap must leave it, only a claimer may free it.
+    #[test]
+    fn only_the_claimer_reaps_a_slot_of_this_pid() {
+        let path = std::env::temp_dir().join(format!("gpumem-region-test-{}", std::process::id()));
+        let device = DeviceSpec {
+            uuid: [7; 16],
+            cap_bytes: 1 << 30,
+            context_charge_bytes: 0,
+        };
+        std::fs::write(&path, layout::encode(&[device], 8)).unwrap();
+        let region = Region::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let me = std::process::id();
+        let slot = region.claim(me, start_time_of(me).unwrap()).unwrap();
+        region
+            .file()
+            .used_counter(slot, 0)
+            .store(1 << 20, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(region.reap(Reaper::Running), 0);
+        assert_eq!(region.file().state(slot).state(), state::ALIVE);
+        // An image before an exec left it: the next claimer frees it.
+        assert_eq!(region.reap(Reaper::Claiming), 1);
+        assert_eq!(region.file().state(slot).state(), state::FREE);
+    }
 }

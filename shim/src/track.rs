@@ -6,16 +6,14 @@
 //! nothing). Charging chunks, not requested bytes, makes a container pay
 //! what the driver takes. Sharded by chunk so threads rarely contend.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
+use crate::ptrmap::PtrMap;
 use crate::spin::{SpinGuard, SpinLock};
 
 pub const CHUNK: u64 = 2 << 20;
 
 /// One live allocation: where, how big, on which capped device and in
 /// which context (destroying the context frees it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Allocation {
     pub dev: usize,
     pub ctx: usize,
@@ -23,35 +21,34 @@ pub struct Allocation {
     pub size: u64,
 }
 
-/// The chunks an allocation covers: whole ones are its alone, partial ones
-/// (at most the first and the last) may be shared.
+/// The chunks an allocation covers, `first..=last`: the first and the last
+/// may be partly someone else's (`head`, `tail`: shared), every other is
+/// wholly its own.
+#[derive(Clone, Copy)]
 struct Span {
-    whole: u64,
-    partial: [Option<u64>; 2],
+    first: u64,
+    last: u64,
+    head: bool,
+    tail: bool,
+}
+
+impl Span {
+    /// The bytes of the chunks wholly this allocation's.
+    fn whole(&self) -> u64 {
+        let shared = u64::from(self.head) + u64::from(self.tail);
+        (self.last - self.first + 1 - shared).saturating_mul(CHUNK)
+    }
 }
 
 impl Allocation {
-    fn first_chunk(&self) -> u64 {
-        self.ptr / CHUNK
-    }
-
     fn span(&self) -> Span {
-        let (start, end) = (self.ptr, self.ptr.saturating_add(self.size.max(1)));
-        let (first, last) = (start / CHUNK, (end - 1) / CHUNK);
-        let first_whole = start % CHUNK == 0 && end >= (first + 1) * CHUNK;
-        let last_whole = end % CHUNK == 0;
-        let partial = if first == last {
-            [(!first_whole).then_some(first), None]
-        } else {
-            [
-                (!first_whole).then_some(first),
-                (!last_whole).then_some(last),
-            ]
-        };
-        let shared = partial.iter().flatten().count() as u64;
+        let end = self.ptr.saturating_add(self.size.max(1));
+        let (first, last) = (self.ptr / CHUNK, (end - 1) / CHUNK);
         Span {
-            whole: (last - first + 1 - shared) * CHUNK,
-            partial,
+            first,
+            last,
+            head: !self.ptr.is_multiple_of(CHUNK) || end - self.ptr < CHUNK,
+            tail: last != first && !end.is_multiple_of(CHUNK),
         }
     }
 }
@@ -62,65 +59,47 @@ pub fn upper_bound(size: u64) -> u64 {
     size.div_ceil(CHUNK).saturating_mul(CHUNK)
 }
 
-/// Device addresses are spread already: a multiply is hash enough, and
-/// needs no random state, so the maps can be built in a `const`.
-#[derive(Default)]
-struct AddressHasher(u64);
-
-impl Hasher for AddressHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u64(&mut self, key: u64) {
-        self.0 = (key ^ (key >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
 struct Shard {
-    /// By pointer, in the shard of the allocation's first chunk. A hash map
+    /// By pointer, in the shard of the allocation's first chunk. The map
     /// keeps its room when emptied, so a steady alloc/free loop does not
     /// allocate (a B-tree would, for every first entry of a shard).
-    records: HashMap<u64, Allocation, BuildHasherDefault<AddressHasher>>,
-    /// Live allocations per partly used chunk, in the chunk's shard: a few
-    /// per shard at most (chunks being filled by small allocations), so a
-    /// short list, which keeps its room and never allocates once warm.
-    occupancy: Vec<(u64, u32)>,
+    records: PtrMap<Allocation>,
+    /// Live allocations per partly used chunk, in the chunk's shard.
+    occupancy: PtrMap<u32>,
 }
 
 impl Shard {
     /// One more user of `chunk`; whether it is the first.
     fn enter(&mut self, chunk: u64) -> bool {
-        match self.occupancy.iter_mut().find(|(c, _)| *c == chunk) {
-            Some((_, users)) => {
-                *users += 1;
-                false
-            }
-            None => {
-                self.occupancy.push((chunk, 1));
-                true
-            }
-        }
+        let users = self.occupancy.upsert(chunk);
+        *users += 1;
+        *users == 1
     }
 
     /// One user fewer of `chunk`; whether it was the last.
     fn leave(&mut self, chunk: u64) -> bool {
-        let Some(at) = self.occupancy.iter().position(|(c, _)| *c == chunk) else {
-            return false;
-        };
-        let users = &mut self.occupancy[at].1;
-        *users -= 1;
-        if *users > 0 {
-            return false;
-        }
-        self.occupancy.swap_remove(at);
-        true
+        let keep = self.occupancy.update(chunk, |users| {
+            *users -= 1;
+            *users > 0
+        });
+        keep == Some(false)
+    }
+}
+
+/// What `Allocations::insert` did.
+pub struct Inserted {
+    /// The bytes the new allocation took.
+    pub taken: u64,
+    /// A record that was at the same address, and the bytes it gave back.
+    pub stale: Option<(Allocation, u64)>,
+}
+
+/// A chunk's bytes if `entered_or_left`, else none.
+fn bytes_if(entered_or_left: bool) -> u64 {
+    if entered_or_left {
+        CHUNK
+    } else {
+        0
     }
 }
 
@@ -139,49 +118,50 @@ impl Allocations {
         Allocations {
             shards: [const {
                 SpinLock::new(Shard {
-                    records: HashMap::with_hasher(BuildHasherDefault::new()),
-                    occupancy: Vec::new(),
+                    records: PtrMap::new(),
+                    occupancy: PtrMap::new(),
                 })
             }; SHARDS],
         }
     }
 
-    fn lock(&self, shard: usize) -> SpinGuard<'_, Shard> {
-        self.shards[shard].lock()
+    fn lock(&self, chunk: u64) -> SpinGuard<'_, Shard> {
+        crate::fork::engage();
+        self.shards[shard_of(chunk)].lock()
     }
 
-    /// Runs `each` on the shard of every partial chunk of `allocation`,
-    /// reusing `home` (the locked shard of its first chunk) where it can:
-    /// a small allocation takes one lock.
-    fn partials(
-        &self,
-        span: &Span,
-        first: u64,
-        home: &mut SpinGuard<'_, Shard>,
-        mut each: impl FnMut(&mut Shard, u64),
-    ) {
-        for chunk in span.partial.into_iter().flatten() {
-            if shard_of(chunk) == shard_of(first) {
-                each(home, chunk);
-            } else {
-                each(&mut self.lock(shard_of(chunk)), chunk);
-            }
-        }
+    /// Runs `change` on the last chunk if it is shared, returning CHUNK if
+    /// that made it the chunk's first or last user. The caller holds no
+    /// other shard: one lock at a time, so two threads whose allocations
+    /// straddle the same two shards in opposite order cannot deadlock.
+    fn tail(&self, span: Span, change: fn(&mut Shard, u64) -> bool) -> u64 {
+        bytes_if(span.tail && change(&mut self.lock(span.last), span.last))
     }
 
-    /// Records a new allocation; returns the bytes it newly takes: its whole
-    /// chunks, and each partial chunk no other live allocation was using.
-    pub fn insert(&self, allocation: Allocation) -> u64 {
-        let (span, first) = (allocation.span(), allocation.first_chunk());
-        let mut home = self.lock(shard_of(first));
-        home.records.insert(allocation.ptr, allocation);
-        let mut taken = span.whole;
-        self.partials(&span, first, &mut home, |shard, chunk| {
-            if shard.enter(chunk) {
-                taken += CHUNK;
-            }
+    /// Records a new allocation; returns the bytes it newly takes (its
+    /// whole chunks, and each partial chunk no other live allocation was
+    /// using), and the record it replaced, taken out as by `take`.
+    pub fn insert(&self, allocation: Allocation) -> Inserted {
+        let span = allocation.span();
+        let (head, replaced) = {
+            let mut home = self.lock(span.first);
+            // The same address: the same first chunk, and shard.
+            let replaced = home
+                .records
+                .insert(allocation.ptr, allocation)
+                .map(|old| (old, old.span(), old.span().head && home.leave(span.first)));
+            (span.head && home.enter(span.first), replaced)
+        };
+        let stale = replaced.map(|(old, old_span, head)| {
+            (
+                old,
+                old_span.whole() + bytes_if(head) + self.tail(old_span, Shard::leave),
+            )
         });
-        taken
+        Inserted {
+            taken: span.whole() + bytes_if(head) + self.tail(span, Shard::enter),
+            stale,
+        }
     }
 
     /// Takes the allocation at `ptr` out before it is freed, so an address
@@ -190,49 +170,32 @@ impl Allocations {
     /// partial chunk it is the last in). A chunk given up here that another
     /// allocation enters before the free completes is charged to that one.
     pub fn take(&self, ptr: u64) -> Option<(Allocation, u64)> {
-        let first = ptr / CHUNK;
-        let mut home = self.lock(shard_of(first));
-        let allocation = home.records.remove(&ptr)?;
-        let span = allocation.span();
-        let mut back = span.whole;
-        self.partials(&span, first, &mut home, |shard, chunk| {
-            if shard.leave(chunk) {
-                back += CHUNK;
-            }
-        });
+        let (allocation, span, head) = {
+            let mut home = self.lock(ptr / CHUNK);
+            let allocation = home.records.remove(ptr)?;
+            let span = allocation.span();
+            let head = span.head && home.leave(span.first);
+            (allocation, span, head)
+        };
+        let back = span.whole() + bytes_if(head) + self.tail(span, Shard::leave);
         Some((allocation, back))
-    }
-
-    /// Puts back an allocation whose free failed.
-    pub fn untake(&self, allocation: Allocation) {
-        let (span, first) = (allocation.span(), allocation.first_chunk());
-        let mut home = self.lock(shard_of(first));
-        home.records.insert(allocation.ptr, allocation);
-        self.partials(&span, first, &mut home, |shard, chunk| {
-            shard.enter(chunk);
-        });
     }
 
     /// Takes out every allocation of a destroyed context (the driver freed
     /// them with it), passing each and the bytes it gave back to `gone`.
     pub fn drain_context(&self, ctx: usize, mut gone: impl FnMut(&Allocation, u64)) {
         let mut dead = Vec::new();
-        for shard in 0..SHARDS {
-            self.lock(shard).records.retain(|_, a| {
-                if a.ctx == ctx {
-                    dead.push(*a);
-                }
-                a.ctx != ctx
-            });
+        crate::fork::engage();
+        for shard in &self.shards {
+            shard
+                .lock()
+                .records
+                .remove_where(|a| a.ctx == ctx, |a| dead.push(a));
         }
         for allocation in dead {
             let span = allocation.span();
-            let mut back = span.whole;
-            for chunk in span.partial.into_iter().flatten() {
-                if self.lock(shard_of(chunk)).leave(chunk) {
-                    back += CHUNK;
-                }
-            }
+            let head = span.head && self.lock(span.first).leave(span.first);
+            let back = span.whole() + bytes_if(head) + self.tail(span, Shard::leave);
             gone(&allocation, back);
         }
     }
@@ -258,11 +221,11 @@ mod tests {
     fn small_allocations_share_a_chunk_until_the_last_is_freed() {
         let t = Allocations::new();
         let (a, b) = (at(BASE, MIB), at(BASE + MIB, MIB));
-        assert_eq!(t.insert(a), 2 * MIB, "the first takes the chunk");
-        assert_eq!(t.insert(b), 0, "the second shares it");
+        assert_eq!(t.insert(a).taken, 2 * MIB, "the first takes the chunk");
+        assert_eq!(t.insert(b).taken, 0, "the second shares it");
         assert_eq!(t.take(a.ptr), Some((a, 0)), "still in use");
-        t.untake(a);
-        assert_eq!(t.take(a.ptr), Some((a, 0)), "a failed free changes nothing");
+        assert_eq!(t.insert(a).taken, 0, "a failed free puts it back");
+        assert_eq!(t.take(a.ptr), Some((a, 0)));
         assert_eq!(t.take(b.ptr), Some((b, 2 * MIB)));
         assert_eq!(t.take(b.ptr), None);
     }
@@ -272,13 +235,13 @@ mod tests {
         let t = Allocations::new();
         let big = at(BASE, 64 * MIB + 1);
         assert_eq!(upper_bound(big.size), 66 * MIB);
-        assert_eq!(t.insert(big), 66 * MIB);
+        assert_eq!(t.insert(big).taken, 66 * MIB);
         let tail = at(BASE + 64 * MIB + 4096, 4096);
-        assert_eq!(t.insert(tail), 0, "in the big one's last chunk");
+        assert_eq!(t.insert(tail).taken, 0, "in the big one's last chunk");
         assert_eq!(t.take(big.ptr), Some((big, 64 * MIB)));
         assert_eq!(t.take(tail.ptr), Some((tail, 2 * MIB)));
         let exact = at(BASE + 128 * MIB, 4 * MIB);
-        assert_eq!(t.insert(exact), 4 * MIB);
+        assert_eq!(t.insert(exact).taken, 4 * MIB);
         assert_eq!(t.take(exact.ptr), Some((exact, 4 * MIB)));
     }
 
@@ -286,8 +249,72 @@ mod tests {
     fn an_allocation_across_a_chunk_boundary_uses_both() {
         let t = Allocations::new();
         let across = at(BASE + MIB, 2 * MIB);
-        assert_eq!(t.insert(across), 4 * MIB);
+        assert_eq!(t.insert(across).taken, 4 * MIB);
         assert_eq!(t.take(across.ptr), Some((across, 4 * MIB)));
+    }
+
+    /// Two allocations, each over a chunk boundary and shared at both ends,
+    /// whose chunks fall in the same two shards in opposite order: taking
+    /// the second shard while holding the first would deadlock.
+    #[test]
+    fn threads_straddling_the_same_shards_in_opposite_order_never_deadlock() {
+        let t = Allocations::new();
+        let (a, b) = (at(MIB, 2 * MIB), at(64 * CHUNK + MIB, 2 * MIB));
+        assert_eq!(shard_of(a.ptr / CHUNK), shard_of(b.ptr / CHUNK + 1));
+        assert_eq!(shard_of(a.ptr / CHUNK + 1), shard_of(b.ptr / CHUNK));
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            for allocation in [a, b] {
+                let (t, done) = (&t, done.clone());
+                s.spawn(move || {
+                    for _ in 0..200_000 {
+                        assert_eq!(t.insert(allocation).taken, 4 * MIB);
+                        assert_eq!(t.take(allocation.ptr), Some((allocation, 4 * MIB)));
+                    }
+                    let _ = done.send(());
+                });
+            }
+            for _ in 0..2 {
+                if finished
+                    .recv_timeout(std::time::Duration::from_secs(60))
+                    .is_err()
+                {
+                    eprintln!("deadlocked: two threads wait for each other's shard");
+                    std::process::abort();
+                }
+            }
+        });
+    }
+
+    /// The driver freed an allocation with its context and handed its
+    /// address to another context's before the first context's records
+    /// were dropped: the new record replaces the old one, which gives back
+    /// what it held.
+    #[test]
+    fn a_record_at_a_reused_address_is_taken_out() {
+        let t = Allocations::new();
+        let old = at(BASE, 64 * MIB);
+        let new = Allocation {
+            ctx: 2,
+            size: 2 * MIB,
+            ..old
+        };
+        assert_eq!(t.insert(old).taken, 64 * MIB);
+        let inserted = t.insert(new);
+        assert_eq!(
+            (inserted.taken, inserted.stale),
+            (2 * MIB, Some((old, 64 * MIB)))
+        );
+        t.drain_context(1, |a, _| panic!("{a:?} was taken out already"));
+        assert_eq!(t.take(new.ptr), Some((new, 2 * MIB)));
+        // A small one over a reused address: the shared chunk changes hands.
+        let (small, again) = (at(BASE + 4096, 4096), at(BASE + 4096, 8192));
+        assert_eq!(t.insert(small).taken, 2 * MIB);
+        let inserted = t.insert(again);
+        assert_eq!(
+            (inserted.taken, inserted.stale),
+            (2 * MIB, Some((small, 2 * MIB)))
+        );
     }
 
     #[test]

@@ -48,7 +48,7 @@ static VMM: Mutex<Vmm> = Mutex::new(Vmm {
 });
 
 fn vmm() -> MutexGuard<'static, Vmm> {
-    VMM.lock().unwrap_or_else(|e| e.into_inner())
+    crate::fork::lock(&VMM)
 }
 
 /// Gives back memory that is gone from the device.

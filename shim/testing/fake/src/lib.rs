@@ -82,6 +82,9 @@ struct Config {
     context: u64,
     nvml_used: u64,
     nvml_reserved: u64,
+    /// `FAKEGPU_PITCH_VIA_EXPORT`: `cuMemAllocPitch_v2` allocates through
+    /// the process's `cuMemAlloc_v2` symbol (memory.rs).
+    pitch_via_export: bool,
 }
 
 fn env_mib(name: &str, default: u64) -> u64 {
@@ -105,6 +108,7 @@ fn config() -> &'static Config {
         context: env_mib("FAKEGPU_CONTEXT_MIB", 300),
         nvml_used: env_mib("FAKEGPU_NVML_USED_MIB", 300),
         nvml_reserved: env_mib("FAKEGPU_NVML_RESERVED_MIB", 200),
+        pitch_via_export: std::env::var_os("FAKEGPU_PITCH_VIA_EXPORT").is_some(),
     })
 }
 

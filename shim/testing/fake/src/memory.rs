@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use crate::context::{self, Context};
 use crate::node::{self, MAX_DEVICES};
 use crate::{
-    config, out, pool, CUdeviceptr, CUresult, INVALID_CONTEXT, INVALID_VALUE, PAGE, SUCCESS,
+    config, out, pool, CUdeviceptr, CUresult, INVALID_CONTEXT, INVALID_VALUE, NOT_FOUND, PAGE,
+    SUCCESS,
 };
 
 /// Small allocations are rounded up to this.
@@ -317,6 +318,23 @@ pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, size: c_uint) -> CUresult
     r
 }
 
+/// An allocation made through whatever the process's `cuMemAlloc_v2`
+/// symbol resolves to (the shim's hook when it is preloaded), as a driver
+/// whose exports call one another through the dynamic symbol table would:
+/// the shim, already inside a hook, must not charge it a second time.
+fn alloc_via_export(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    type AllocFn = unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult;
+    // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the global scope.
+    let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cuMemAlloc_v2".as_ptr()) };
+    if found.is_null() {
+        return NOT_FOUND;
+    }
+    // SAFETY: every `cuMemAlloc_v2` (ours, or a hook of it) has this ABI.
+    let alloc: AllocFn = unsafe { std::mem::transmute::<*mut c_void, AllocFn>(found) };
+    // SAFETY: the caller's out-parameter, passed on.
+    unsafe { alloc(dptr, size) }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocPitch_v2(
     dptr: *mut CUdeviceptr,
@@ -326,7 +344,11 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     _element: c_uint,
 ) -> CUresult {
     let p = width.next_multiple_of(512);
-    let r = alloc_current(dptr, p * height);
+    let r = if config().pitch_via_export {
+        alloc_via_export(dptr, p * height)
+    } else {
+        alloc_current(dptr, p * height)
+    };
     if r == SUCCESS {
         // SAFETY: `pitch` is the caller's out-parameter, which `cuMemAllocPitch` requires valid for
         // writes.

@@ -4,12 +4,23 @@
 use crate::cuda::{context, Api, MIB};
 use crate::fail;
 
-/// Per operation on each of `threads` threads running `n` pairs (then `n`
-/// queries) together, averaged over the threads: wall time (latency,
-/// including time spent waiting for a CPU or a lock) and the thread's CPU
-/// time (cost, including cache-line transfers; the fair measure when there
-/// are more threads than CPUs).
-pub fn bench(api: &Api, n: u64, threads: usize) -> [(f64, f64); 2] {
+/// Where the benchmark runs.
+#[derive(Clone, Copy)]
+pub enum Threads {
+    /// The main thread, which was running when the driver was loaded, as
+    /// in most programs: where glibc before 2.34 takes `__tls_get_addr`'s
+    /// slow path for a library's TLS (BZ #19924).
+    Main,
+    /// That many threads started after the driver was loaded, at once.
+    Spawned(usize),
+}
+
+/// Per operation on each thread running `n` pairs (then `n` queries)
+/// together, averaged over the threads: wall time (latency, including time
+/// spent waiting for a CPU or a lock) and the thread's CPU time (cost,
+/// including cache-line transfers; the fair measure when there are more
+/// threads than CPUs).
+pub fn bench(api: &Api, n: u64, threads: Threads) -> [(f64, f64); 2] {
     fn cpu_ns() -> f64 {
         let mut t = libc::timespec {
             tv_sec: 0,
@@ -20,6 +31,19 @@ pub fn bench(api: &Api, n: u64, threads: usize) -> [(f64, f64); 2] {
         t.tv_sec as f64 * 1e9 + t.tv_nsec as f64
     }
     let phase = |work: &(dyn Fn() + Sync)| {
+        let threads = match threads {
+            Threads::Main => {
+                context(api);
+                let (start, cpu) = (std::time::Instant::now(), cpu_ns());
+                work();
+                let per_op = n as f64;
+                return (
+                    start.elapsed().as_nanos() as f64 / per_op,
+                    (cpu_ns() - cpu) / per_op,
+                );
+            }
+            Threads::Spawned(threads) => threads,
+        };
         let ready = std::sync::Barrier::new(threads);
         let (wall, cpu) = std::thread::scope(|s| {
             let workers: Vec<_> = (0..threads)

@@ -412,14 +412,21 @@ unsafe fn cuda<'a>(
             }
             "bench" => {
                 // N pairs of cuMemAlloc(1 MiB) + cuMemFree, then N
-                // cuMemGetInfo, on each of T threads (default 1) at once.
+                // cuMemGetInfo, on each of T threads (default 1) at once,
+                // or on the main thread (`main`).
                 let n = num(next());
-                let threads = next().map_or(1, |t| num(Some(t))).max(1);
-                let [pair, info] = bench::bench(api, n, threads as usize);
+                let (threads, label) = match next() {
+                    Some("main") => (bench::Threads::Main, "main".to_owned()),
+                    t => {
+                        let t = t.map_or(1, |t| num(Some(t))).max(1);
+                        (bench::Threads::Spawned(t as usize), t.to_string())
+                    }
+                };
+                let [pair, info] = bench::bench(api, n, threads);
                 println!(
-                        "bench threads={threads} pair_ns={:.1} pair_cpu_ns={:.1} info_ns={:.1} info_cpu_ns={:.1}",
-                        pair.0, pair.1, info.0, info.1
-                    );
+                    "bench threads={label} pair_ns={:.1} pair_cpu_ns={:.1} info_ns={:.1} info_cpu_ns={:.1}",
+                    pair.0, pair.1, info.0, info.1
+                );
             }
             "stress" => {
                 let threads = num(next()) as usize;
