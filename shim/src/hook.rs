@@ -16,8 +16,9 @@ use crate::log;
 /// `__tls_get_addr` per access instead, and glibc before 2.34 takes that
 /// call's slow path every time in a thread that was running when a library
 /// with TLS was dlopen'ed (BZ #19924): the main thread of every CUDA program
-/// once it loads the driver. Measured under glibc 2.31: +35 ns per
-/// alloc+free pair (docs/BENCHMARKS.md).
+/// once it loads the driver. Measured under glibc 2.31 on the main thread:
+/// 8 ns per alloc+free pair less than `thread_local!`; the same elsewhere
+/// (docs/BENCHMARKS.md).
 #[cfg(target_arch = "x86_64")]
 mod inside {
     std::arch::global_asm!(

@@ -200,7 +200,7 @@ impl Shim {
             let start = region::start_time_of(pid).unwrap_or(0);
             // Slots an earlier image of this process left before an exec
             // go first: they carry this pid and start time.
-            self.region.reap(Reaper::Claiming);
+            self.region.reap(Reaper::Claiming, None);
             slot = self.region.claim(pid, start).unwrap_or_else(|| {
                 log::warn_once(
                     &FULL,
@@ -293,7 +293,8 @@ impl Shim {
     /// Frees the slots of dead processes (not on the allocation fast path:
     /// at registration, on a refusal, and before reporting usage).
     fn reap(&self) {
-        self.region.reap(Reaper::Running);
+        let own = Some(self.slot.load(SeqCst)).filter(|&s| s < self.region.file().slot_count());
+        self.region.reap(Reaper::Running, own);
     }
 
     /// Gives back bytes charged earlier; never wraps below zero.

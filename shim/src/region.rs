@@ -195,13 +195,14 @@ impl Region {
     /// Frees the slots of processes that died without cleaning up (SIGKILL,
     /// OOM kill) or exec'd (the descriptor is close-on-exec, so the lock
     /// went, but the pid lives on). Returns how many were reaped.
-    pub fn reap(&self, by: Reaper) -> usize {
-        let me = u64::from(std::process::id());
-        self.file.reap(None, |index, owner| {
+    /// `own` is the slot this process holds, skipped without a look.
+    pub fn reap(&self, by: Reaper, own: Option<usize>) -> usize {
+        self.file.reap(own, |index, owner| {
             // F_GETLK never reports the caller's own locks: only a claimer,
             // which has no slot yet, can tell this pid's slot is not its own.
-            (owner.pid != me || by == Reaper::Claiming)
-                && matches!(self.holder(index), Holder::Gone)
+            // (The pid is asked last: getpid is a system call.)
+            matches!(self.holder(index), Holder::Gone)
+                && (by == Reaper::Claiming || owner.pid != u64::from(std::process::id()))
                 && self.abandoned(owner)
         })
     }
@@ -373,10 +374,10 @@ mod tests {
             .file()
             .used_counter(slot, 0)
             .store(1 << 20, std::sync::atomic::Ordering::SeqCst);
-        assert_eq!(region.reap(Reaper::Running), 0);
+        assert_eq!(region.reap(Reaper::Running, None), 0);
         assert_eq!(region.file().state(slot).state(), state::ALIVE);
         // An image before an exec left it: the next claimer frees it.
-        assert_eq!(region.reap(Reaper::Claiming), 1);
+        assert_eq!(region.reap(Reaper::Claiming, None), 1);
         assert_eq!(region.file().state(slot).state(), state::FREE);
     }
 }
