@@ -50,9 +50,11 @@ probe_bench() {
 
 fake_bench() {
     # The same on the fake driver, where the driver's own cost is tens of
-    # nanoseconds, with this machine's 16 cores.
+    # nanoseconds, with this machine's 16 cores; also on the main thread,
+    # where most programs allocate. `ldd --version` says which glibc.
+    step ldd --version
     local threads round
-    for threads in 1 16; do
+    for threads in main 1 16; do
         for round in 1 2 3; do
             step env LD_LIBRARY_PATH="$bin/fake" "$bin/gpumem-probe" bench:200000:$threads
             step env LD_LIBRARY_PATH="$bin/fake" "$G" exec "$S" --mem 4308MiB --reconcile-secs 0 -- "$bin/gpumem-probe" bench:200000:$threads
