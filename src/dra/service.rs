@@ -423,7 +423,10 @@ async fn teardown(served: Vec<Served>, stop: &CancellationToken) -> Option<DraEr
 }
 
 /// Binds a fresh socket at `path`, replacing a stale one (a socket nobody
-/// serves, left by a process that died).
+/// serves, left by a process that died). The socket is bound and listening
+/// under a hidden name first, then renamed into place: kubelet's plugin
+/// watcher dials a socket the moment it appears and ignores names that
+/// start with a dot, so it never finds one that refuses connections.
 async fn bind(path: &Path) -> Result<(UnixListener, SocketId), DraError> {
     if UnixStream::connect(path).await.is_ok() {
         return Err(DraError::SocketInUse {
@@ -434,12 +437,23 @@ async fn bind(path: &Path) -> Result<(UnixListener, SocketId), DraError> {
         path: path.to_owned(),
         source,
     };
-    match std::fs::remove_file(path) {
-        Ok(()) => debug!(socket = %path.display(), "removed a stale socket"),
+    let name = path
+        .file_name()
+        .ok_or_else(|| bind_err(io::Error::other("a socket path names a file")))?;
+    let mut hidden = std::ffi::OsString::from(".");
+    hidden.push(name);
+    hidden.push(format!(".{}", std::process::id()));
+    let staging = path.with_file_name(hidden);
+    match std::fs::remove_file(&staging) {
+        Ok(()) => {}
         Err(err) if err.kind() == io::ErrorKind::NotFound => {}
         Err(err) => return Err(bind_err(err)),
     }
-    let listener = UnixListener::bind(path).map_err(bind_err)?;
+    let listener = UnixListener::bind(&staging).map_err(bind_err)?;
+    if let Err(err) = std::fs::rename(&staging, path) {
+        let _ = std::fs::remove_file(&staging);
+        return Err(bind_err(err));
+    }
     let id = SocketId::of(path)
         .ok_or_else(|| bind_err(io::Error::other("socket vanished right after bind")))?;
     Ok((listener, id))
@@ -808,6 +822,18 @@ mod tests {
             assert!(path.exists());
         }
         let driver = Driver::start_in(dir, sockets).await;
+        // Bound under hidden names, then renamed: none is left behind.
+        for dir in [
+            &driver.sockets.registry_dir,
+            driver.sockets.dra_socket().parent().unwrap(),
+        ] {
+            let hidden: Vec<_> = std::fs::read_dir(dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .filter(|name| name.to_string_lossy().starts_with('.'))
+                .collect();
+            assert!(hidden.is_empty(), "{hidden:?}");
+        }
         let kubelet = FakeDraKubelet::register(&driver.sockets.registration_socket(), KUBELET_1_34)
             .await
             .unwrap();
