@@ -15,7 +15,7 @@ use crate::cuda::{
     refused, written, CUcontext, CUdevice, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::dlsym::LIBCUDA;
-use crate::hook::{as_fn, guarded, real, Real};
+use crate::hook::{answered, as_fn, guarded, real, Real};
 use crate::ops::Shim;
 use crate::{array, cuda, devices, log, nvml};
 
@@ -67,10 +67,6 @@ fn create(
     handle: impl FnOnce() -> Option<usize>,
     undo: impl FnOnce() -> CUresult,
 ) -> CUresult {
-    // NVML is loaded before the lock, not under it: its dlopen takes the
-    // loader's lock, which a library constructor making a context on
-    // another thread would hold while it waited for ours.
-    nvml::load();
     let _one_at_a_time = crate::fork::lock(&CREATING);
     // A slot from the first context on, even with nothing charged: its
     // record lock is how the node daemon finds this process in NVML.
@@ -241,26 +237,12 @@ fn primary_gone(ordinal: CUdevice) {
     }
 }
 
-/// A context's end (destroy, primary release or reset) and its records'
-/// clean-up, under the creation lock: a creation measured meanwhile sees
-/// the device as the call leaves it (a primary context released under a
-/// retain would be made again uncharged), and a context made meanwhile
-/// cannot get the ending one's handle before its records are dropped.
-fn ending(call: impl FnOnce() -> CUresult, gone: impl FnOnce()) -> CUresult {
-    let _one_at_a_time = crate::fork::lock(&CREATING);
-    let result = call();
-    if result == CUDA_SUCCESS {
-        gone();
-    }
-    result
-}
-
 macro_rules! primary_end {
     ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dev: CUdevice) -> CUresult {
             real!(let call = $name(dev) else CUDA_ERROR_NOT_INITIALIZED);
-            guarded(call, || ending(call, || primary_gone(dev)))
+            answered(call, CUDA_SUCCESS, || primary_gone(dev))
         }
     };
 }
@@ -282,5 +264,5 @@ fn context_gone(ctx: CUcontext) {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     real!(let call = cuCtxDestroy_v2(ctx) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || ending(call, || context_gone(ctx)))
+    answered(call, CUDA_SUCCESS, || context_gone(ctx))
 }

@@ -178,11 +178,6 @@ fn queries() -> Option<&'static Queries> {
         .as_ref()
 }
 
-/// Loads and initialises NVML for `own_usage`, if it is not yet.
-pub fn load() {
-    let _ = queries();
-}
-
 /// What the driver holds for this process on the GPU with `uuid`: NVML's
 /// per-process figure, found by our own PID (NVML gives PIDs as the
 /// caller's PID namespace sees them, so this works in a container too).

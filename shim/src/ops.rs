@@ -59,10 +59,15 @@ pub fn shim() -> Option<&'static Shim> {
     // Counted from before the first thread starts the opening until after
     // the last waiter sees it done: a child forked in between finds the
     // opening unfinished, forever, and passes calls through.
+    struct Opening;
+    impl Drop for Opening {
+        fn drop(&mut self) {
+            OPENING.fetch_sub(1, SeqCst);
+        }
+    }
     OPENING.fetch_add(1, SeqCst);
-    let opened = SHIM.get_or_init(open);
-    OPENING.fetch_sub(1, SeqCst);
-    opened.as_ref()
+    let _counted = Opening;
+    SHIM.get_or_init(open).as_ref()
 }
 
 /// The shim's state for a CUDA call, which may take the shim's locks.

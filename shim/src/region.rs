@@ -199,10 +199,10 @@ impl Region {
     pub fn reap(&self, by: Reaper, own: Option<usize>) -> usize {
         self.file.reap(own, |index, owner| {
             // F_GETLK never reports the caller's own locks: only a claimer,
-            // which has no slot yet, can tell this pid's slot is not its own.
-            // (The pid is asked last: getpid is a system call.)
+            // which has no slot yet, can tell this process's slot is not
+            // its own. (Asked last: system calls.)
             matches!(self.holder(index), Holder::Gone)
-                && (by == Reaper::Claiming || owner.pid != u64::from(std::process::id()))
+                && (by == Reaper::Claiming || !is_this_process(owner))
                 && self.abandoned(owner)
         })
     }
@@ -317,6 +317,14 @@ impl Drop for ChargeLock<'_> {
     }
 }
 
+/// Whether `owner` is this process: its pid and start time. A dead
+/// process's slot whose pid was reused (soon, in a container's small pid
+/// namespace) carries another start time.
+fn is_this_process(owner: Owner) -> bool {
+    let me = std::process::id();
+    owner.pid == u64::from(me) && start_time_of(me) == Some(owner.start_time)
+}
+
 /// Whether `pid` has the file `(device, inode)` mapped; `None` if its maps
 /// cannot be read (another user's process, or gone).
 fn maps_file(pid: u32, (device, inode): (u64, u64)) -> Option<bool> {
@@ -357,6 +365,7 @@ mod tests {
     /// A slot this process has claimed but not yet recorded as its own
     /// looks dead to it (F_GETLK never reports the caller's own locks): a
     /// running process's reap must leave it, only a claimer may free it.
+    /// A slot of an earlier process with the same pid is anyone's to free.
     #[test]
     fn only_the_claimer_reaps_a_slot_of_this_pid() {
         let path = std::env::temp_dir().join(format!("gpumem-region-test-{}", std::process::id()));
@@ -379,5 +388,9 @@ mod tests {
         // An image before an exec left it: the next claimer frees it.
         assert_eq!(region.reap(Reaper::Claiming, None), 1);
         assert_eq!(region.file().state(slot).state(), state::FREE);
+        // A dead process's slot whose pid is now ours: anyone frees it.
+        let dead = region.claim(me, start_time_of(me).unwrap() - 1).unwrap();
+        assert_eq!(region.reap(Reaper::Running, None), 1);
+        assert_eq!(region.file().state(dead).state(), state::FREE);
     }
 }

@@ -143,6 +143,10 @@ impl Allocations {
     /// using), and the record it replaced, taken out as by `take`.
     pub fn insert(&self, allocation: Allocation) -> Inserted {
         let span = allocation.span();
+        // The tail is entered before the record can be seen: a context
+        // drained in between would find the record, and leave a tail not
+        // yet entered, which would then stay counted with no record.
+        let tail = self.tail(span, Shard::enter);
         let (head, replaced) = {
             let mut home = self.lock(span.first);
             // The same address: the same first chunk, and shard.
@@ -159,7 +163,7 @@ impl Allocations {
             )
         });
         Inserted {
-            taken: span.whole() + bytes_if(head) + self.tail(span, Shard::enter),
+            taken: span.whole() + bytes_if(head) + tail,
             stale,
         }
     }
@@ -315,6 +319,61 @@ mod tests {
             (inserted.taken, inserted.stale),
             (2 * MIB, Some((small, 2 * MIB)))
         );
+    }
+
+    /// A context drained while an allocation of it is being recorded: the
+    /// chunks the allocation entered are all given back, by the drain or
+    /// by the record's removal, never left counted without a record.
+    #[test]
+    fn a_drain_during_an_insert_leaves_no_chunk_counted_without_a_record() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        use std::time::{Duration, Instant};
+        let t = Allocations::new();
+        let mut phantoms = 0;
+        for k in 0..400u64 {
+            let head = 4096 * 64 + k * 64 * 3;
+            if shard_of(head) >= shard_of(head + 1) {
+                continue;
+            }
+            // Half a chunk in, a chunk long: shared head and tail chunks in
+            // two shards.
+            let a = at(head * CHUNK + CHUNK / 2, CHUNK);
+            let started = AtomicBool::new(false);
+            let mut charged: i128 = 0;
+            std::thread::scope(|s| {
+                // The insert stalls on the tail's shard.
+                let held = t.shards[shard_of(head + 1)].lock();
+                let insert = s.spawn(|| i128::from(t.insert(a).taken));
+                let deadline = Instant::now() + Duration::from_millis(20);
+                while Instant::now() < deadline
+                    && t.shards[shard_of(head)]
+                        .lock()
+                        .records
+                        .update(a.ptr, |_| true)
+                        .is_none()
+                {
+                    std::thread::yield_now();
+                }
+                let drain = s.spawn(|| {
+                    started.store(true, SeqCst);
+                    let mut back = 0i128;
+                    t.drain_context(1, |_, bytes| back += i128::from(bytes));
+                    back
+                });
+                while !started.load(SeqCst) {
+                    std::thread::yield_now();
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                drop(held);
+                charged += insert.join().unwrap();
+                charged -= drain.join().unwrap();
+            });
+            t.drain_context(1, |_, bytes| charged -= i128::from(bytes));
+            if charged != 0 {
+                phantoms += 1;
+            }
+        }
+        assert_eq!(phantoms, 0, "rounds that left a chunk counted");
     }
 
     #[test]
