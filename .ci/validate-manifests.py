@@ -158,6 +158,8 @@ DRA_RULES = {
     ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch", "delete"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
     ("", "nodes"): {"get"},
+    ("", "pods"): {"list", "watch"},
+    ("events.k8s.io", "events"): {"create", "patch"},
 }
 # A driver name as the API server takes it (a DNS subdomain).
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")

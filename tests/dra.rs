@@ -68,6 +68,24 @@ impl Driver {
     }
 
     async fn start_with(host: &Host, api: &FakeApiServer, pod_resources: &Path) -> Driver {
+        Driver::start_custom(
+            host,
+            api,
+            pod_resources,
+            &fixture("t4"),
+            &["--reconcile-secs", "0"],
+        )
+        .await
+    }
+
+    /// On the node file `gpus`, with `extra` flags.
+    async fn start_custom(
+        host: &Host,
+        api: &FakeApiServer,
+        pod_resources: &Path,
+        gpus: &Path,
+        extra: &[&str],
+    ) -> Driver {
         let kubeconfig = host.path("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
         let metrics = {
@@ -81,7 +99,7 @@ impl Driver {
             .arg("--kubeconfig")
             .arg(&kubeconfig)
             .arg("--fake-gpus")
-            .arg(fixture("t4"))
+            .arg(gpus)
             .arg("--kubelet-plugins-dir")
             .arg(host.path("plugins"))
             .arg("--kubelet-registry-dir")
@@ -94,7 +112,8 @@ impl Driver {
             .arg(host.path("shim"))
             .arg("--pod-resources-socket")
             .arg(pod_resources)
-            .args(["--reconcile-secs", "0", "--state-grace-secs", "1"])
+            .args(["--state-grace-secs", "1"])
+            .args(extra)
             .args(["--metrics-addr", &metrics])
             .stdout(Stdio::null())
             .stderr(
@@ -471,6 +490,101 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
     })
     .await;
     assert!(host.spec_file(&refs[1].uid).exists());
+}
+
+/// A claim's container takes more than the claim's cap through a process
+/// that does not load the shim (found by the claim's directory, mounted in
+/// it): the process is killed after the grace period, and the pod whose
+/// container references the claim gets a Warning Event naming the claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
+    use std::os::unix::process::ExitStatusExt;
+    const POD_UID: &str = "6c0e5f3a-1b2d-4c8e-9a7f-3d5b1e2c4a60";
+    let host = Host::new();
+    let api = api().await;
+    api.put(json!({
+        "kind": "Pod",
+        "metadata": {"name": "nb", "namespace": "default", "uid": POD_UID},
+        "spec": {"nodeName": NODE, "containers": [{"name": "main"}]},
+        "status": {"phase": "Running"},
+    }));
+    std::fs::create_dir_all(host.path("kubelet")).unwrap();
+    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
+    let gpus = host.path("node.toml");
+    std::fs::copy(fixture("t4"), &gpus).unwrap();
+    let driver = Driver::start_custom(
+        &host,
+        &api,
+        &pod_resources.pod_resources_socket(),
+        &gpus,
+        &[
+            "--reconcile-secs",
+            "1",
+            "--over-cap-action",
+            "kill",
+            "--over-cap-grace-secs",
+            "1",
+        ],
+    )
+    .await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    let uid = uid(7);
+    api.put(claim("notebook", &uid, &[("gpu-0", Some("4Gi"), None)]));
+    let prepared = kubelet
+        .prepare(&[claim_ref("notebook", &uid)])
+        .await
+        .unwrap();
+    prepared[&uid]
+        .as_ref()
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    pod_resources.run_with_claim(
+        "nb",
+        "main",
+        ClaimUse {
+            namespace: "default".into(),
+            name: "notebook".into(),
+            driver: DRIVER.into(),
+            pool: NODE.into(),
+            device: "gpu-0".into(),
+        },
+    );
+
+    // 5000 MiB of the claim's 4096, in a process with the claim's
+    // directory at /var/run/gpumem, as the claim's CDI spec mounts it.
+    let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();
+    let dir = host.path("state/containers").join(format!("claim-{uid}"));
+    let mountinfo = format!(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 8:1 {} /var/run/gpumem rw - ext4 /dev/sda1 rw\n",
+        dir.display()
+    );
+    let mut text = std::fs::read_to_string(&gpus).unwrap();
+    text += &format!(
+        "\n[[gpu.process]]\npid = {}\nused_mib = 5000\nmountinfo = {mountinfo:?}\n",
+        rogue.id()
+    );
+    std::fs::write(host.path("node.toml.new"), text).unwrap();
+    std::fs::rename(host.path("node.toml.new"), &gpus).unwrap();
+
+    let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
+    assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
+    let expected = format!(
+        "Killed process {} of ResourceClaim default/notebook (used by container main)",
+        rogue.id()
+    );
+    let event = wait_until("the pod's Event", || {
+        api.list(Kind::Event)
+            .into_iter()
+            .find(|e| e["reason"] == "GPUMemoryOverCap")
+    })
+    .await;
+    let note = event["note"].as_str().unwrap();
+    assert!(note.contains(&expected), "{note}");
+    assert!(note.contains("its cap of 4096 MiB"), "{note}");
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event.pointer("/regarding/uid"), Some(&POD_UID.into()));
+    assert_eq!(event.pointer("/regarding/name"), Some(&"nb".into()));
 }
 
 #[tokio::test]

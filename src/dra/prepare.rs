@@ -247,6 +247,18 @@ impl PreparedClaims {
         shares
     }
 
+    /// The claim whose directory is `dir`, if it is prepared here.
+    pub fn claim_of(&self, dir: &ContainerName) -> Option<ClaimRef> {
+        let uid = dir.claim_uid()?;
+        let checkpoint = self.checkpoint();
+        let entry = checkpoint.get(uid)?;
+        Some(ClaimRef {
+            namespace: entry.namespace.clone(),
+            uid: uid.to_owned(),
+            name: entry.name.clone(),
+        })
+    }
+
     /// The cap of the claim whose directory is `dir` on the GPU `uuid`, in
     /// MiB, from the checkpoint: never from the accounting file, which the
     /// claim's containers can write.

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -182,7 +183,7 @@ pub async fn run(
                 notices,
                 PodEvents::new(cluster.client.clone(), &cluster.node),
                 pods.clone(),
-                inventory_rx.clone(),
+                device_plugin_users(inventory_rx.clone()),
                 pod_resources.clone(),
                 stop.clone(),
             ));
@@ -269,13 +270,64 @@ fn spawn_reconcile(
     }
 }
 
+/// The containers a notice about an accounting directory is about, from
+/// kubelet's pod-resources list: the device plugin's one container, or
+/// every container referencing a DRA claim.
+type Users = Box<dyn Fn(&ContainerName, &[Holding]) -> Vec<User> + Send>;
+
+/// A container an Event is posted for: its pod, and how the note names it.
+struct User {
+    namespace: String,
+    pod: String,
+    subject: String,
+}
+
+/// The device plugin's container behind a directory, by its devices.
+fn device_plugin_users(inventory: watch::Receiver<Arc<Inventory>>) -> Users {
+    Box::new(move |name, holdings| {
+        let inv = inventory.borrow().clone();
+        holdings
+            .iter()
+            .find(|h| ContainerName::of_devices(&inv, &h.device_ids).as_ref() == Some(name))
+            .map(|h| User {
+                namespace: h.namespace.clone(),
+                pod: h.pod.clone(),
+                subject: format!("container {}", h.container),
+            })
+            .into_iter()
+            .collect()
+    })
+}
+
+/// The containers referencing the DRA claim behind a directory.
+fn claim_users(claims: PreparedClaims) -> Users {
+    Box::new(move |name, holdings| {
+        let Some(claim) = claims.claim_of(name) else {
+            return Vec::new();
+        };
+        let key = (claim.namespace.clone(), claim.name.clone());
+        holdings
+            .iter()
+            .filter(|h| h.claims.contains(&key))
+            .map(|h| User {
+                namespace: h.namespace.clone(),
+                pod: h.pod.clone(),
+                subject: format!(
+                    "ResourceClaim {}/{} (used by container {})",
+                    claim.namespace, claim.name, h.container
+                ),
+            })
+            .collect()
+    })
+}
+
 /// Posts an Event on the pod of each over-cap action and each process
 /// outside every gpumem container, until `stop`.
 async fn post_events(
     mut notices: UnboundedReceiver<Notice>,
     events: PodEvents,
     pods: NodePods,
-    inventory: watch::Receiver<Arc<Inventory>>,
+    users: Users,
     pod_resources: PodResources,
     stop: CancellationToken,
 ) {
@@ -287,9 +339,9 @@ async fn post_events(
                 None => return,
             },
         };
-        // The pod: a gpumem container's by the devices kubelet gave it,
-        // a stranger's by the pod UID in its cgroup.
-        let (pod, container) = match &notice.what {
+        // The pods: a gpumem directory's by pod-resources, a stranger's by
+        // the pod UID in its cgroup.
+        let targets: Vec<(Option<Arc<Pod>>, String)> = match &notice.what {
             Noticed::Killed { file, .. } | Noticed::OverCap { file, .. } => {
                 let Some(name) = file.parent().and_then(ContainerName::of_dir) else {
                     continue;
@@ -297,63 +349,72 @@ async fn post_events(
                 let Ok(holdings) = pod_resources.holdings().await else {
                     continue;
                 };
-                let inv = inventory.borrow().clone();
-                let Some(holding) = holdings.into_iter().find(|h| {
-                    ContainerName::of_devices(&inv, &h.device_ids).as_ref() == Some(&name)
-                }) else {
-                    continue;
-                };
-                (
-                    pods.by_name(&holding.namespace, &holding.pod),
-                    holding.container,
-                )
+                users(&name, &holdings)
+                    .into_iter()
+                    .map(|u| (pods.by_name(&u.namespace, &u.pod), u.subject))
+                    .collect()
             }
             Noticed::Unmanaged {
                 pod_uid: Some(uid), ..
-            } => (pods.by_uid(uid), String::new()),
+            } => vec![(pods.by_uid(uid), String::new())],
             Noticed::Unmanaged { pod_uid: None, .. } => continue,
         };
-        let Some(pod) = pod else { continue };
-        let gpu = &notice.gpu;
-        let (reason, action, note) = match notice.what {
-            Noticed::Killed {
-                pid,
-                used_mib,
-                cap_mib,
-                ..
-            } => (
-                events::OVER_CAP,
-                "Kill",
-                format!(
-                    "Killed process {pid} of container {container} (it held {used_mib} MiB on GPU \
-                     {gpu}): the container's GPU memory, as NVML counts it, stayed above its cap \
-                     of {cap_mib} MiB for longer than the grace period"
-                ),
-            ),
-            Noticed::OverCap {
-                used_mib, cap_mib, ..
-            } => (
-                events::OVER_CAP,
-                "Report",
-                format!(
-                    "Container {container} holds {used_mib} MiB on GPU {gpu}, above its cap of \
-                     {cap_mib} MiB, for longer than the grace period (--over-cap-action report: \
-                     nothing was killed)"
-                ),
-            ),
-            Noticed::Unmanaged { pid, used_mib, .. } => (
-                events::UNMANAGED,
-                "Report",
-                format!(
-                    "Process {pid} holds {used_mib} MiB on GPU {gpu} without the pod having asked \
-                     for GPU memory from gpumem; it is not capped"
-                ),
-            ),
-        };
-        if let Err(err) = events.warn(&pod, reason, action, note).await {
-            warn!(%err, reason, "cannot post an Event");
+        for (pod, subject) in targets {
+            let Some(pod) = pod else { continue };
+            post_event(&events, &pod, &notice, &subject).await;
         }
     }
+}
+
+/// One notice's Event on `pod`, naming `subject` (the container or claim).
+async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &str) {
+    let gpu = &notice.gpu;
+    let (reason, action, note) = match notice.what {
+        Noticed::Killed {
+            pid,
+            used_mib,
+            cap_mib,
+            ..
+        } => (
+            events::OVER_CAP,
+            "Kill",
+            format!(
+                "Killed process {pid} of {subject} (it held {used_mib} MiB on GPU {gpu}): its GPU \
+                 memory, as NVML counts it, stayed above its cap of {cap_mib} MiB for longer than \
+                 the grace period"
+            ),
+        ),
+        Noticed::OverCap {
+            used_mib, cap_mib, ..
+        } => (
+            events::OVER_CAP,
+            "Report",
+            format!(
+                "{} holds {used_mib} MiB on GPU {gpu}, above its cap of {cap_mib} MiB, for longer \
+                 than the grace period (--over-cap-action report: nothing was killed)",
+                capitalized(subject)
+            ),
+        ),
+        Noticed::Unmanaged { pid, used_mib, .. } => (
+            events::UNMANAGED,
+            "Report",
+            format!(
+                "Process {pid} holds {used_mib} MiB on GPU {gpu} without the pod having asked for \
+                 GPU memory from gpumem; it is not capped"
+            ),
+        ),
+    };
+    if let Err(err) = events.warn(pod, reason, action, note).await {
+        warn!(%err, reason, "cannot post an Event");
+    }
+}
+
+fn capitalized(text: &str) -> String {
+    let mut chars = text.chars();
+    chars
+        .next()
+        .map(|first| first.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
 }
 
 /// Keeps gpushare's annotations on the pods placed here, as kubelet's
@@ -446,7 +507,7 @@ pub async fn run_dra(
     // Caps from the checkpoint, never from the file the claim's containers
     // can write.
     let granted = claims.clone();
-    let (reconciler, _) = reconciler(&isolation, &mut common, false, move |name, uuid| {
+    let (reconciler, notices) = reconciler(&isolation, &mut common, true, move |name, uuid| {
         granted.granted_mib(name, uuid)
     });
     let (slice_tx, slice_rx) = watch::channel(SliceStatus::default());
@@ -476,6 +537,16 @@ pub async fn run_dra(
         slice_tx,
         stop.clone(),
     ));
+    if let Some(notices) = notices {
+        tasks.spawn(post_events(
+            notices,
+            PodEvents::new(config.client.clone(), &config.driver.node),
+            NodePods::watch(config.client.clone(), &config.driver.node, stop.clone()),
+            claim_users(claims.clone()),
+            PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
+            stop.clone(),
+        ));
+    }
     if let Some(watch) = health {
         tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
     }
