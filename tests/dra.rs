@@ -495,7 +495,8 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
 /// A claim's container takes more than the claim's cap through a process
 /// that does not load the shim (found by the claim's directory, mounted in
 /// it): the process is killed after the grace period, and the pod whose
-/// container references the claim gets a Warning Event naming the claim.
+/// containers reference the claim gets a Warning Event naming the claim
+/// and them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     use std::os::unix::process::ExitStatusExt;
@@ -539,17 +540,20 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     prepared[&uid]
         .as_ref()
         .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
-    pod_resources.run_with_claim(
-        "nb",
-        "main",
-        ClaimUse {
-            namespace: "default".into(),
-            name: "notebook".into(),
-            driver: DRIVER.into(),
-            pool: NODE.into(),
-            device: "gpu-0".into(),
-        },
-    );
+    // Two containers of the pod use the claim: one Event names both.
+    for container in ["main", "sidecar"] {
+        pod_resources.run_with_claim(
+            "nb",
+            container,
+            ClaimUse {
+                namespace: "default".into(),
+                name: "notebook".into(),
+                driver: DRIVER.into(),
+                pool: NODE.into(),
+                device: "gpu-0".into(),
+            },
+        );
+    }
 
     // 5000 MiB of the claim's 4096, in a process with the claim's
     // directory at /var/run/gpumem, as the claim's CDI spec mounts it.
@@ -570,7 +574,7 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
     let expected = format!(
-        "Killed process {} of ResourceClaim default/notebook (used by container main)",
+        "Killed process {} of ResourceClaim default/notebook (used by containers main, sidecar)",
         rogue.id()
     );
     let event = wait_until("the pod's Event", || {
@@ -581,7 +585,7 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     .await;
     let note = event["note"].as_str().unwrap();
     assert!(note.contains(&expected), "{note}");
-    assert!(note.contains("its cap of 4096 MiB"), "{note}");
+    assert!(note.contains("the cap of 4096 MiB"), "{note}");
     assert_eq!(event["type"], "Warning");
     assert_eq!(event.pointer("/regarding/uid"), Some(&POD_UID.into()));
     assert_eq!(event.pointer("/regarding/name"), Some(&"nb".into()));

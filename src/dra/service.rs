@@ -437,18 +437,10 @@ async fn bind(path: &Path) -> Result<(UnixListener, SocketId), DraError> {
         path: path.to_owned(),
         source,
     };
-    let name = path
-        .file_name()
-        .ok_or_else(|| bind_err(io::Error::other("a socket path names a file")))?;
-    let mut hidden = std::ffi::OsString::from(".");
-    hidden.push(name);
-    hidden.push(format!(".{}", std::process::id()));
-    let staging = path.with_file_name(hidden);
-    match std::fs::remove_file(&staging) {
-        Ok(()) => {}
-        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-        Err(err) => return Err(bind_err(err)),
-    }
+    // Short, so it fits the 108-byte socket path wherever the real one
+    // does; a crashed start's leftovers go first.
+    remove_staging_sockets(path);
+    let staging = path.with_file_name(format!(".gpumem-{}.sock", std::process::id()));
     let listener = UnixListener::bind(&staging).map_err(bind_err)?;
     if let Err(err) = std::fs::rename(&staging, path) {
         let _ = std::fs::remove_file(&staging);
@@ -457,6 +449,23 @@ async fn bind(path: &Path) -> Result<(UnixListener, SocketId), DraError> {
     let id = SocketId::of(path)
         .ok_or_else(|| bind_err(io::Error::other("socket vanished right after bind")))?;
     Ok((listener, id))
+}
+
+/// Removes the hidden staging sockets (`.gpumem-<pid>.sock`) that a start
+/// cut off between bind and rename left beside `path`. Only one front end
+/// runs per node (its lock is held by now), so none is another's.
+fn remove_staging_sockets(path: &Path) {
+    let Some(dir) = path.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(".gpumem-") && name.ends_with(".sock") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Identity of a socket file, to remove only our own at shutdown.

@@ -306,15 +306,26 @@ fn claim_users(claims: PreparedClaims) -> Users {
             return Vec::new();
         };
         let key = (claim.namespace.clone(), claim.name.clone());
-        holdings
-            .iter()
-            .filter(|h| h.claims.contains(&key))
-            .map(|h| User {
-                namespace: h.namespace.clone(),
-                pod: h.pod.clone(),
+        // One Event per pod, naming all its containers that use the claim:
+        // one per container would count one action several times.
+        let mut by_pod = std::collections::BTreeMap::<(String, String), Vec<String>>::new();
+        for h in holdings.iter().filter(|h| h.claims.contains(&key)) {
+            by_pod
+                .entry((h.namespace.clone(), h.pod.clone()))
+                .or_default()
+                .push(h.container.clone());
+        }
+        by_pod
+            .into_iter()
+            .map(|((namespace, pod), containers)| User {
+                namespace,
+                pod,
                 subject: format!(
-                    "ResourceClaim {}/{} (used by container {})",
-                    claim.namespace, claim.name, h.container
+                    "ResourceClaim {}/{} (used by container{} {})",
+                    claim.namespace,
+                    claim.name,
+                    if containers.len() == 1 { "" } else { "s" },
+                    containers.join(", ")
                 ),
             })
             .collect()
@@ -379,9 +390,9 @@ async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &st
             events::OVER_CAP,
             "Kill",
             format!(
-                "Killed process {pid} of {subject} (it held {used_mib} MiB on GPU {gpu}): its GPU \
-                 memory, as NVML counts it, stayed above its cap of {cap_mib} MiB for longer than \
-                 the grace period"
+                "Killed process {pid} of {subject} (it held {used_mib} MiB on GPU {gpu}): the GPU \
+                 memory of all its processes, as NVML counts it, stayed above the cap of {cap_mib} \
+                 MiB for longer than the grace period"
             ),
         ),
         Noticed::OverCap {
