@@ -115,6 +115,9 @@ pub struct Cluster {
     pub gpushare_extender: bool,
 }
 
+/// How long a notice waits for the first list of the node's pods.
+const POD_LIST_WAIT: Duration = Duration::from_secs(10);
+
 /// How often placed pods are checked for gpushare's annotations.
 const ANNOTATE_EVERY: Duration = Duration::from_secs(2);
 
@@ -350,6 +353,11 @@ async fn post_events(
                 None => return,
             },
         };
+        // A notice is reported once: wait for the first list of the node's
+        // pods rather than drop one that comes before it.
+        if !pods.ready(POD_LIST_WAIT).await {
+            warn!("the node's pods are not listed yet; an Event is not posted");
+        }
         // The pods: a gpumem directory's by pod-resources, a stranger's by
         // the pod UID in its cgroup.
         let targets: Vec<(Option<Arc<Pod>>, String)> = match &notice.what {
