@@ -746,4 +746,20 @@ impl crate::isolation::cleanup::Holders for PreparedClaims {
     async fn live(&self, _inv: &Inventory) -> Result<HashSet<ContainerName>, String> {
         Ok(self.live_dirs())
     }
+
+    /// Under the checkpoint lock, which a prepare holds while it records
+    /// the claim, before it makes the directory: a claim prepared again
+    /// since `live` keeps its directory.
+    fn remove_unless_taken(&self, name: &ContainerName, remove: &mut dyn FnMut()) -> bool {
+        let checkpoint = self.checkpoint();
+        if name
+            .claim_uid()
+            .is_some_and(|uid| checkpoint.get(uid).is_some())
+        {
+            return false;
+        }
+        remove();
+        drop(checkpoint);
+        true
+    }
 }

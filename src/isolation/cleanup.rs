@@ -28,6 +28,15 @@ pub trait Holders: Send + Sync + 'static {
     /// The directories in use; an error when unsure, and then nothing is
     /// removed.
     async fn live(&self, inv: &Inventory) -> Result<HashSet<ContainerName>, String>;
+
+    /// Runs `remove`, the removal of `name`'s directory, unless a holder
+    /// took the directory since `live` answered; on a blocking thread. A
+    /// front end whose taking can race with clean-up checks again and runs
+    /// `remove` under its own lock. Whether it ran.
+    fn remove_unless_taken(&self, _name: &ContainerName, remove: &mut dyn FnMut()) -> bool {
+        remove();
+        true
+    }
 }
 
 /// Sweeps `<state-dir>/containers` (and the CDI specs in `specs`, with the
@@ -44,6 +53,7 @@ pub async fn run(
     let containers = Arc::new(shim.containers());
     let shim = Arc::new(shim);
     let specs = specs.map(Arc::new);
+    let holders = Arc::new(holders);
     let mut unused_since = UnusedSince::new();
     let sync = |inv: Arc<Inventory>| {
         let (containers, specs, shim) = (containers.clone(), specs.clone(), shim.clone());
@@ -80,12 +90,13 @@ pub async fn run(
             }
         };
         // Reading and removing directories blocks: off the async workers.
-        let (containers, specs) = (containers.clone(), specs.clone());
+        let (containers, specs, holders) = (containers.clone(), specs.clone(), holders.clone());
         match tokio::task::spawn_blocking(move || {
             sweep(
                 &containers,
                 specs.as_deref(),
                 &live,
+                &*holders,
                 grace,
                 &mut unused_since,
             );
@@ -106,6 +117,7 @@ fn sweep(
     containers: &Containers,
     specs: Option<&SpecDir>,
     live: &HashSet<ContainerName>,
+    holders: &impl Holders,
     grace: Duration,
     unused_since: &mut UnusedSince,
 ) {
@@ -137,14 +149,21 @@ fn sweep(
                 continue;
             }
         }
-        match dir.remove() {
-            Ok(()) => {
+        let mut removed = None;
+        if !holders.remove_unless_taken(&dir.name, &mut || removed = Some(dir.remove())) {
+            debug!(dir = %dir.path.display(), "taken again meanwhile: kept");
+            unused_since.remove(&dir.name);
+            continue;
+        }
+        match removed {
+            Some(Ok(())) => {
                 info!(dir = %dir.path.display(), "removed the accounting state of a finished container");
                 unused_since.remove(&dir.name);
             }
-            Err(err) => {
+            Some(Err(err)) => {
                 warn!(dir = %dir.path.display(), %err, "cannot remove finished container state")
             }
+            None => {}
         }
     }
     let present: HashSet<&str> = present.iter().map(|dir| dir.name.as_str()).collect();
@@ -189,5 +208,61 @@ fn sync_specs(containers: &Containers, specs: &SpecDir, shim: &ShimConfig, inv: 
             }
             Err(err) => warn!(%err, "cannot write a container's CDI spec"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A front end that took `taken` again after answering `live`.
+    struct TookAgain {
+        taken: ContainerName,
+    }
+
+    #[tonic::async_trait]
+    impl Holders for TookAgain {
+        async fn live(&self, _inv: &Inventory) -> Result<HashSet<ContainerName>, String> {
+            Ok(HashSet::new())
+        }
+
+        fn remove_unless_taken(&self, name: &ContainerName, remove: &mut dyn FnMut()) -> bool {
+            if *name == self.taken {
+                return false;
+            }
+            remove();
+            true
+        }
+    }
+
+    /// A directory the live set left out, but that its holder took again
+    /// before the removal, stays; the others past their grace go.
+    #[test]
+    fn a_directory_taken_again_before_its_removal_stays() {
+        let state = tempfile::tempdir().unwrap();
+        let containers = Containers::in_state_dir(state.path());
+        let (kept, gone) = (
+            ContainerName::of_claim("11111111-aaaa").unwrap(),
+            ContainerName::of_claim("22222222-bbbb").unwrap(),
+        );
+        for name in [&kept, &gone] {
+            std::fs::create_dir_all(containers.get(name.clone()).path).unwrap();
+        }
+        let holders = TookAgain {
+            taken: kept.clone(),
+        };
+        let mut unused_since = UnusedSince::new();
+        for _ in 0..2 {
+            sweep(
+                &containers,
+                None,
+                &HashSet::new(),
+                &holders,
+                Duration::ZERO,
+                &mut unused_since,
+            );
+        }
+        assert!(containers.get(kept).path.is_dir());
+        assert!(!containers.get(gone).path.exists());
     }
 }
