@@ -559,17 +559,8 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     // directory at /var/run/gpumem, as the claim's CDI spec mounts it.
     let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();
     let dir = host.path("state/containers").join(format!("claim-{uid}"));
-    let mountinfo = format!(
-        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 8:1 {} /var/run/gpumem rw - ext4 /dev/sda1 rw\n",
-        dir.display()
-    );
-    let mut text = std::fs::read_to_string(&gpus).unwrap();
-    text += &format!(
-        "\n[[gpu.process]]\npid = {}\nused_mib = 5000\nmountinfo = {mountinfo:?}\n",
-        rogue.id()
-    );
-    std::fs::write(host.path("node.toml.new"), text).unwrap();
-    std::fs::rename(host.path("node.toml.new"), &gpus).unwrap();
+    let mountinfo = common::mountinfo_with_state_dir(&dir);
+    common::list_fake_process(&gpus, rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
 
     let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());

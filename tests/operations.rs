@@ -186,12 +186,7 @@ impl Daemon {
     /// and each `(name, text)` of `proc_files` stand for its
     /// `/proc/<pid>/<name>` (`cgroup`, `mountinfo`).
     fn list_process(&self, pid: u32, used_mib: u64, proc_files: &[(&str, &str)]) {
-        let mut text = std::fs::read_to_string(&self.node_file).unwrap();
-        text += &format!("\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\n");
-        for (name, file) in proc_files {
-            text += &format!("{name} = {file:?}\n");
-        }
-        self.rewrite_node_file(text);
+        common::list_fake_process(&self.node_file, pid, used_mib, proc_files);
     }
 
     /// Makes the fake NVML stop listing `pid`, as NVML does once it exits.
@@ -204,11 +199,8 @@ impl Daemon {
         self.rewrite_node_file(kept.join("\n[[gpu.process]]\n"));
     }
 
-    /// Write then rename: the watchers never read half a file.
     fn rewrite_node_file(&self, text: String) {
-        let staging = self.dir.path().join("node.toml.new");
-        std::fs::write(&staging, text).unwrap();
-        std::fs::rename(staging, &self.node_file).unwrap();
+        common::rewrite_fake_gpus(&self.node_file, text);
     }
 
     /// Waits until the one container's status passes `check`.
@@ -790,10 +782,7 @@ async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts(
         .arg("60")
         .spawn()
         .unwrap();
-    let mountinfo = format!(
-        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 8:1 {} /var/run/gpumem rw - ext4 /dev/sda1 rw\n",
-        dir.display()
-    );
+    let mountinfo = common::mountinfo_with_state_dir(dir);
     d.list_process(rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
     let deadline = std::time::Instant::now() + WAIT;
     let status = loop {

@@ -134,22 +134,7 @@ impl Shim {
     /// apart from the process's own: for tests of the accounting logic.
     #[cfg(test)]
     pub fn for_test(cap: u64) -> &'static Shim {
-        static FILES: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "gpumem-shim-test-{}-{}",
-            std::process::id(),
-            FILES.fetch_add(1, SeqCst)
-        ));
-        let device = layout::DeviceSpec {
-            uuid: [7; 16],
-            cap_bytes: cap,
-            context_charge_bytes: 0,
-        };
-        std::fs::write(&path, layout::encode(&[device], 8)).expect("a temporary file");
-        let region = Region::open(&path).expect("the file just written");
-        // The mapping and descriptor stay; the name can go.
-        let _ = std::fs::remove_file(&path);
-        Box::leak(Box::new(Shim::over(region)))
+        Box::leak(Box::new(Shim::over(Region::for_test(cap))))
     }
 
     /// Position of a device in the file, by its 16-byte UUID.

@@ -171,6 +171,27 @@ impl Region {
         }
     }
 
+    /// A region over a new accounting file of one device capped at `cap`
+    /// and 8 slots, for tests; the file's name is gone, its mapping stays.
+    #[cfg(test)]
+    pub fn for_test(cap: u64) -> Region {
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "gpumem-shim-test-{}-{}",
+            std::process::id(),
+            FILES.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
+        let device = DeviceSpec {
+            uuid: [7; 16],
+            cap_bytes: cap,
+            context_charge_bytes: 0,
+        };
+        std::fs::write(&path, layout::encode(&[device], 8)).expect("a temporary file");
+        let region = Region::open(&path).expect("the file just written");
+        let _ = std::fs::remove_file(&path);
+        region
+    }
+
     pub fn devices(&self) -> &[DeviceSpec] {
         &self.devices
     }
@@ -198,12 +219,7 @@ impl Region {
     /// `own` is the slot this process holds, skipped without a look.
     pub fn reap(&self, by: Reaper, own: Option<usize>) -> usize {
         self.file.reap(own, |index, owner| {
-            // F_GETLK never reports the caller's own locks: only a claimer,
-            // which has no slot yet, can tell this process's slot is not
-            // its own. (Asked last: system calls.)
-            matches!(self.holder(index), Holder::Gone)
-                && (by == Reaper::Claiming || !is_this_process(owner))
-                && self.abandoned(owner)
+            matches!(self.holder(index), Holder::Gone) && self.abandoned(owner, by)
         })
     }
 
@@ -212,16 +228,20 @@ impl Region {
     /// closed our descriptor by accident still has the file mapped: its
     /// usage is real and it keeps its slot. If its maps cannot be read, the
     /// slot is kept too.
-    fn abandoned(&self, owner: Owner) -> bool {
+    fn abandoned(&self, owner: Owner, by: Reaper) -> bool {
         let Ok(pid) = u32::try_from(owner.pid) else {
             return true;
         };
+        // Another start time: the pid was reused (soon, in a container's
+        // small pid namespace).
         if owner.start_time == 0 || start_time_of(pid) != Some(owner.start_time) {
             return true;
         }
-        // Ours, and the claimer is asking: an image before an exec.
+        // This very process. F_GETLK never reports the caller's own locks,
+        // so only a claimer, which has no slot yet, can tell the slot is an
+        // image's before an exec and not its own.
         if pid == std::process::id() {
-            return true;
+            return by == Reaper::Claiming;
         }
         maps_file(pid, self.ident) == Some(false)
     }
@@ -317,14 +337,6 @@ impl Drop for ChargeLock<'_> {
     }
 }
 
-/// Whether `owner` is this process: its pid and start time. A dead
-/// process's slot whose pid was reused (soon, in a container's small pid
-/// namespace) carries another start time.
-fn is_this_process(owner: Owner) -> bool {
-    let me = std::process::id();
-    owner.pid == u64::from(me) && start_time_of(me) == Some(owner.start_time)
-}
-
 /// Whether `pid` has the file `(device, inode)` mapped; `None` if its maps
 /// cannot be read (another user's process, or gone).
 fn maps_file(pid: u32, (device, inode): (u64, u64)) -> Option<bool> {
@@ -368,15 +380,7 @@ mod tests {
     /// A slot of an earlier process with the same pid is anyone's to free.
     #[test]
     fn only_the_claimer_reaps_a_slot_of_this_pid() {
-        let path = std::env::temp_dir().join(format!("gpumem-region-test-{}", std::process::id()));
-        let device = DeviceSpec {
-            uuid: [7; 16],
-            cap_bytes: 1 << 30,
-            context_charge_bytes: 0,
-        };
-        std::fs::write(&path, layout::encode(&[device], 8)).unwrap();
-        let region = Region::open(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
+        let region = Region::for_test(1 << 30);
         let me = std::process::id();
         let slot = region.claim(me, start_time_of(me).unwrap()).unwrap();
         region

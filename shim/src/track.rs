@@ -138,6 +138,13 @@ impl Allocations {
         bytes_if(span.tail && change(&mut self.lock(span.last), span.last))
     }
 
+    /// What a record taken out gives back, its head chunk already left
+    /// (`head`: it was the last there): its whole chunks, the head and,
+    /// leaving it now, the tail if it was the last there too.
+    fn given_back(&self, span: Span, head: bool) -> u64 {
+        span.whole() + bytes_if(head) + self.tail(span, Shard::leave)
+    }
+
     /// Records a new allocation; returns the bytes it newly takes (its
     /// whole chunks, and each partial chunk no other live allocation was
     /// using), and the record it replaced, taken out as by `take`.
@@ -150,18 +157,13 @@ impl Allocations {
         let (head, replaced) = {
             let mut home = self.lock(span.first);
             // The same address: the same first chunk, and shard.
-            let replaced = home
-                .records
-                .insert(allocation.ptr, allocation)
-                .map(|old| (old, old.span(), old.span().head && home.leave(span.first)));
+            let replaced = home.records.insert(allocation.ptr, allocation).map(|old| {
+                let old_span = old.span();
+                (old, old_span, old_span.head && home.leave(span.first))
+            });
             (span.head && home.enter(span.first), replaced)
         };
-        let stale = replaced.map(|(old, old_span, head)| {
-            (
-                old,
-                old_span.whole() + bytes_if(head) + self.tail(old_span, Shard::leave),
-            )
-        });
+        let stale = replaced.map(|(old, old_span, head)| (old, self.given_back(old_span, head)));
         Inserted {
             taken: span.whole() + bytes_if(head) + tail,
             stale,
@@ -181,7 +183,7 @@ impl Allocations {
             let head = span.head && home.leave(span.first);
             (allocation, span, head)
         };
-        let back = span.whole() + bytes_if(head) + self.tail(span, Shard::leave);
+        let back = self.given_back(span, head);
         Some((allocation, back))
     }
 
@@ -199,7 +201,7 @@ impl Allocations {
         for allocation in dead {
             let span = allocation.span();
             let head = span.head && self.lock(span.first).leave(span.first);
-            let back = span.whole() + bytes_if(head) + self.tail(span, Shard::leave);
+            let back = self.given_back(span, head);
             gone(&allocation, back);
         }
     }

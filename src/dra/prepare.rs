@@ -750,16 +750,16 @@ impl crate::isolation::cleanup::Holders for PreparedClaims {
     /// Under the checkpoint lock, which a prepare holds while it records
     /// the claim, before it makes the directory: a claim prepared again
     /// since `live` keeps its directory.
-    fn remove_unless_taken(&self, name: &ContainerName, remove: &mut dyn FnMut()) -> bool {
+    fn remove_unless_taken(
+        &self,
+        name: &ContainerName,
+        remove: &mut dyn FnMut() -> std::io::Result<()>,
+    ) -> Option<std::io::Result<()>> {
         let checkpoint = self.checkpoint();
-        if name
+        let taken = name
             .claim_uid()
-            .is_some_and(|uid| checkpoint.get(uid).is_some())
-        {
-            return false;
-        }
-        remove();
-        drop(checkpoint);
-        true
+            .is_some_and(|uid| checkpoint.get(uid).is_some());
+        // The removal runs with the lock held.
+        (!taken).then(remove)
     }
 }

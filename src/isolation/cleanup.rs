@@ -30,12 +30,15 @@ pub trait Holders: Send + Sync + 'static {
     async fn live(&self, inv: &Inventory) -> Result<HashSet<ContainerName>, String>;
 
     /// Runs `remove`, the removal of `name`'s directory, unless a holder
-    /// took the directory since `live` answered; on a blocking thread. A
-    /// front end whose taking can race with clean-up checks again and runs
-    /// `remove` under its own lock. Whether it ran.
-    fn remove_unless_taken(&self, _name: &ContainerName, remove: &mut dyn FnMut()) -> bool {
-        remove();
-        true
+    /// took the directory since `live` answered (`None`); on a blocking
+    /// thread. A front end whose taking can race with clean-up checks again
+    /// and runs `remove` under its own lock.
+    fn remove_unless_taken(
+        &self,
+        _name: &ContainerName,
+        remove: &mut dyn FnMut() -> std::io::Result<()>,
+    ) -> Option<std::io::Result<()>> {
+        Some(remove())
     }
 }
 
@@ -149,13 +152,7 @@ fn sweep(
                 continue;
             }
         }
-        let mut removed = None;
-        if !holders.remove_unless_taken(&dir.name, &mut || removed = Some(dir.remove())) {
-            debug!(dir = %dir.path.display(), "taken again meanwhile: kept");
-            unused_since.remove(&dir.name);
-            continue;
-        }
-        match removed {
+        match holders.remove_unless_taken(&dir.name, &mut || dir.remove()) {
             Some(Ok(())) => {
                 info!(dir = %dir.path.display(), "removed the accounting state of a finished container");
                 unused_since.remove(&dir.name);
@@ -163,7 +160,10 @@ fn sweep(
             Some(Err(err)) => {
                 warn!(dir = %dir.path.display(), %err, "cannot remove finished container state")
             }
-            None => {}
+            None => {
+                debug!(dir = %dir.path.display(), "taken again meanwhile: kept");
+                unused_since.remove(&dir.name);
+            }
         }
     }
     let present: HashSet<&str> = present.iter().map(|dir| dir.name.as_str()).collect();
@@ -226,12 +226,12 @@ mod tests {
             Ok(HashSet::new())
         }
 
-        fn remove_unless_taken(&self, name: &ContainerName, remove: &mut dyn FnMut()) -> bool {
-            if *name == self.taken {
-                return false;
-            }
-            remove();
-            true
+        fn remove_unless_taken(
+            &self,
+            name: &ContainerName,
+            remove: &mut dyn FnMut() -> std::io::Result<()>,
+        ) -> Option<std::io::Result<()>> {
+            (*name != self.taken).then(remove)
         }
     }
 

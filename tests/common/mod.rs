@@ -350,3 +350,32 @@ pub fn fake_installed_shim(dir: &Path) {
     )
     .unwrap();
 }
+
+/// Makes the fake NVML of the node file `gpus` (a `--fake-gpus` file) list
+/// `pid` with `used_mib` on its last GPU, each `(name, text)` of
+/// `proc_files` standing for its `/proc/<pid>/<name>` (`cgroup`,
+/// `mountinfo`).
+pub fn list_fake_process(gpus: &Path, pid: u32, used_mib: u64, proc_files: &[(&str, &str)]) {
+    let mut text = std::fs::read_to_string(gpus).unwrap();
+    text += &format!("\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\n");
+    for (name, file) in proc_files {
+        text += &format!("{name} = {file:?}\n");
+    }
+    rewrite_fake_gpus(gpus, text);
+}
+
+/// Write then rename: the watchers of the node file never read half of it.
+pub fn rewrite_fake_gpus(gpus: &Path, text: String) {
+    let staging = gpus.with_extension("toml.new");
+    std::fs::write(&staging, text).unwrap();
+    std::fs::rename(staging, gpus).unwrap();
+}
+
+/// A `/proc/<pid>/mountinfo` with `dir` at /var/run/gpumem, as Allocate's
+/// mounts (or a claim's CDI spec) give every process of a container.
+pub fn mountinfo_with_state_dir(dir: &Path) -> String {
+    format!(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n2 1 8:1 {} /var/run/gpumem rw - ext4 /dev/sda1 rw\n",
+        dir.display()
+    )
+}
