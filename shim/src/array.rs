@@ -163,7 +163,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
     desc: *const CUDA_ARRAY_DESCRIPTOR,
 ) -> CUresult {
     real!(let call = cuArrayCreate_v2(array, desc) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         if desc.is_null() {
             return call();
         }
@@ -189,7 +189,7 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
     desc: *const CUDA_ARRAY3D_DESCRIPTOR,
 ) -> CUresult {
     real!(let call = cuArray3DCreate_v2(array, desc) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         if desc.is_null() {
             return call();
         }
@@ -206,7 +206,7 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
     levels: c_uint,
 ) -> CUresult {
     real!(let call = cuMipmappedArrayCreate(array, desc, levels) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         if desc.is_null() {
             return call();
         }
@@ -221,7 +221,7 @@ macro_rules! destroy_hook {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(array: *mut c_void) -> CUresult {
             real!(let call = $name(array) else CUDA_ERROR_NOT_INITIALIZED);
-            guarded(call, || destroy(array as usize, call))
+            guarded(call, |call| destroy(array as usize, call))
         }
     };
 }

@@ -176,7 +176,7 @@ fn creation(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     real!(let call = cuDevicePrimaryCtxRetain(pctx, dev) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || creation(dev, true, pctx, call))
+    guarded(call, |call| creation(dev, true, pctx, call))
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -186,7 +186,7 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
     dev: CUdevice,
 ) -> CUresult {
     real!(let call = cuCtxCreate_v2(pctx, flags, dev) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || creation(dev, false, pctx, call))
+    guarded(call, |call| creation(dev, false, pctx, call))
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -199,7 +199,7 @@ pub unsafe extern "C" fn cuCtxCreate_v3(
 ) -> CUresult {
     real!(let call = cuCtxCreate_v3(pctx, params, num_params, flags, dev)
         else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || creation(dev, false, pctx, call))
+    guarded(call, |call| creation(dev, false, pctx, call))
 }
 
 #[cfg_attr(not(test), no_mangle)]
@@ -210,7 +210,7 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     dev: CUdevice,
 ) -> CUresult {
     real!(let call = cuCtxCreate_v4(pctx, params, flags, dev) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || creation(dev, false, pctx, call))
+    guarded(call, |call| creation(dev, false, pctx, call))
 }
 
 /// After a primary context release or reset: if the device's primary

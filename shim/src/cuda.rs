@@ -186,7 +186,7 @@ fn free_now(ptr: u64) -> CUresult {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
     real!(let call = cuMemAlloc_v2(dptr, bytesize) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         sized(devices::current(), dptr, bytesize, call, free_now)
     })
 }
@@ -200,7 +200,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     real!(let call = cuMemAllocManaged(dptr, bytesize, flags) else CUDA_ERROR_NOT_INITIALIZED);
     // Charged in full, though managed memory may live on the host: a
     // container must not be able to page its neighbours out.
-    guarded(call, || {
+    guarded(call, |call| {
         sized(devices::current(), dptr, bytesize, call, free_now)
     })
 }
@@ -215,7 +215,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 ) -> CUresult {
     real!(let call = cuMemAllocPitch_v2(dptr, pitch, width, height, element_size)
         else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         let Some(site) = devices::current() else {
             return call();
         };
@@ -241,7 +241,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     real!(let call = cuMemFree_v2(dptr) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || free(&ALLOCATIONS, ops::shim, dptr, call))
+    guarded(call, |call| free(&ALLOCATIONS, ops::shim, dptr, call))
 }
 
 /// Stream-ordered allocations from the current device's pool: charged like
@@ -257,7 +257,7 @@ macro_rules! alloc_async {
             real!(let call = $name(dptr, bytesize, stream) else CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
-            guarded(call, || {
+            guarded(call, |call| {
                 sized(devices::current(), dptr, bytesize, call, undo)
             })
         }
@@ -280,7 +280,7 @@ macro_rules! alloc_from_pool {
             real!(let call = $name(dptr, bytesize, pool, stream) else CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
-            guarded(call, || sized(pool::site(pool), dptr, bytesize, call, undo))
+            guarded(call, |call| sized(pool::site(pool), dptr, bytesize, call, undo))
         }
     };
 }
@@ -292,7 +292,7 @@ macro_rules! free_async {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
             real!(let call = $name(dptr, stream) else CUDA_ERROR_NOT_INITIALIZED);
-            guarded(call, || free(&ALLOCATIONS, ops::shim, dptr, call))
+            guarded(call, |call| free(&ALLOCATIONS, ops::shim, dptr, call))
         }
     };
 }
@@ -486,7 +486,7 @@ mod tests {
     fn forks_while_a_free_holds_a_shard_lock() {
         let table = Allocations::new();
         let stop = std::sync::atomic::AtomicBool::new(false);
-        let free_unseen = || guarded(MADE, || free(&table, || None, BASE, MADE));
+        let free_unseen = || guarded(MADE, |call| free(&table, || None, BASE, call));
         let hung = std::thread::scope(|s| {
             s.spawn(|| {
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {

@@ -3,6 +3,7 @@
 //! on re-entry or panic (`guarded`, and `answered` for logic that only
 //! reads the real answer); and the real functions (`real!`, their slots).
 
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -70,16 +71,25 @@ mod inside {
 
 /// Runs `logic` unless this thread is already inside a hook, or this is a
 /// forked child that must leave the shim alone (then, or if `logic`
-/// panics, runs `real`). `logic` calls the real function itself when it
-/// decides to, so a panic before that point never loses the call.
-pub fn guarded<R>(real: impl FnOnce() -> R, logic: impl FnOnce() -> R) -> R {
+/// panics, runs `real`). `logic` gets `real` back and calls it itself when
+/// it decides to, so a panic before that point never loses the call; the
+/// answer is kept, so a panic after it returns that answer instead of
+/// calling again (a second allocation would leak the first, a second free
+/// could free an address the driver has handed out again).
+pub fn guarded<R: Copy>(real: impl Fn() -> R, logic: impl FnOnce(&dyn Fn() -> R) -> R) -> R {
     if crate::fork::passing_through() {
         return real();
     }
     if inside::replace(true) {
         return real();
     }
-    let outcome = catch_unwind(AssertUnwindSafe(logic));
+    let answer = Cell::new(None);
+    let forward = || {
+        let result = real();
+        answer.set(Some(result));
+        result
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| logic(&forward)));
     inside::replace(false);
     match outcome {
         Ok(result) => result,
@@ -88,7 +98,7 @@ pub fn guarded<R>(real: impl FnOnce() -> R, logic: impl FnOnce() -> R) -> R {
                 &log::PANICKED,
                 "internal error in a hook; passing calls through",
             );
-            real()
+            answer.get().unwrap_or_else(real)
         }
     }
 }
@@ -152,7 +162,7 @@ pub unsafe fn as_fn_like<F: Copy>(_like: F, address: usize) -> F {
 pub fn answered<R: PartialEq>(call: impl FnOnce() -> R, success: R, look: impl FnOnce()) -> R {
     let result = call();
     if result == success {
-        guarded(|| (), look);
+        guarded(|| (), |_| look());
     }
     result
 }
@@ -192,3 +202,35 @@ macro_rules! inferred {
     };
 }
 pub(crate) use inferred;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_after_the_real_call_returns_its_answer_without_calling_again() {
+        let calls = Cell::new(0);
+        let real = || {
+            calls.set(calls.get() + 1);
+            7
+        };
+        let result = guarded(real, |call| {
+            call();
+            panic!("after the real call");
+        });
+        assert_eq!((result, calls.get()), (7, 1));
+    }
+
+    #[test]
+    fn a_panic_before_the_real_call_still_makes_it() {
+        let calls = Cell::new(0);
+        let real = || {
+            calls.set(calls.get() + 1);
+            7
+        };
+        let result = guarded(real, |_| panic!("before the real call"));
+        assert_eq!((result, calls.get()), (7, 1));
+        // The flag is down again: the next hook runs its logic.
+        assert_eq!(guarded(real, |_| 8), 8);
+    }
+}

@@ -66,7 +66,7 @@ pub unsafe extern "C" fn cuMemCreate(
     flags: c_ulonglong,
 ) -> CUresult {
     real!(let call = cuMemCreate(handle, size, prop, flags) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         // Host and host-NUMA locations (NCCL, ggml) are not device memory.
         let Some((shim, dev)) = CUmemAllocationProp::device(prop).and_then(devices::at) else {
             return call();
@@ -96,7 +96,7 @@ pub unsafe extern "C" fn cuMemCreate(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
     real!(let call = cuMemRelease(handle) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         let mut table = vmm();
         let Some(physical) = table.handles.get_mut(&handle) else {
             // Not ours (imported, or made before the shim saw it).
@@ -136,7 +136,7 @@ pub unsafe extern "C" fn cuMemMap(
     flags: c_ulonglong,
 ) -> CUresult {
     real!(let call = cuMemMap(ptr, size, offset, handle, flags) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         let result = call();
         if result == CUDA_SUCCESS {
             let mut table = vmm();
@@ -152,7 +152,7 @@ pub unsafe extern "C" fn cuMemMap(
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     real!(let call = cuMemUnmap(ptr, size) else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, || {
+    guarded(call, |call| {
         // One range may cover several whole mappings; a range that cuts one
         // is refused by the driver and changes nothing.
         let end = ptr.saturating_add(size as u64);
