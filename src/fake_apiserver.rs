@@ -138,6 +138,9 @@ struct Store {
     /// Serve as an API server without the `DRAConsumableCapacity` feature
     /// gate: drop its fields on write.
     consumable_capacity_off: bool,
+    /// Kinds whose lists and watches are answered 403 Forbidden, as after
+    /// a ClusterRole lost their verbs.
+    forbidden: Vec<Kind>,
 }
 
 struct Shared {
@@ -350,6 +353,19 @@ impl FakeApiServer {
     /// up) and unapplied, as an overloaded API server may.
     pub fn hang_next_bindings(&self, n: u32) {
         self.shared.lock().hung_bindings = n;
+    }
+
+    /// Answers lists and watches of `kind` with 403 Forbidden (`on`), as
+    /// after a ClusterRole lost those verbs, or serves them again. Open
+    /// watches go on until they end ([`end_watches`]).
+    ///
+    /// [`end_watches`]: FakeApiServer::end_watches
+    pub fn forbid(&self, kind: Kind, on: bool) {
+        let mut store = self.shared.lock();
+        store.forbidden.retain(|k| *k != kind);
+        if on {
+            store.forbidden.push(kind);
+        }
     }
 
     /// Ends every open watch, as an API server restart does; clients must
@@ -1117,6 +1133,27 @@ fn list_or_watch(
     };
     let watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
     let store = s.lock();
+    if store.forbidden.contains(&kind) {
+        let verb = if watch { "watch" } else { "list" };
+        let group = kind
+            .api_version()
+            .rsplit_once('/')
+            .map_or("", |(group, _)| group);
+        let plural = kind.resource().split('.').next().unwrap_or_default();
+        let scope = ns.map_or_else(
+            || "at the cluster scope".to_owned(),
+            |ns| format!("in the namespace \"{ns}\""),
+        );
+        return status_error(
+            StatusCode::FORBIDDEN,
+            "Forbidden",
+            &format!(
+                "{} is forbidden: User \"fake\" cannot {verb} resource \"{plural}\" in API \
+                 group \"{group}\" {scope}",
+                kind.resource()
+            ),
+        );
+    }
     if !watch {
         let items: Vec<Value> = store
             .objects

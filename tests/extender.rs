@@ -554,6 +554,42 @@ async fn a_booking_expires_when_the_bind_never_shows_in_the_watch() {
 }
 
 #[tokio::test]
+async fn healthz_fails_while_the_pod_watch_keeps_failing_and_recovers_with_it() {
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &[]).await;
+    // The ClusterRole loses pods' list and watch, and the open watch ends.
+    cluster.api.forbid(Kind::Pod, true);
+    cluster.api.end_watches();
+    let started = Instant::now();
+    assert_eq!(
+        extender.get("/healthz").await.0,
+        200,
+        "a blip is not a failure"
+    );
+    let why = extender
+        .wait_for("/healthz to answer 503", || async {
+            let (code, body) = extender.get("/healthz").await;
+            (code == 503).then_some(body)
+        })
+        .await;
+    assert!(started.elapsed() >= Duration::from_secs(2), "{why}");
+    assert!(
+        why.contains("the pods watch has failed 3 times in a row")
+            && why.contains("pods is forbidden"),
+        "{why}"
+    );
+
+    // Restored: the next change it delivers shows it works again.
+    cluster.api.forbid(Kind::Pod, false);
+    cluster.pending("after", 1);
+    extender
+        .wait_for("/healthz to answer 200 again", || async {
+            (extender.get("/healthz").await.0 == 200).then_some(())
+        })
+        .await;
+}
+
+#[tokio::test]
 async fn a_refused_bind_says_why_and_frees_its_booking() {
     let cluster = Cluster::start().await;
     let extender = Extender::start(&cluster, &[]).await;

@@ -9,7 +9,7 @@
 //! it is gone, as its processes may still hold the memory.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
@@ -170,7 +170,32 @@ pub struct Cache {
     next_id: u64,
     pods_listed: bool,
     nodes_listed: bool,
+    /// Watches whose errors have come with nothing delivered since, by
+    /// what they watch.
+    failing: BTreeMap<&'static str, Failing>,
 }
+
+/// A watch's errors since it last delivered anything.
+#[derive(Debug, Clone)]
+struct Failing {
+    first: Instant,
+    last: Instant,
+    errors: u32,
+    error: String,
+}
+
+/// Errors in a row after which the books count as stale. The watcher
+/// retries at 0.8, 1.6, 3.2 s… (kube-runtime's default backoff, jittered),
+/// so three take about 2.5–5 s: longer than a blip (an API server replica
+/// restarting costs one or two), short next to the readiness probe's
+/// period × threshold.
+pub const STALE_AFTER_ERRORS: u32 = 3;
+
+/// How long after its last error a silent watch counts as recovered: the
+/// watcher's backoff retries at least every 30 s (kube-runtime's default),
+/// so a failure that lasts shows an error within this; a watch that got
+/// through shows nothing until the cluster changes.
+pub const RECOVERED_AFTER: Duration = Duration::from_secs(60);
 
 static NO_USAGE: std::sync::LazyLock<Usage> = std::sync::LazyLock::new(Usage::default);
 
@@ -186,6 +211,7 @@ impl Cache {
             next_id: 0,
             pods_listed: false,
             nodes_listed: false,
+            failing: BTreeMap::new(),
         }
     }
 
@@ -196,6 +222,47 @@ impl Cache {
     /// Whether both watches have delivered their first full list.
     pub fn synced(&self) -> bool {
         self.pods_listed && self.nodes_listed
+    }
+
+    /// The watch of `what` failed at `now` with `error`.
+    pub fn watch_failed(&mut self, what: &'static str, error: String, now: Instant) {
+        let failing = self.failing.entry(what).or_insert_with(|| Failing {
+            first: now,
+            last: now,
+            errors: 0,
+            error: String::new(),
+        });
+        if now.saturating_duration_since(failing.last) >= RECOVERED_AFTER {
+            // It got through in between: a new failure.
+            failing.first = now;
+            failing.errors = 0;
+        }
+        failing.last = now;
+        failing.errors += 1;
+        failing.error = error;
+    }
+
+    /// The watch of `what` delivered a change or a list: it works.
+    pub fn watch_delivered(&mut self, what: &'static str) {
+        self.failing.remove(what);
+    }
+
+    /// Why the books may be stale at `now`: a watch that failed
+    /// [`STALE_AFTER_ERRORS`] times in a row, the last less than
+    /// [`RECOVERED_AFTER`] ago.
+    pub fn stale(&self, now: Instant) -> Option<String> {
+        self.failing.iter().find_map(|(what, f)| {
+            let recent = now.saturating_duration_since(f.last) < RECOVERED_AFTER;
+            (f.errors >= STALE_AFTER_ERRORS && recent).then(|| {
+                format!(
+                    "the {what} watch has failed {} times in a row over {} s (last error: {}); \
+                     the extender's view of GPU usage may be stale",
+                    f.errors,
+                    now.saturating_duration_since(f.first).as_secs(),
+                    f.error
+                )
+            })
+        })
     }
 
     /// A node's GPUs as published; `None`: no such node seen.
@@ -400,7 +467,6 @@ impl Cache {
 pub(crate) mod tests {
     use super::*;
     use serde_json::json;
-    use std::time::Duration;
 
     pub const R: &str = "aliyun.com/gpu-mem";
 
@@ -533,6 +599,33 @@ pub(crate) mod tests {
         assert!(!cache.synced(), "nodes not listed yet");
         cache.replace_nodes([&node("n", &[(15, true)])]);
         assert!(cache.synced());
+    }
+
+    #[test]
+    fn a_watch_that_keeps_failing_makes_the_books_stale_until_it_delivers() {
+        let mut cache = Cache::new(R);
+        let t = Instant::now();
+        let at = |secs: f64| t + Duration::from_secs_f64(secs);
+        for secs in [0.0, 0.8] {
+            cache.watch_failed("pods", "connection refused".into(), at(secs));
+        }
+        assert_eq!(cache.stale(at(2.0)), None, "two errors are a blip");
+        cache.watch_failed("pods", "403".into(), at(2.4));
+        let why = cache.stale(at(3.0)).expect("three errors in a row");
+        assert!(
+            why.contains("pods watch has failed 3 times in a row over 3 s (last error: 403)"),
+            "{why}"
+        );
+        assert!(cache.stale(at(62.3)).is_some(), "an error 59.9 s ago");
+        assert_eq!(cache.stale(at(62.4)), None, "silent since: it got through");
+        cache.watch_failed("pods", "again".into(), at(80.0));
+        assert_eq!(cache.stale(at(80.0)), None, "a new blip");
+        for secs in [81.0, 83.0] {
+            cache.watch_failed("pods", "and again".into(), at(secs));
+        }
+        assert!(cache.stale(at(83.0)).is_some(), "failing again");
+        cache.watch_delivered("pods");
+        assert_eq!(cache.stale(at(83.0)), None);
     }
 
     #[test]

@@ -136,10 +136,19 @@ async fn bind(State(binder): Verbs, body: Bytes) -> Json<ExtenderBindingResult> 
     }
 }
 
+/// 200 while the books are listed and current; 503 before the first lists
+/// and while a watch keeps failing (the readiness probe takes the extender
+/// out of its Service: the verbs would answer from a stale view).
 async fn healthz(State(binder): Verbs) -> Response {
-    if lock(&binder.cache).synced() {
-        (StatusCode::OK, "ok\n").into_response()
+    let cache = lock(&binder.cache);
+    let problem = if cache.synced() {
+        cache.stale(Instant::now())
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("{NOT_SYNCED}\n")).into_response()
+        Some(NOT_SYNCED.to_owned())
+    };
+    drop(cache);
+    match problem {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(problem) => (StatusCode::SERVICE_UNAVAILABLE, format!("{problem}\n")).into_response(),
     }
 }

@@ -8,6 +8,7 @@
 //! whole, so pods deleted while the watch was down stop counting.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -104,6 +105,11 @@ where
             () = stop.cancelled() => return,
             next = stream.next() => next,
         };
+        match &next {
+            Some(Ok(_)) => lock(&cache).watch_delivered(K::WHAT),
+            Some(Err(err)) => lock(&cache).watch_failed(K::WHAT, err.to_string(), Instant::now()),
+            None => {}
+        }
         match next {
             None => return,
             Some(Ok(Event::Init)) => listing.clear(),
@@ -127,7 +133,8 @@ where
             }
             Some(Ok(Event::Delete(object))) => K::remove(&mut lock(&cache), &object),
             // The watcher relists and rewatches (410 Gone included); the
-            // backoff spaces its attempts.
+            // backoff spaces its attempts. One that keeps failing turns
+            // /healthz to 503 (`Cache::stale`).
             Some(Err(err)) => warn!(%err, "watching {}", K::WHAT),
         }
     }
