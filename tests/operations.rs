@@ -755,6 +755,45 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
             .contains(&format!("Process {} holds 6000 MiB", stranger.id())),
         "{unmanaged}"
     );
+
+    // The pod object changes (a label), and the container goes over again:
+    // the same Event counts up, as kubelet's own repeats do (the Event's
+    // reference to the pod carries no resourceVersion).
+    let mut pod = api.get(Kind::Pod, "default", "nb").unwrap();
+    pod["metadata"]["labels"] = serde_json::json!({"touched": "yes"});
+    api.put(pod);
+    // Time for the daemon's pod watch to see the change.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut again = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    d.list_process(again.id(), 4000, &[("cgroup", &in_container('a'))]);
+    let twice = counter.replace(" 1", " 2");
+    loop {
+        if d.get("/metrics").await.1.contains(&twice) {
+            break;
+        }
+        assert!(started.elapsed() < 2 * WAIT, "no {twice}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = again.kill();
+    again.wait().unwrap();
+    d.drop_process(again.id());
+    let repeated = loop {
+        let over: Vec<serde_json::Value> = api
+            .list(Kind::Event)
+            .into_iter()
+            .filter(|e| e["reason"] == "GPUMemoryOverCap")
+            .collect();
+        if over.iter().any(|e| e.pointer("/series/count").is_some()) || over.len() > 1 {
+            break over;
+        }
+        assert!(started.elapsed() < 2 * WAIT, "no repeat: {over:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(repeated.len(), 1, "one Event, counted: {repeated:?}");
+    assert_eq!(repeated[0].pointer("/series/count"), Some(&2.into()));
     h.stop().await;
     (rogue_status, metrics)
 }
