@@ -98,8 +98,8 @@ pub enum InventoryError {
         key: GpuKey,
     },
     #[error(
-        "{devices} devices in {unit} units encode to {bytes} bytes per ListAndWatch message, over \
-         kubelet's {limit}-byte limit; use --memory-unit GiB"
+        "{devices} devices in {unit} units encode to up to {bytes} bytes per ListAndWatch message \
+         (with every GPU Unhealthy), over kubelet's {limit}-byte limit; use --memory-unit GiB"
     )]
     TooLarge {
         devices: usize,
@@ -179,7 +179,15 @@ impl Inventory {
             gpus: split,
             by_key,
         };
-        let bytes = inventory.list_and_watch().encoded_len();
+        // The largest list this inventory can send: every GPU Unhealthy
+        // ("Unhealthy" is 2 bytes longer than "Healthy" per device). A
+        // health change resends the whole list, and one kubelet cannot
+        // receive ends the stream: kubelet drops the plugin's devices.
+        let mut worst = inventory.clone();
+        for gpu in &mut worst.gpus {
+            gpu.gpu.healthy = false;
+        }
+        let bytes = worst.list_and_watch().encoded_len();
         // Leave room for gRPC's 5-byte frame header.
         if bytes + 5 > KUBELET_MAX_MESSAGE {
             return Err(InventoryError::TooLarge {
@@ -327,6 +335,40 @@ mod tests {
         let err = Inventory::new(eight.clone(), MemoryUnit::MiB).unwrap_err();
         assert!(err.to_string().contains("--memory-unit GiB"), "{err}");
         assert!(Inventory::new(eight, MemoryUnit::GiB).is_ok());
+    }
+
+    #[test]
+    fn an_accepted_inventory_fits_kubelets_limit_with_every_gpu_unhealthy() {
+        // One H200 (143771 MiB): its Healthy list fits in MiB units, but
+        // not the same list once the GPU is Unhealthy.
+        let h200 = gpu(0, "GPU-h200", 143_771);
+        let healthy = Inventory {
+            unit: MemoryUnit::MiB,
+            gpus: vec![GpuUnits {
+                units: 143_771,
+                key: GpuKey::of("GPU-h200"),
+                gpu: h200.clone(),
+            }],
+            by_key: HashMap::new(),
+        };
+        assert!(healthy.list_and_watch().encoded_len() + 5 <= KUBELET_MAX_MESSAGE);
+        let err = Inventory::new(vec![h200.clone()], MemoryUnit::MiB).unwrap_err();
+        assert!(
+            err.to_string().contains("(with every GPU Unhealthy)")
+                && err.to_string().contains("--memory-unit GiB"),
+            "{err}"
+        );
+        // Whatever is accepted still fits once unhealthy.
+        for mib in [81_559, 100_000, 130_000] {
+            let Ok(inv) = Inventory::new(vec![gpu(0, "GPU-x", mib)], MemoryUnit::MiB) else {
+                continue;
+            };
+            let sick = inv.with_health("GPU-x", false).unwrap();
+            assert!(
+                sick.list_and_watch().encoded_len() + 5 <= KUBELET_MAX_MESSAGE,
+                "{mib}"
+            );
+        }
     }
 
     #[test]
