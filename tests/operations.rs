@@ -1071,3 +1071,99 @@ fn gpumem_stdout(args: &[impl AsRef<std::ffi::OsStr>]) -> String {
     );
     String::from_utf8(out.stdout).unwrap()
 }
+
+/// The daemon with shim isolation in `unit`, reconciling every 100 ms and
+/// killing after 400 ms over the cap, against `kubelet` (which outlives it).
+fn daemon_in_unit(
+    dir: &Path,
+    node_file: &Path,
+    kubelet: &KubeletSim,
+    isolation: Isolation,
+    unit: MemoryUnit,
+) -> (
+    CancellationToken,
+    JoinHandle<Result<(), daemon::DaemonError>>,
+) {
+    let gpus = FakeGpus::from_file(node_file).unwrap().discover().unwrap();
+    let config = DaemonConfig {
+        plugin: PluginConfig {
+            kubelet_dir: dir.to_owned(),
+            resource_name: Default::default(),
+            policy: Policy::Binpack,
+            isolation,
+            device_list: Default::default(),
+        },
+        pod_resources_socket: kubelet.pod_resources_socket(),
+        common: Common {
+            state_dir: dir.join("state"),
+            metrics: None,
+            state_grace: Duration::from_secs(300),
+            reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
+            over_cap: Some((OverCapAction::Kill, Duration::from_millis(400))),
+        },
+        cluster: None,
+    };
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(daemon::run(
+        config,
+        Inventory::new(gpus, unit).unwrap(),
+        Some(Box::new(FakeHealth::new(node_file))),
+        shutdown.clone(),
+    ));
+    (shutdown, task)
+}
+
+/// A container admitted with 4 GiB units (a 4308 MiB cap on the T4) keeps
+/// its cap when the daemon restarts with `--memory-unit MiB`: read in the
+/// new unit, its grant would be 4 MiB, and the over-cap action would kill a
+/// process using 2000 MiB of its 4308.
+#[tokio::test]
+async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let node_file = dir.path().join("node.toml");
+    std::fs::copy(fixture("t4"), &node_file).unwrap();
+    let (host, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    common::fake_installed_shim(host.path());
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let isolation = || shim(host.path(), state.path());
+
+    let (stop, task) = daemon_in_unit(
+        dir.path(),
+        &node_file,
+        &kubelet,
+        isolation(),
+        MemoryUnit::GiB,
+    );
+    kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.unwrap();
+    let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
+    assert_eq!(allocation.response.envs["GPUMEM_LIMIT_MIB"], "4308");
+    let container_dir = PathBuf::from(&allocation.response.mounts[2].host_path);
+    stop.cancel();
+    task.await.unwrap().unwrap();
+
+    let (stop, task) = daemon_in_unit(
+        dir.path(),
+        &node_file,
+        &kubelet,
+        isolation(),
+        MemoryUnit::MiB,
+    );
+    kubelet.wait_for_devices(RESOURCE, 2, WAIT).await.unwrap();
+    let mut worker = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let mountinfo = common::mountinfo_with_state_dir(&container_dir);
+    common::list_fake_process(&node_file, worker.id(), 2000, &[("mountinfo", &mountinfo)]);
+    // Many reconciliations and grace periods.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let killed = worker.try_wait().unwrap();
+    let _ = worker.kill();
+    let _ = worker.wait();
+    stop.cancel();
+    let _ = task.await;
+    assert_eq!(
+        killed, None,
+        "a process using 2000 of its 4308 MiB was killed"
+    );
+}

@@ -141,14 +141,16 @@ impl PodResources {
 impl crate::isolation::cleanup::Holders for PodResources {
     async fn live(
         &self,
-        inv: &crate::node::inventory::Inventory,
+        _inv: &crate::node::inventory::Inventory,
     ) -> Result<std::collections::HashSet<crate::isolation::containers::ContainerName>, String>
     {
         let holdings = self.holdings().await.map_err(|err| err.to_string())?;
+        // Every unit's name: a container allocated before --memory-unit
+        // changed keeps its directory.
         Ok(holdings
             .iter()
-            .filter_map(|h| {
-                crate::isolation::containers::ContainerName::of_devices(inv, &h.device_ids)
+            .flat_map(|h| {
+                crate::isolation::containers::ContainerName::of_devices_any_unit(&h.device_ids)
             })
             .collect())
     }

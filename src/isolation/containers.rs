@@ -7,8 +7,10 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::isolation::accounting::{self, AccountingError, Cap, Processes};
+use crate::node::inventory::DeviceId;
 use crate::node::inventory::Inventory;
-use crate::node::placement::{self, Assignment};
+use crate::node::placement::Assignment;
+use crate::node::units::{cap_mib, MemoryUnit};
 
 /// Under the state dir, the parent of the per-container directories.
 const CONTAINERS: &str = "containers";
@@ -39,6 +41,18 @@ impl Containers {
             path: self.root.join(name.as_str()),
             name,
         }
+    }
+
+    /// The directory of the container holding `ids` (the devices of
+    /// `assignment`): the one present under any unit's name (a container
+    /// allocated before `--memory-unit` changed, or before names recorded
+    /// the unit), else the one Allocate makes now.
+    pub fn holding(&self, inv: &Inventory, assignment: Assignment, ids: &[String]) -> ContainerDir {
+        ContainerName::of_devices_any_unit(ids)
+            .into_iter()
+            .map(|name| self.get(name))
+            .find(|dir| dir.path.is_dir())
+            .unwrap_or_else(|| self.get(ContainerName::of(inv, assignment, ids)))
     }
 
     /// Every container directory now present, in name order; none when the
@@ -98,7 +112,20 @@ impl ContainerName {
     }
 
     /// The name of the container holding `ids`, the devices of `assignment`.
+    /// It records the unit the devices were counted in (`g`: GiB, `m`:
+    /// MiB; names from before, with `u`, are in the inventory's unit), so a
+    /// grant read back after `--memory-unit` changed is still the one
+    /// Allocate gave.
     pub fn of(inv: &Inventory, assignment: Assignment, ids: &[String]) -> Self {
+        Self::named(
+            &inv.gpus()[assignment.gpu].key.to_string(),
+            assignment.units,
+            Some(inv.unit()),
+            ids,
+        )
+    }
+
+    fn named(key: &str, units: u32, unit: Option<MemoryUnit>, ids: &[String]) -> Self {
         let mut sorted: Vec<&str> = ids.iter().map(String::as_str).collect();
         sorted.sort_unstable();
         let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
@@ -106,41 +133,66 @@ impl ContainerName {
             hash ^= u64::from(byte);
             hash = hash.wrapping_mul(0x0100_0000_01b3);
         }
-        ContainerName(format!(
-            "{}-{}u-{hash:016x}",
-            inv.gpus()[assignment.gpu].key,
-            assignment.units
-        ))
+        let suffix = match unit {
+            Some(MemoryUnit::GiB) => 'g',
+            Some(MemoryUnit::MiB) => 'm',
+            None => 'u',
+        };
+        ContainerName(format!("{key}-{units}{suffix}-{hash:016x}"))
     }
 
-    /// The name of the container holding the devices `ids`; `None` when
-    /// they are not one valid placement (not ours, or on several GPUs).
-    pub fn of_devices(inv: &Inventory, ids: &[String]) -> Option<Self> {
-        let assignment = placement::assign(inv, ids).ok()?;
-        Some(ContainerName::of(inv, assignment, ids))
+    /// Every name a container holding `ids` may have, whichever unit it was
+    /// allocated in: for matching kubelet's list with the directories.
+    pub fn of_devices_any_unit(ids: &[String]) -> Vec<Self> {
+        let parsed: Option<Vec<DeviceId>> = ids.iter().map(|id| DeviceId::parse(id)).collect();
+        let Some(parsed) = parsed.filter(|p| !p.is_empty()) else {
+            return Vec::new();
+        };
+        if parsed.iter().any(|id| id.gpu != parsed[0].gpu) {
+            return Vec::new();
+        }
+        let distinct: std::collections::BTreeSet<_> = parsed.iter().collect();
+        let units = u32::try_from(distinct.len()).unwrap_or(u32::MAX);
+        let key = parsed[0].gpu.to_string();
+        [Some(MemoryUnit::GiB), Some(MemoryUnit::MiB), None]
+            .into_iter()
+            .map(|unit| Self::named(&key, units, unit, ids))
+            .collect()
     }
 
     /// The GPU key and units the name records; `None` for a directory not
     /// named here.
-    fn parts(&self) -> Option<(&str, u32)> {
+    /// The unit is `None` for a name from before units were recorded: the
+    /// inventory's.
+    fn parts(&self) -> Option<(&str, u32, Option<MemoryUnit>)> {
         let mut parts = self.0.split('-');
         let (key, units, _hash) = (parts.next()?, parts.next()?, parts.next()?);
         if parts.next().is_some() {
             return None;
         }
-        Some((key, units.strip_suffix('u')?.parse().ok()?))
+        let (units, unit) = if let Some(units) = units.strip_suffix('g') {
+            (units, Some(MemoryUnit::GiB))
+        } else if let Some(units) = units.strip_suffix('m') {
+            (units, Some(MemoryUnit::MiB))
+        } else {
+            (units.strip_suffix('u')?, None)
+        };
+        Some((key, units.parse().ok()?, unit))
     }
 
     /// The units the name records; `None` for a directory not named here.
     pub fn units(&self) -> Option<u32> {
-        self.parts().map(|(_, units)| units)
+        self.parts().map(|(_, units, _)| units)
     }
 
     /// The GPU (by its position in `inv`) and the units the name records:
     /// what Allocate gave the container, so its grant can be rebuilt without
     /// kubelet. `None` for a directory not named here or a GPU not on the node.
     pub fn assignment(&self, inv: &Inventory) -> Option<Assignment> {
-        let (key, units) = self.parts()?;
+        let (key, units, unit) = self.parts()?;
+        if unit.is_some_and(|unit| unit != inv.unit()) {
+            return None;
+        }
         let gpu = inv.gpus().iter().position(|g| g.key.to_string() == key)?;
         Some(Assignment { gpu, units })
     }
@@ -158,12 +210,14 @@ impl ContainerName {
     /// from what the name records and the node's inventory: unlike the cap
     /// in its accounting file, which the container can write.
     pub fn granted_mib(&self, inv: &Inventory, uuid: &str) -> Option<u64> {
-        let (key, units) = self.parts()?;
+        let (key, units, unit) = self.parts()?;
         let gpu = inv
             .gpus()
             .iter()
             .find(|g| g.gpu.uuid == uuid && g.key.to_string() == key)?;
-        Some(gpu.cap_mib(units))
+        let unit = unit.unwrap_or(inv.unit());
+        let memory = gpu.gpu.memory_mib;
+        Some(cap_mib(units, unit.units_for(memory), memory))
     }
 }
 
@@ -225,13 +279,44 @@ mod tests {
         let name = ContainerName::of(&inv, held, &ids([3, 7]));
         assert_eq!(name, ContainerName::of(&inv, held, &ids([7, 3])));
         assert_ne!(name, ContainerName::of(&inv, held, &ids([3, 8])));
-        assert!(name.as_str().starts_with(&format!("{key}-2u-")), "{name}");
+        assert!(name.as_str().starts_with(&format!("{key}-2g-")), "{name}");
         assert_eq!(name.units(), Some(2));
         assert_eq!(name.assignment(&inv), Some(held));
         assert_eq!(ContainerName("junk".into()).units(), None);
         assert_eq!(ContainerName("junk".into()).assignment(&inv), None);
         assert_eq!(ContainerName("0badbeef-2u-0".into()).assignment(&inv), None);
         assert_eq!(ContainerName("a-b-c".into()).units(), None);
+    }
+
+    #[test]
+    fn a_grant_is_read_in_the_unit_its_name_records() {
+        let inv = t4();
+        let (key, uuid) = (inv.gpus()[0].key, inv.gpus()[0].gpu.uuid.clone());
+        let ids: Vec<String> = (0..4).map(|u| format!("{key}-{u}")).collect();
+        let names = ContainerName::of_devices_any_unit(&ids);
+        let [gib, mib, before] = names.as_slice() else {
+            panic!("{names:?}")
+        };
+        assert_eq!(
+            gib,
+            &ContainerName::of(&inv, Assignment { gpu: 0, units: 4 }, &ids)
+        );
+        // 4 GiB units of the 15079 MiB T4 (14 units): 4308 MiB; 4 MiB units
+        // are 4 MiB; a name from before is read in the configured unit.
+        assert_eq!(gib.granted_mib(&inv, &uuid), Some(4308));
+        assert_eq!(mib.granted_mib(&inv, &uuid), Some(4));
+        assert_eq!(before.granted_mib(&inv, &uuid), Some(4308));
+        assert_eq!(mib.assignment(&inv), None, "not this inventory's units");
+        assert_eq!(
+            before.assignment(&inv),
+            Some(Assignment { gpu: 0, units: 4 })
+        );
+        // The directory present under any of the names is the container's.
+        let state = tempfile::tempdir().unwrap();
+        let containers = Containers::in_state_dir(state.path());
+        std::fs::create_dir_all(containers.get(before.clone()).path).unwrap();
+        let found = containers.holding(&inv, Assignment { gpu: 0, units: 4 }, &ids);
+        assert_eq!(&found.name, before);
     }
 
     #[test]

@@ -186,7 +186,7 @@ pub async fn run(
                 notices,
                 PodEvents::new(cluster.client.clone(), &cluster.node),
                 pods.clone(),
-                device_plugin_users(inventory_rx.clone()),
+                device_plugin_users(),
                 pod_resources.clone(),
                 stop.clone(),
             ));
@@ -286,12 +286,11 @@ struct User {
 }
 
 /// The device plugin's container behind a directory, by its devices.
-fn device_plugin_users(inventory: watch::Receiver<Arc<Inventory>>) -> Users {
+fn device_plugin_users() -> Users {
     Box::new(move |name, holdings| {
-        let inv = inventory.borrow().clone();
         holdings
             .iter()
-            .find(|h| ContainerName::of_devices(&inv, &h.device_ids).as_ref() == Some(name))
+            .find(|h| ContainerName::of_devices_any_unit(&h.device_ids).contains(name))
             .map(|h| User {
                 namespace: h.namespace.clone(),
                 pod: h.pod.clone(),

@@ -383,8 +383,7 @@ fn held(
         };
         let gpu = &inv.gpus()[assignment.gpu];
         let cap_mib = gpu.cap_mib(assignment.units);
-        let dir =
-            containers.map(|c| c.get(ContainerName::of(inv, assignment, &holding.device_ids)));
+        let dir = containers.map(|c| c.holding(inv, assignment, &holding.device_ids));
         let usage = dir
             .as_ref()
             .and_then(|d| d.accounting().ok())
