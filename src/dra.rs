@@ -19,11 +19,12 @@ pub mod slice;
 pub const DEFAULT_DRIVER_NAME: &str = "gpumem.io";
 
 /// A driver name as the API server accepts it: a DNS subdomain (lower-case
-/// letters, digits, '-' and '.', at most 253 characters, each label
-/// beginning and ending with a letter or digit).
+/// letters, digits, '-' and '.', each label beginning and ending with a
+/// letter or digit) of at most 63 characters (`resource.k8s.io/v1`
+/// DriverNameMaxLength, as for CSI drivers).
 pub fn validate_driver_name(name: &str) -> Result<(), &'static str> {
-    if name.is_empty() || name.len() > 253 {
-        return Err("a driver name is 1 to 253 characters long");
+    if name.is_empty() || name.len() > 63 {
+        return Err("a driver name is 1 to 63 characters long");
     }
     let labels_ok = name.split('.').all(|label| {
         let bytes = label.as_bytes();
@@ -50,10 +51,14 @@ pub fn validate_driver_name(name: &str) -> Result<(), &'static str> {
 mod tests {
     #[test]
     fn driver_names_are_dns_subdomains() {
-        for good in ["gpumem.io", "gpu.example.com", "a"] {
+        let longest = format!("{}.example.com", "a".repeat(51));
+        for good in ["gpumem.io", "gpu.example.com", "a", &longest] {
             assert_eq!(super::validate_driver_name(good), Ok(()), "{good}");
         }
+        // The API server refuses every ResourceSlice of a longer name.
+        let too_long = format!("{}.example.com", "a".repeat(52));
         for bad in [
+            &too_long,
             "",
             "GPUmem.io",
             "gpumem..io",

@@ -795,3 +795,47 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
     prepared[&uid(7)].as_ref().unwrap();
     assert!(host.spec_file(&uid(7)).exists());
 }
+
+/// A checkpoint that does not parse loses the records, not the claims: their
+/// pods still run, and kubelet (which has them as prepared) hands the same
+/// CDI devices to the runtime at every container restart without preparing
+/// them again. Their specs stay, and kubelet's Unprepare removes each.
+#[tokio::test]
+async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare() {
+    let host = Host::new();
+    let api = api().await;
+    let mut driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    let prepared = kubelet.prepare(&[claim_ref("nb", &uid(1))]).await.unwrap();
+    prepared[&uid(1)].as_ref().unwrap();
+    assert!(host.spec_file(&uid(1)).exists());
+
+    // The driver restarts and finds its checkpoint truncated.
+    driver.kill();
+    std::fs::write(host.checkpoint(), b"{\"version\":1,\"bootId\":").unwrap();
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap();
+    wait_until("the corrupt checkpoint to be reported", || {
+        driver
+            .log()
+            .contains("started a new DRA checkpoint")
+            .then_some(())
+    })
+    .await;
+    assert!(
+        host.spec_file(&uid(1)).exists(),
+        "the prepared claim's CDI spec was removed: its containers cannot restart\n{}",
+        driver.log()
+    );
+    let unprepared = kubelet
+        .unprepare(&[claim_ref("nb", &uid(1))])
+        .await
+        .unwrap();
+    unprepared[&uid(1)].as_ref().unwrap();
+    assert!(!host.spec_file(&uid(1)).exists(), "{}", driver.log());
+}

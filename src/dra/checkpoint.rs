@@ -62,7 +62,7 @@ pub enum CheckpointError {
     #[error("cannot write the DRA checkpoint {path} (is its directory writable and the disk not full?): {source}")]
     Write { path: PathBuf, source: io::Error },
     /// Returned in [`Opened::corrupt`], not as a failure of `open`.
-    #[error("the DRA checkpoint {path} does not parse ({source}); it was moved to {moved_to} and an empty one started: the claims it recorded are not unprepared, so their accounting directories and CDI specs may be left behind")]
+    #[error("the DRA checkpoint {path} does not parse ({source}); it was moved to {moved_to} and an empty one started: the claims it recorded keep their CDI specs until kubelet unprepares them, and their accounting directories follow the clean-up rules")]
     Corrupt {
         path: PathBuf,
         moved_to: PathBuf,

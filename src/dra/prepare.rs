@@ -568,7 +568,20 @@ impl PreparedClaims {
         let mut checkpoint = self.checkpoint();
         match checkpoint.get(uid).cloned() {
             Some(entry) => self.forget_entry(&mut checkpoint, uid, &entry),
-            None => Ok(()),
+            // Not recorded (a checkpoint lost or moved aside): a spec of
+            // ours for the claim is named by its UID.
+            None => {
+                let specs = &self.inner.config.specs;
+                if ContainerName::of_claim(uid).is_none() {
+                    return Ok(());
+                }
+                specs
+                    .remove(uid)
+                    .map_err(|source| PrepareError::RemoveSpec {
+                        path: specs.path(uid),
+                        source,
+                    })
+            }
         }
     }
 

@@ -505,7 +505,7 @@ pub async fn run_dra(
     let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
     let opened = Checkpoint::open(&common.state_dir.join(CHECKPOINT), &config.boot_id)?;
     if let Some(err) = &opened.corrupt {
-        error!(%err, "started a new DRA checkpoint: claims prepared before keep their files until the node restarts");
+        error!(%err, "started a new DRA checkpoint: claims prepared before keep their CDI specs until kubelet unprepares them");
     }
     let claims = PreparedClaims::new(
         config.driver.clone(),
@@ -515,7 +515,13 @@ pub async fn run_dra(
     );
     claims.recover(opened.interrupted, "interrupted while being prepared");
     claims.recover(opened.stale, "prepared before the node rebooted");
-    claims.remove_unrecorded_specs();
+    // A checkpoint that did not parse named claims whose pods may still
+    // run: kubelet reuses their CDI IDs at every container restart without
+    // preparing them again, so their specs stay; kubelet's Unprepare of
+    // each removes it (see `forget`).
+    if opened.corrupt.is_none() {
+        claims.remove_unrecorded_specs();
+    }
     if let Err(err) = std::fs::create_dir_all(config.driver.specs.dir()) {
         warn!(dir = %config.driver.specs.dir().display(), %err, "--cdi-spec-dir is not usable; claims are refused until it is");
     }
