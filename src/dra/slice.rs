@@ -605,7 +605,8 @@ impl Publisher {
                      feature gate. Each GPU can then be allocated to one ResourceClaim only, \
                      whole, instead of being shared by memory. Enable DRAConsumableCapacity on \
                      kube-apiserver, kube-scheduler and kubelet (beta and on by default from \
-                     Kubernetes 1.36, alpha in 1.34 and 1.35)"
+                     Kubernetes 1.36, alpha in 1.34 and 1.35), then restart this driver if \
+                     kubelet did not restart"
                 );
             }
             (Some(false), true) => {
