@@ -204,6 +204,13 @@ fn claim(name: &str, uid: &str, results: &[(&str, Option<&str>, Option<&str>)]) 
     allocated_claim("default", name, uid, DRIVER, NODE, &results)
 }
 
+/// A 1.34 kubelet registered with the driver on `host`.
+async fn kubelet_1_34(host: &Host) -> FakeDraKubelet {
+    FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap()
+}
+
 fn claim_ref(name: &str, uid: &str) -> ClaimRef {
     ClaimRef {
         namespace: "default".into(),
@@ -324,9 +331,7 @@ async fn an_api_server_without_consumable_capacity_is_detected_and_said() {
 
     // A claim allocated whole (no consumedCapacity) is capped at the GPU.
     api.put(claim("whole", &uid(9), &[("gpu-0", None, None)]));
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     let prepared = kubelet
         .prepare(&[claim_ref("whole", &uid(9))])
         .await
@@ -347,9 +352,7 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
     std::fs::create_dir_all(host.path("kubelet")).unwrap();
     let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
     let driver = Driver::start_with(&host, &api, &pod_resources.pod_resources_socket()).await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     let names = ["notebook-1", "notebook-2", "notebook-3"];
     let mut refs = Vec::new();
     for (i, name) in names.iter().enumerate() {
@@ -528,9 +531,7 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
         ],
     )
     .await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     let uid = uid(7);
     api.put(claim("notebook", &uid, &[("gpu-0", Some("4Gi"), None)]));
     let prepared = kubelet
@@ -594,9 +595,7 @@ async fn where_nvidias_cdi_spec_names_the_gpu_the_claim_gets_it_too() {
     std::fs::write(host.path("cdi/nvidia.yaml"), nvidia).unwrap();
     let api = api().await;
     let driver = Driver::start(&host, &api).await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     api.put(claim("c", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
     let prepared = kubelet.prepare(&[claim_ref("c", &uid(1))]).await.unwrap();
     let devices = prepared[&uid(1)]
@@ -673,9 +672,7 @@ async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boo
     let host = Host::new();
     let api = api().await;
     let mut driver = Driver::start(&host, &api).await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     for n in [1, 2] {
         api.put(claim(
             &format!("c{n}"),
@@ -691,9 +688,7 @@ async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boo
     driver.kill();
     api.delete(Kind::ResourceClaim, "default", "c1");
     let driver = Driver::start(&host, &api).await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     let again = kubelet.prepare(&refs[1..]).await.unwrap();
     assert_eq!(again[&uid(2)], prepared[&uid(2)], "the record answers");
     let done = kubelet.unprepare(&refs[..1]).await.unwrap();
@@ -785,9 +780,7 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
 
     // Prepared afresh when kubelet asks again.
     api.put(claim("cut-off", &uid(7), &[("gpu-0", Some("4Gi"), None)]));
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     let prepared = kubelet
         .prepare(&[claim_ref("cut-off", &uid(7))])
         .await
@@ -805,9 +798,7 @@ async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare
     let host = Host::new();
     let api = api().await;
     let mut driver = Driver::start(&host, &api).await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
     let prepared = kubelet.prepare(&[claim_ref("nb", &uid(1))]).await.unwrap();
     prepared[&uid(1)].as_ref().unwrap();
@@ -817,9 +808,7 @@ async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare
     driver.kill();
     std::fs::write(host.checkpoint(), b"{\"version\":1,\"bootId\":").unwrap();
     let driver = Driver::start(&host, &api).await;
-    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
-        .await
-        .unwrap();
+    let kubelet = kubelet_1_34(&host).await;
     wait_until("the corrupt checkpoint to be reported", || {
         driver
             .log()

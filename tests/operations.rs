@@ -101,36 +101,24 @@ impl Daemon {
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let gpus = FakeGpus::from_file(&node_file).unwrap().discover().unwrap();
-        let config = DaemonConfig {
-            plugin: PluginConfig {
-                kubelet_dir: dir.path().to_owned(),
-                resource_name: Default::default(),
-                policy: Policy::Binpack,
-                isolation,
-                device_list: Default::default(),
-            },
-            pod_resources_socket: if pod_resources {
-                kubelet.pod_resources_socket()
-            } else {
-                dir.path().join("no-pod-resources.sock")
-            },
-            common: Common {
-                state_dir: dir.path().join("state"),
-                metrics: Some(listener),
-                state_grace: grace,
-                reconcile: Some((Box::new(FakeProcesses::new(&node_file)), RECONCILE)),
-                over_cap,
-            },
-            cluster,
+        let pod_resources_socket = if pod_resources {
+            kubelet.pod_resources_socket()
+        } else {
+            dir.path().join("no-pod-resources.sock")
         };
-        let shutdown = CancellationToken::new();
-        let task = tokio::spawn(daemon::run(
-            config,
-            Inventory::new(gpus, MemoryUnit::GiB).unwrap(),
-            Some(Box::new(FakeHealth::new(&node_file))),
-            shutdown.clone(),
-        ));
+        let (shutdown, task) = spawn_daemon(
+            dir.path(),
+            &node_file,
+            isolation,
+            MemoryUnit::GiB,
+            |config| {
+                config.pod_resources_socket = pod_resources_socket;
+                config.common.metrics = Some(listener);
+                config.common.state_grace = grace;
+                config.common.over_cap = over_cap;
+                config.cluster = cluster;
+            },
+        );
         kubelet
             .wait_for_devices(RESOURCE, 1, WAIT)
             .await
@@ -201,6 +189,22 @@ impl Daemon {
 
     fn rewrite_node_file(&self, text: String) {
         common::rewrite_fake_gpus(&self.node_file, text);
+    }
+
+    /// Waits until `/metrics` has `line`; returns the page.
+    async fn wait_for_metric(&self, line: &str) -> String {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let (_, metrics) = self.get("/metrics").await;
+            if metrics.contains(line) {
+                return metrics;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no {line}:\n{metrics}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Waits until the one container's status passes `check`.
@@ -693,14 +697,7 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
         OverCapAction::Kill => "gpumem_over_cap_kills_total 1",
         OverCapAction::Report => "gpumem_over_cap_reports_total 1",
     };
-    let metrics = loop {
-        let (_, metrics) = d.get("/metrics").await;
-        if metrics.contains(counter) {
-            break metrics;
-        }
-        assert!(started.elapsed() < WAIT, "no {counter}:\n{metrics}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let metrics = d.wait_for_metric(counter).await;
     // Not before the grace period.
     assert!(started.elapsed() >= grace, "{:?}", started.elapsed());
     let rogue_status = match action {
@@ -769,14 +766,7 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
         .spawn()
         .unwrap();
     d.list_process(again.id(), 4000, &[("cgroup", &in_container('a'))]);
-    let twice = counter.replace(" 1", " 2");
-    loop {
-        if d.get("/metrics").await.1.contains(&twice) {
-            break;
-        }
-        assert!(started.elapsed() < 2 * WAIT, "no {twice}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    d.wait_for_metric(&counter.replace(" 1", " 2")).await;
     let _ = again.kill();
     again.wait().unwrap();
     d.drop_process(again.id());
@@ -1072,20 +1062,22 @@ fn gpumem_stdout(args: &[impl AsRef<std::ffi::OsStr>]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// The daemon with shim isolation in `unit`, reconciling every 100 ms and
-/// killing after 400 ms over the cap, against `kubelet` (which outlives it).
-fn daemon_in_unit(
+/// The daemon as these tests run it, in `dir` (kubelet's directory) with
+/// the GPUs of `node_file` counted in `unit`, reconciling every
+/// `RECONCILE`; `configure` sets what a test needs beyond that (no
+/// pod-resources, metrics, over-cap action or API server by default).
+fn spawn_daemon(
     dir: &Path,
     node_file: &Path,
-    kubelet: &KubeletSim,
     isolation: Isolation,
     unit: MemoryUnit,
+    configure: impl FnOnce(&mut DaemonConfig),
 ) -> (
     CancellationToken,
     JoinHandle<Result<(), daemon::DaemonError>>,
 ) {
     let gpus = FakeGpus::from_file(node_file).unwrap().discover().unwrap();
-    let config = DaemonConfig {
+    let mut config = DaemonConfig {
         plugin: PluginConfig {
             kubelet_dir: dir.to_owned(),
             resource_name: Default::default(),
@@ -1093,16 +1085,17 @@ fn daemon_in_unit(
             isolation,
             device_list: Default::default(),
         },
-        pod_resources_socket: kubelet.pod_resources_socket(),
+        pod_resources_socket: dir.join("no-pod-resources.sock"),
         common: Common {
             state_dir: dir.join("state"),
             metrics: None,
             state_grace: Duration::from_secs(300),
             reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
-            over_cap: Some((OverCapAction::Kill, Duration::from_millis(400))),
+            over_cap: None,
         },
         cluster: None,
     };
+    configure(&mut config);
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(daemon::run(
         config,
@@ -1125,15 +1118,20 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
     let (host, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     common::fake_installed_shim(host.path());
     let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let isolation = || shim(host.path(), state.path());
+    let start = |unit| {
+        spawn_daemon(
+            dir.path(),
+            &node_file,
+            shim(host.path(), state.path()),
+            unit,
+            |config| {
+                config.pod_resources_socket = kubelet.pod_resources_socket();
+                config.common.over_cap = Some((OverCapAction::Kill, Duration::from_millis(400)));
+            },
+        )
+    };
 
-    let (stop, task) = daemon_in_unit(
-        dir.path(),
-        &node_file,
-        &kubelet,
-        isolation(),
-        MemoryUnit::GiB,
-    );
+    let (stop, task) = start(MemoryUnit::GiB);
     kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.unwrap();
     let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
     assert_eq!(allocation.response.envs["GPUMEM_LIMIT_MIB"], "4308");
@@ -1141,13 +1139,7 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
     stop.cancel();
     task.await.unwrap().unwrap();
 
-    let (stop, task) = daemon_in_unit(
-        dir.path(),
-        &node_file,
-        &kubelet,
-        isolation(),
-        MemoryUnit::MiB,
-    );
+    let (stop, task) = start(MemoryUnit::MiB);
     kubelet.wait_for_devices(RESOURCE, 2, WAIT).await.unwrap();
     let mut worker = std::process::Command::new("sleep")
         .arg("60")

@@ -141,7 +141,6 @@ impl PodResources {
 impl crate::isolation::cleanup::Holders for PodResources {
     async fn live(
         &self,
-        _inv: &crate::node::inventory::Inventory,
     ) -> Result<std::collections::HashSet<crate::isolation::containers::ContainerName>, String>
     {
         let holdings = self.holdings().await.map_err(|err| err.to_string())?;

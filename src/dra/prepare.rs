@@ -194,8 +194,9 @@ impl PreparedClaims {
     }
 
     /// Removes the specs of our kind that no prepared claim names: those of
-    /// a checkpoint that did not parse, or of another boot's claims whose
-    /// roll-back was cut off. Call it at start, before kubelet can prepare.
+    /// another boot's claims whose roll-back was cut off. Call it at start,
+    /// before kubelet can prepare, and only with a checkpoint that parsed
+    /// (the claims of one that did not still run, and keep their specs).
     pub fn remove_unrecorded_specs(&self) {
         let specs = &self.inner.config.specs;
         let checkpoint = self.checkpoint();
@@ -570,18 +571,8 @@ impl PreparedClaims {
             Some(entry) => self.forget_entry(&mut checkpoint, uid, &entry),
             // Not recorded (a checkpoint lost or moved aside): a spec of
             // ours for the claim is named by its UID.
-            None => {
-                let specs = &self.inner.config.specs;
-                if ContainerName::of_claim(uid).is_none() {
-                    return Ok(());
-                }
-                specs
-                    .remove(uid)
-                    .map_err(|source| PrepareError::RemoveSpec {
-                        path: specs.path(uid),
-                        source,
-                    })
-            }
+            None if ContainerName::of_claim(uid).is_some() => self.remove_spec(uid),
+            None => Ok(()),
         }
     }
 
@@ -591,15 +582,20 @@ impl PreparedClaims {
         uid: &str,
         entry: &ClaimEntry,
     ) -> Result<(), PrepareError> {
-        let specs = &self.inner.config.specs;
-        specs
-            .remove(&entry.cdi_device)
-            .map_err(|source| PrepareError::RemoveSpec {
-                path: specs.path(&entry.cdi_device),
-                source,
-            })?;
+        self.remove_spec(&entry.cdi_device)?;
         checkpoint.remove(uid)?;
         Ok(())
+    }
+
+    /// Removes the CDI spec of device `name`, if there is one.
+    fn remove_spec(&self, name: &str) -> Result<(), PrepareError> {
+        let specs = &self.inner.config.specs;
+        specs
+            .remove(name)
+            .map_err(|source| PrepareError::RemoveSpec {
+                path: specs.path(name),
+                source,
+            })
     }
 }
 
@@ -756,7 +752,7 @@ pub fn nvidia_cdi_id(dirs: &[PathBuf], uuid: &str) -> Option<String> {
 
 #[tonic::async_trait]
 impl crate::isolation::cleanup::Holders for PreparedClaims {
-    async fn live(&self, _inv: &Inventory) -> Result<HashSet<ContainerName>, String> {
+    async fn live(&self) -> Result<HashSet<ContainerName>, String> {
         Ok(self.live_dirs())
     }
 

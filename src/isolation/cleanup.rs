@@ -27,7 +27,7 @@ type UnusedSince = HashMap<ContainerName, Instant>;
 pub trait Holders: Send + Sync + 'static {
     /// The directories in use; an error when unsure, and then nothing is
     /// removed.
-    async fn live(&self, inv: &Inventory) -> Result<HashSet<ContainerName>, String>;
+    async fn live(&self) -> Result<HashSet<ContainerName>, String>;
 
     /// Runs `remove`, the removal of `name`'s directory, unless a holder
     /// took the directory since `live` answered (`None`); on a blocking
@@ -84,7 +84,7 @@ pub async fn run(
             warn!(%err, "state clean-up stopped");
             return;
         }
-        let live = match holders.live(&inv).await {
+        let live = match holders.live().await {
             Ok(live) => live,
             Err(err) => {
                 // Unsure who holds what: remove nothing.
@@ -222,7 +222,7 @@ mod tests {
 
     #[tonic::async_trait]
     impl Holders for TookAgain {
-        async fn live(&self, _inv: &Inventory) -> Result<HashSet<ContainerName>, String> {
+        async fn live(&self) -> Result<HashSet<ContainerName>, String> {
             Ok(HashSet::new())
         }
 
