@@ -37,10 +37,15 @@ struct Plugin {
 
 impl Plugin {
     async fn start(env: &[(&str, &str)]) -> Plugin {
+        Plugin::start_reporting(env, &[]).await
+    }
+
+    /// Starts with these lines already in the health file.
+    async fn start_reporting(env: &[(&str, &str)], lines: &[String]) -> Plugin {
         let dir = tempfile::tempdir().unwrap();
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         let health = dir.path().join("health");
-        std::fs::write(&health, "").unwrap();
+        std::fs::write(&health, lines.join("\n") + "\n").unwrap();
         let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -121,6 +126,15 @@ impl Plugin {
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             .filter(|l| l["fields"]["message"] == message && l["fields"]["uuid"] == uuid)
+            .collect()
+    }
+
+    /// The log's JSON lines with this message, about any GPU.
+    fn logged_anywhere(&self, message: &str) -> Vec<serde_json::Value> {
+        self.log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|l| l["fields"]["message"] == message)
             .collect()
     }
 
@@ -219,6 +233,40 @@ async fn an_xid_that_needs_a_reset_holds_the_gpu_until_then_and_others_recover()
     p.until("XID 79 (fallen off the bus) on B", HEALTHY, UNHEALTHY)
         .await;
     assert!(p.reason(B).contains("XID 79"));
+    p.stop();
+}
+
+#[tokio::test]
+async fn a_gpu_that_takes_no_xid_events_costs_no_other_gpu_its_own() {
+    // NVML frees an event set when a registration fails: A, refusing,
+    // must not take B's XIDs with it.
+    let mut lines = vec![line(A, "xid-events refused")];
+    let mut p = Plugin::start_reporting(&[], &lines).await;
+    let refused = p.logged_anywhere("XID events unavailable; only polling this GPU");
+    assert_eq!(refused.len(), 1, "{}", p.log());
+    assert_eq!(refused[0]["fields"]["gpu"], 0);
+    lines.push(line(B, "xid 94"));
+    p.report(&lines);
+    p.until("XID 94 on B", HEALTHY, UNHEALTHY).await;
+    p.until("B quiet for a second", HEALTHY, HEALTHY).await;
+
+    // A GPU whose supported event types lack XIDs is not even tried.
+    lines = vec![line(A, "xid-events unsupported")];
+    p.report(&lines);
+    p.restart().await;
+    let watching = p.logged_anywhere("watching XID events");
+    assert_eq!(watching.len(), 2, "{}", p.log());
+    assert_eq!(watching[1]["fields"]["gpus"], "[1]");
+    assert_eq!(
+        p.logged_anywhere("the GPU reports no XID events; only polling this GPU")
+            .len(),
+        1,
+        "{}",
+        p.log()
+    );
+    lines.push(line(B, "xid 79"));
+    p.report(&lines);
+    p.until("XID 79 on B", HEALTHY, UNHEALTHY).await;
     p.stop();
 }
 

@@ -222,32 +222,22 @@ enum Finding {
 }
 
 impl NvmlHealth {
-    /// Registers for critical XID events on every GPU.
+    /// Registers for critical XID events on every GPU that takes them.
     pub fn new(ignored: &[u64], recovery: Duration) -> Result<Self, crate::node::gpu::GpuError> {
-        use nvml_wrapper::bitmasks::event::EventTypes;
         let nvml_err =
             |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(e.to_string());
         // Lives as long as the process: the event set borrows it.
         let nvml: &'static nvml_wrapper::Nvml =
             Box::leak(Box::new(nvml_wrapper::Nvml::init().map_err(nvml_err)?));
         let count = nvml.device_count().map_err(nvml_err)?;
-        let mut events = Some(nvml.create_event_set().map_err(nvml_err)?);
         let mut uuids = Vec::new();
         for index in 0..count {
             let device = nvml.device_by_index(index).map_err(nvml_err)?;
             uuids.push(device.uuid().map_err(nvml_err)?);
-            if let Some(set) = events.take() {
-                match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
-                    Ok(set) => events = Some(set),
-                    Err(e) => {
-                        warn!(gpu = index, error = %e.error, "XID events unavailable; only polling this GPU")
-                    }
-                }
-            }
         }
         Ok(NvmlHealth {
             nvml,
-            events,
+            events: xid_events(nvml, count),
             gpus: uuids
                 .iter()
                 .map(|u| (u.clone(), GpuState::default()))
@@ -415,6 +405,64 @@ impl NvmlHealth {
                 }
             }
         }
+    }
+}
+
+/// An event set holding critical XIDs of every GPU that takes them; the
+/// others are only polled. nvml-wrapper frees the set whenever a
+/// registration fails, so a GPU that refuses one is left out and the set
+/// built again: one GPU must not cost every other its XIDs.
+fn xid_events(
+    nvml: &'static nvml_wrapper::Nvml,
+    count: u32,
+) -> Option<nvml_wrapper::EventSet<'static>> {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    let xids = EventTypes::CRITICAL_XID_ERROR;
+    let mut gpus: Vec<u32> = (0..count)
+        .filter(|&index| {
+            let supported = nvml
+                .device_by_index(index)
+                .and_then(|d| d.supported_event_types());
+            match supported {
+                Ok(types) if !types.contains(xids) => {
+                    warn!(
+                        gpu = index,
+                        "the GPU reports no XID events; only polling this GPU"
+                    );
+                    false
+                }
+                // Older drivers may not answer; registering will tell.
+                _ => true,
+            }
+        })
+        .collect();
+    'build: loop {
+        if gpus.is_empty() {
+            return None;
+        }
+        let mut set = match nvml.create_event_set() {
+            Ok(set) => set,
+            Err(error) => {
+                warn!(%error, "no NVML event set; XID events unavailable, only polling every GPU");
+                return None;
+            }
+        };
+        for (at, &index) in gpus.iter().enumerate() {
+            let registered = nvml
+                .device_by_index(index)
+                .map_err(Into::into)
+                .and_then(|d| d.register_events(xids, set));
+            match registered {
+                Ok(kept) => set = kept,
+                Err(e) => {
+                    warn!(gpu = index, error = %e.error, "XID events unavailable; only polling this GPU");
+                    gpus.remove(at);
+                    continue 'build;
+                }
+            }
+        }
+        info!(gpus = ?gpus, "watching XID events");
+        return Some(set);
     }
 }
 

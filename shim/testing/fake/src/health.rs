@@ -14,7 +14,11 @@
 //! - `lost`, `reset-required`: device queries fail with `GPU_IS_LOST` /
 //!   `RESET_REQUIRED`;
 //! - `unknown-error [N]`: device queries fail with `UNKNOWN`, the next N times
-//!   or (no N) every time.
+//!   or (no N) every time;
+//! - `xid-events unsupported`: the device's supported event types lack
+//!   critical XIDs and registering for them answers `NOT_SUPPORTED`;
+//!   `xid-events refused`: they list them, yet registering answers `UNKNOWN`
+//!   (after which NVML's set is in an undefined state).
 //!
 //! Replace the file whole (write another, rename it over) so that no reader
 //! sees half a line. `FAKEGPU_MEMORY_REPAIR=retirement` makes the devices
@@ -53,6 +57,16 @@ struct Device {
     reset_required: bool,
     /// `Some(None)`: every query fails; `Some(Some(n))`: the first n do.
     unknown: Option<Option<u64>>,
+    xid_events: XidEvents,
+}
+
+/// Whether a device takes critical XID events.
+#[derive(Debug, Default, PartialEq, Eq)]
+enum XidEvents {
+    #[default]
+    Supported,
+    Unsupported,
+    Refused,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -90,6 +104,8 @@ fn parse(text: &str, uuids: &[String]) -> Health {
             ["reset-required"] => device.reset_required = true,
             ["unknown-error"] => device.unknown = Some(None),
             ["unknown-error", n] => device.unknown = n.parse().ok().map(Some),
+            ["xid-events", "unsupported"] => device.xid_events = XidEvents::Unsupported,
+            ["xid-events", "refused"] => device.xid_events = XidEvents::Refused,
             _ => {}
         }
     }
@@ -270,8 +286,41 @@ pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
         return NVML_INVALID_ARGUMENT;
     };
     if types & XID_CRITICAL_ERROR != 0 {
+        match read().devices.get(&dev).map(|d| &d.xid_events) {
+            Some(XidEvents::Unsupported) => return NVML_NOT_SUPPORTED,
+            Some(XidEvents::Refused) => return NVML_ERROR_UNKNOWN,
+            _ => {}
+        }
         set.lock().unwrap_or_else(|e| e.into_inner()).devices[dev] = true;
     }
+    NVML_SUCCESS
+}
+
+/// Critical XIDs and the other types every GPU since Fermi reports, less
+/// XIDs where the file says so.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
+    handle: *mut c_void,
+    types: *mut c_ulonglong,
+) -> NvmlReturn {
+    /// `nvmlEventTypeSingleBitEccError | DoubleBitEccError | PState | Clock`.
+    const OTHER_TYPES: c_ulonglong = 0x1 | 0x2 | 0x4 | 0x10;
+    let Some(dev) = nvml_device(handle) else {
+        return NVML_INVALID_ARGUMENT;
+    };
+    if types.is_null() {
+        return NVML_INVALID_ARGUMENT;
+    }
+    if let Some(error) = query_error(dev) {
+        return error;
+    }
+    let unsupported = read()
+        .devices
+        .get(&dev)
+        .is_some_and(|d| d.xid_events == XidEvents::Unsupported);
+    let xids = if unsupported { 0 } else { XID_CRITICAL_ERROR };
+    // SAFETY: checked non-null; the caller's out parameter.
+    unsafe { *types = OTHER_TYPES | xids };
     NVML_SUCCESS
 }
 
@@ -338,12 +387,14 @@ mod tests {
         let uuids = ["GPU-a".to_owned(), "GPU-b".to_owned()];
         let health = parse(
             "GPU-a xid 48\nGPU-b remap pending\nGPU-c xid 79\n\nGPU-a unknown-error 2\n\
-             GPU-b xid 94\nGPU-b lost\nGPU-a xid x\nGPU-a remap\n",
+             GPU-b xid 94\nGPU-b lost\nGPU-a xid x\nGPU-a remap\nGPU-b xid-events refused\n",
             &uuids,
         );
         assert_eq!(health.xids, [(0, 48), (1, 94)]);
         let b = &health.devices[&1];
         assert!(b.remap_pending && b.lost && !b.remap_failure);
+        assert_eq!(b.xid_events, XidEvents::Refused);
+        assert_eq!(health.devices[&0].xid_events, XidEvents::Supported);
         assert_eq!(health.devices[&0].unknown, Some(Some(2)));
         assert_eq!(
             parse("GPU-a unknown-error", &uuids).devices[&0].unknown,
