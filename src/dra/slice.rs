@@ -53,8 +53,19 @@ const CONFLICT_RETRIES: usize = 3;
 /// subdomain).
 const MAX_NAME: usize = 253;
 
-/// The longest string attribute value the API server accepts.
+/// The longest string attribute value the API server accepts, in bytes
+/// (Go's `len`).
 const MAX_STRING_ATTRIBUTE: usize = 64;
+
+/// The longest prefix of `s` of at most `max` bytes that ends on a
+/// character's boundary.
+fn cut_to_bytes(s: &str, max: usize) -> &str {
+    let mut end = s.len().min(max);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
 
 /// What the publisher last did, for `/status` and metrics. It lives in a
 /// `tokio::sync::watch` channel: [`run`] holds the sender, and readers
@@ -184,11 +195,11 @@ fn device(gpu: &Gpu, units: u32, unit: MemoryUnit, facts: &NodeFacts) -> Device 
             valid_values: None,
         }),
     };
-    // The API server refuses a string attribute over 64 characters, and
-    // with it the whole slice; a long product name (a fake GPU file takes
-    // any) is cut instead.
+    // The API server refuses a string attribute over 64 bytes, and with it
+    // the whole slice; a long product name (a fake GPU file takes any) is
+    // cut instead, at a character's boundary.
     let string = |s: &str| DeviceAttribute {
-        string: Some(s.chars().take(MAX_STRING_ATTRIBUTE).collect()),
+        string: Some(cut_to_bytes(s, MAX_STRING_ATTRIBUTE).to_owned()),
         ..DeviceAttribute::default()
     };
     let version = |major: u32, minor: u32| DeviceAttribute {
@@ -902,6 +913,21 @@ mod tests {
         let devices = slice.spec.devices.unwrap();
         let names: Vec<&String> = devices[0].attributes.as_ref().unwrap().keys().collect();
         assert_eq!(names, ["index", "productName", "type", "uuid"]);
+    }
+
+    #[test]
+    fn a_long_product_name_is_cut_to_64_bytes_not_64_characters() {
+        let mut named = gpu(0, 16160);
+        // 'Ä' takes two bytes: 40 of them are 80 bytes in 40 characters.
+        named.name = format!("Tesla {}", "Ä".repeat(40));
+        let inv = Inventory::new(vec![named], MemoryUnit::GiB).unwrap();
+        let slice = build(NODE, NODE_UID, DRIVER, &inv, &NodeFacts::default(), 1);
+        let devices = slice.spec.devices.unwrap();
+        let attributes = devices[0].attributes.as_ref().unwrap();
+        let name = attributes["productName"].string.as_deref().unwrap();
+        // "Tesla " and 29 whole 'Ä's: 64 bytes would split the 30th.
+        assert_eq!(name, format!("Tesla {}", "Ä".repeat(29)));
+        assert_eq!(name.len(), 64);
     }
 
     #[test]
