@@ -794,6 +794,80 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
 /// CDI devices to the runtime at every container restart without preparing
 /// them again. Their specs stay, and kubelet's Unprepare removes each.
 #[tokio::test]
+async fn after_a_downgrade_a_claim_in_a_newer_state_is_prepared_again() {
+    let host = Host::new();
+    let api = api().await;
+    let mut driver = Driver::start(&host, &api).await;
+    let kubelet = kubelet_1_34(&host).await;
+    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    let refs = [claim_ref("nb", &uid(1))];
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    prepared[&uid(1)].as_ref().unwrap();
+
+    // A newer version recorded a state this one does not know.
+    driver.kill();
+    let mut record: Value =
+        serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    record["claims"][uid(1)]["state"] = json!("Resizing");
+    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = kubelet_1_34(&host).await;
+    let again = kubelet.prepare(&refs).await.unwrap();
+    assert_eq!(again[&uid(1)], prepared[&uid(1)], "{}", driver.log());
+    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    assert_eq!(record["claims"][uid(1)]["state"], "Completed", "{record}");
+}
+
+#[tokio::test]
+async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
+    let host = Host::new();
+    let api = api().await;
+    let mut driver = Driver::start(&host, &api).await;
+    let kubelet = kubelet_1_34(&host).await;
+    for (name, n) in [("c1", 1), ("c2", 2)] {
+        api.put(claim(name, &uid(n), &[("gpu-0", Some("2Gi"), None)]));
+    }
+    let refs = [claim_ref("c1", &uid(1)), claim_ref("c2", &uid(2))];
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    assert!(prepared.values().all(Result::is_ok), "{prepared:?}");
+
+    // A hand edit breaks one entry while the driver is down.
+    driver.kill();
+    let mut record: Value =
+        serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    record["claims"][uid(1)]["state"] = json!(7);
+    let broken = record["claims"][uid(1)].clone();
+    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = kubelet_1_34(&host).await;
+
+    // The other claim is answered from its entry, and the broken one is
+    // kept as it was: the file was not moved aside.
+    let again = kubelet.prepare(&refs[1..]).await.unwrap();
+    assert_eq!(again[&uid(2)], prepared[&uid(2)], "{}", driver.log());
+    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    assert_eq!(record["claims"][uid(1)], broken, "{record}");
+    assert!(
+        driver
+            .log()
+            .contains("an entry of the DRA checkpoint does not read"),
+        "{}",
+        driver.log()
+    );
+    // Both claims' containers can still restart.
+    assert!(host.spec_file(&uid(1)).exists(), "{}", driver.log());
+    assert!(host.spec_file(&uid(2)).exists(), "{}", driver.log());
+
+    // kubelet's Unprepare removes the broken claim's spec and entry.
+    let done = kubelet.unprepare(&refs[..1]).await.unwrap();
+    done[&uid(1)].as_ref().unwrap();
+    assert!(!host.spec_file(&uid(1)).exists(), "{}", driver.log());
+    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    assert!(record["claims"].get(uid(1)).is_none(), "{record}");
+    assert!(record["claims"].get(uid(2)).is_some(), "{record}");
+}
+
+#[tokio::test]
 async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare() {
     let host = Host::new();
     let api = api().await;

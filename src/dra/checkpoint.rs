@@ -26,7 +26,10 @@
 //! its type, add only optional ones. `version` is for people reading the file;
 //! nothing decides by it, and there is no checksum (a checksum over a
 //! re-serialisation is what broke NVIDIA's driver across upgrades). A file
-//! that does not parse at all is moved aside and reported, never a crash loop.
+//! that does not parse at all is moved aside and reported, never a crash loop;
+//! an entry that does not (a hand edit, another version's bug) costs only
+//! itself: it is kept in the file as it is and reported, and its claim is
+//! known by its UID alone (see [`Checkpoint::unreadable`]).
 //!
 //! Concurrency: mutations take `&mut self`; the caller holds the checkpoint in
 //! a `std::sync::Mutex` (no `.await` while holding it), which also makes a
@@ -230,10 +233,49 @@ struct Document {
     boot_id: String,
     /// Per claim UID.
     #[serde(default)]
-    claims: BTreeMap<String, ClaimEntry>,
+    claims: Claims,
     /// Fields of a newer version, written back unchanged.
     #[serde(flatten)]
     extra: Map<String, Value>,
+}
+
+/// The entries, read one by one.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Claims {
+    read: BTreeMap<String, ClaimEntry>,
+    /// Entries that did not read, as they were, and why not.
+    unreadable: BTreeMap<String, (Value, String)>,
+}
+
+impl<'de> Deserialize<'de> for Claims {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut claims = Claims::default();
+        for (uid, value) in BTreeMap::<String, Value>::deserialize(deserializer)? {
+            match ClaimEntry::deserialize(&value) {
+                Ok(entry) => {
+                    claims.read.insert(uid, entry);
+                }
+                Err(err) => {
+                    claims.unreadable.insert(uid, (value, err.to_string()));
+                }
+            }
+        }
+        Ok(claims)
+    }
+}
+
+impl Serialize for Claims {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(self.read.len() + self.unreadable.len()))?;
+        for (uid, entry) in &self.read {
+            map.serialize_entry(uid, entry)?;
+        }
+        for (uid, (value, _)) in &self.unreadable {
+            map.serialize_entry(uid, value)?;
+        }
+        map.end()
+    }
 }
 
 /// A `Document` as written, borrowed: a checkpoint of a busy node is tens
@@ -244,7 +286,7 @@ struct Written<'a> {
     version: u32,
     written_by: &'a str,
     boot_id: &'a str,
-    claims: &'a BTreeMap<String, ClaimEntry>,
+    claims: &'a Claims,
     #[serde(flatten)]
     extra: &'a Map<String, Value>,
 }
@@ -272,6 +314,20 @@ pub struct Opened {
     /// A file that did not parse, moved aside: a [`CheckpointError::Corrupt`]
     /// for the caller to log.
     pub corrupt: Option<CheckpointError>,
+    /// Entries that did not read, for the caller to log: this boot's are
+    /// kept (see [`Checkpoint::unreadable`]), another boot's dropped with
+    /// the rest of its entries.
+    pub unreadable: Vec<UnreadableEntry>,
+}
+
+/// An entry of the file that this version cannot read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnreadableEntry {
+    pub uid: String,
+    /// Why it did not read.
+    pub error: String,
+    /// Of another boot: dropped.
+    pub stale: bool,
 }
 
 impl Checkpoint {
@@ -318,12 +374,25 @@ impl Checkpoint {
             }
         };
         let mut stale = Vec::new();
-        if doc.boot_id.is_empty() || doc.boot_id != boot_id {
-            stale = std::mem::take(&mut doc.claims).into_iter().collect();
+        let another_boot = doc.boot_id.is_empty() || doc.boot_id != boot_id;
+        let unreadable = doc
+            .claims
+            .unreadable
+            .iter()
+            .map(|(uid, (_, error))| UnreadableEntry {
+                uid: uid.clone(),
+                error: error.clone(),
+                stale: another_boot,
+            })
+            .collect();
+        if another_boot {
+            stale = std::mem::take(&mut doc.claims.read).into_iter().collect();
+            doc.claims.unreadable.clear();
             doc.boot_id = boot_id.to_owned();
         }
         let interrupted = doc
             .claims
+            .read
             .iter()
             .filter(|(_, entry)| entry.state == State::Started)
             .map(|(uid, entry)| (uid.clone(), entry.clone()))
@@ -338,6 +407,7 @@ impl Checkpoint {
             interrupted,
             stale,
             corrupt,
+            unreadable,
         })
     }
 
@@ -351,19 +421,32 @@ impl Checkpoint {
     }
 
     pub fn get(&self, uid: &str) -> Option<&ClaimEntry> {
-        self.doc.claims.get(uid)
+        self.doc.claims.read.get(uid)
     }
 
-    /// Every entry, by claim UID.
+    /// Every entry that reads, by claim UID.
     pub fn claims(&self) -> impl Iterator<Item = (&str, &ClaimEntry)> {
-        self.doc.claims.iter().map(|(uid, e)| (uid.as_str(), e))
+        self.doc
+            .claims
+            .read
+            .iter()
+            .map(|(uid, e)| (uid.as_str(), e))
+    }
+
+    /// The UIDs of this boot's claims whose entries did not read: prepared,
+    /// as far as anyone knows, with files named after the UID. `get` knows
+    /// nothing of them; `start` replaces such an entry and `remove` drops it.
+    pub fn unreadable(&self) -> impl Iterator<Item = &str> {
+        self.doc.claims.unreadable.keys().map(String::as_str)
     }
 
     /// Records that a prepare of claim `uid` is about to create `entry.dir`
     /// and `entry.cdi_device`; call it before creating either. The entry is
     /// recorded as `Started` whatever its `state`. Repeating it for a
-    /// `Started` entry naming the same files is a no-op (a retried prepare);
-    /// any other existing entry is a [`CheckpointError::Conflict`]: a
+    /// `Started` entry naming the same files is a no-op (a retried prepare),
+    /// and an entry in a state of a newer version naming them is replaced
+    /// (after a downgrade, this version makes the same files again); any
+    /// other existing entry is a [`CheckpointError::Conflict`]: a
     /// `Completed` one answers the prepare itself, and one naming other
     /// files must be rolled back first, or they would be forgotten.
     pub fn start(&mut self, uid: &str, mut entry: ClaimEntry) -> Result<(), CheckpointError> {
@@ -376,12 +459,12 @@ impl Checkpoint {
             })?;
         }
         entry.state = State::Started;
-        if let Some(old) = self.doc.claims.get(uid) {
-            if old.state == State::Started
-                && old.dir == entry.dir
-                && old.cdi_device == entry.cdi_device
-            {
-                return Ok(());
+        if let Some(old) = self.doc.claims.read.get(uid) {
+            let same_files = old.dir == entry.dir && old.cdi_device == entry.cdi_device;
+            match old.state {
+                State::Started if same_files => return Ok(()),
+                State::Other(_) if same_files => return self.set(uid, Some(entry)).map(drop),
+                _ => {}
             }
             return Err(CheckpointError::Conflict {
                 path: self.path.clone(),
@@ -402,7 +485,7 @@ impl Checkpoint {
         uid: &str,
         devices: Vec<DeviceEntry>,
     ) -> Result<(), CheckpointError> {
-        let Some(old) = self.doc.claims.get(uid) else {
+        let Some(old) = self.doc.claims.read.get(uid) else {
             return Err(CheckpointError::NotStarted {
                 path: self.path.clone(),
                 uid: uid.to_owned(),
@@ -416,31 +499,40 @@ impl Checkpoint {
         self.set(uid, Some(entry)).map(drop)
     }
 
-    /// Forgets claim `uid`, once the files it names are removed. `None`, and
-    /// nothing written, if there is no such entry: Unprepare is idempotent.
+    /// Forgets claim `uid`, once the files it names are removed, whether
+    /// its entry reads or not. `None`, and nothing written, if there is no
+    /// such entry: Unprepare is idempotent.
     pub fn remove(&mut self, uid: &str) -> Result<Option<ClaimEntry>, CheckpointError> {
-        if !self.doc.claims.contains_key(uid) {
+        let claims = &self.doc.claims;
+        if !claims.read.contains_key(uid) && !claims.unreadable.contains_key(uid) {
             return Ok(None);
         }
         self.set(uid, None)
     }
 
-    /// Replaces or removes one entry and writes the file; on a failed write
-    /// puts the old entry back, so the caller may treat the step as undone.
+    /// Replaces or removes one entry (an unreadable one too) and writes the
+    /// file; on a failed write puts the old entry back, so the caller may
+    /// treat the step as undone.
     fn set(
         &mut self,
         uid: &str,
         entry: Option<ClaimEntry>,
     ) -> Result<Option<ClaimEntry>, CheckpointError> {
+        let claims = &mut self.doc.claims;
+        let unreadable = claims.unreadable.remove(uid);
         let old = match entry {
-            Some(entry) => self.doc.claims.insert(uid.to_owned(), entry),
-            None => self.doc.claims.remove(uid),
+            Some(entry) => claims.read.insert(uid.to_owned(), entry),
+            None => claims.read.remove(uid),
         };
         if let Err(err) = self.save() {
+            let claims = &mut self.doc.claims;
             match old {
-                Some(old) => self.doc.claims.insert(uid.to_owned(), old),
-                None => self.doc.claims.remove(uid),
+                Some(old) => claims.read.insert(uid.to_owned(), old),
+                None => claims.read.remove(uid),
             };
+            if let Some(unreadable) = unreadable {
+                claims.unreadable.insert(uid.to_owned(), unreadable);
+            }
             return Err(err);
         }
         Ok(old)
@@ -860,15 +952,64 @@ mod tests {
             ));
         }
         assert!(cp.get("uid-1").is_none());
-        // A file naming one does not parse.
+        // An entry naming one does not read, and is never rolled back.
         let text = json!({"bootId": BOOT, "claims": {"u": {"state": "Started", "dir": "..", "cdiDevice": "c"}}});
         fs::write(&path, text.to_string()).unwrap();
         let opened = open(&path, BOOT);
-        assert!(matches!(
-            opened.corrupt,
-            Some(CheckpointError::Corrupt { .. })
-        ));
+        assert!(opened.corrupt.is_none());
+        assert_eq!(opened.unreadable.len(), 1);
+        assert!(opened.unreadable[0].error.contains("not a file name"));
         assert!(opened.interrupted.is_empty());
+        assert_eq!(opened.checkpoint.unreadable().collect::<Vec<_>>(), ["u"]);
+    }
+
+    #[test]
+    fn an_entry_that_does_not_read_costs_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        let bad = json!({"state": 7, "dir": "dra-bad", "cdiDevice": "bad"});
+        let mut good = serde_json::to_value(started("good")).unwrap();
+        good["state"] = json!("Completed");
+        let text = json!({"bootId": BOOT, "claims": {"bad": bad, "good": good}});
+        fs::write(&path, text.to_string()).unwrap();
+
+        let Opened {
+            checkpoint: mut cp,
+            corrupt,
+            unreadable,
+            ..
+        } = open(&path, BOOT);
+        assert!(corrupt.is_none(), "the file is not moved aside");
+        assert_eq!(cp.get("good").unwrap().state, State::Completed);
+        assert!(cp.get("bad").is_none());
+        let [entry] = &unreadable[..] else {
+            panic!("{unreadable:?}")
+        };
+        assert_eq!((entry.uid.as_str(), entry.stale), ("bad", false));
+        assert!(entry.error.contains("invalid type"), "{}", entry.error);
+
+        // Kept as it was through other claims' writes.
+        cp.start("other", started("other")).unwrap();
+        assert_eq!(read_json(&path)["claims"]["bad"], bad);
+        assert_eq!(cp.unreadable().collect::<Vec<_>>(), ["bad"]);
+
+        // A prepare of its claim replaces it; removing forgets it.
+        cp.start("bad", started("bad")).unwrap();
+        assert_eq!(cp.unreadable().count(), 0);
+        assert_eq!(read_json(&path)["claims"]["bad"]["state"], "Started");
+        fs::write(&path, text.to_string()).unwrap();
+        let mut cp = open(&path, BOOT).checkpoint;
+        assert_eq!(cp.remove("bad").unwrap(), None);
+        assert_eq!(cp.unreadable().count(), 0);
+        assert!(read_json(&path)["claims"].get("bad").is_none());
+
+        // Another boot's is dropped with the rest, and reported so.
+        fs::write(&path, text.to_string()).unwrap();
+        let opened = open(&path, OTHER_BOOT);
+        assert!(opened.unreadable[0].stale);
+        assert_eq!(opened.stale.len(), 1);
+        assert_eq!(opened.checkpoint.unreadable().count(), 0);
+        assert_eq!(read_json(&path)["claims"], json!({}));
     }
 
     #[test]
@@ -901,6 +1042,28 @@ mod tests {
             })
         ));
         assert_eq!(cp.get("uid-1").unwrap().devices, [device(1)]);
+    }
+
+    #[test]
+    fn a_newer_versions_state_is_prepared_again_over_the_same_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        let mut newer = serde_json::to_value(started("uid-1")).unwrap();
+        newer["state"] = json!("Resizing");
+        let text = json!({"bootId": BOOT, "claims": {"uid-1": newer}});
+        fs::write(&path, text.to_string()).unwrap();
+        let opened = open(&path, BOOT);
+        assert!(opened.interrupted.is_empty(), "never rolled back");
+        let mut cp = opened.checkpoint;
+
+        let elsewhere = ClaimEntry::started("ml", "c", "dra-elsewhere", "uid-1");
+        assert!(matches!(
+            cp.start("uid-1", elsewhere),
+            Err(CheckpointError::Conflict { .. })
+        ));
+        cp.start("uid-1", started("uid-1")).unwrap();
+        assert_eq!(cp.get("uid-1").unwrap().state, State::Started);
+        assert_eq!(read_json(&path)["claims"]["uid-1"]["state"], "Started");
     }
 
     #[test]

@@ -197,11 +197,14 @@ impl PreparedClaims {
     /// another boot's claims whose roll-back was cut off. Call it at start,
     /// before kubelet can prepare, and only with a checkpoint that parsed
     /// (the claims of one that did not still run, and keep their specs).
+    /// A claim whose entry did not read keeps the spec named by its UID.
     pub fn remove_unrecorded_specs(&self) {
         let specs = &self.inner.config.specs;
         let checkpoint = self.checkpoint();
         for name in specs.list() {
-            if checkpoint.claims().any(|(_, e)| e.cdi_device == name) {
+            if checkpoint.claims().any(|(_, e)| e.cdi_device == name)
+                || checkpoint.unreadable().any(|uid| uid == name)
+            {
                 continue;
             }
             match specs.remove(&name) {
@@ -217,9 +220,12 @@ impl PreparedClaims {
 
     /// The directories of prepared claims: never removed by clean-up.
     pub fn live_dirs(&self) -> HashSet<ContainerName> {
-        self.checkpoint()
+        let checkpoint = self.checkpoint();
+        checkpoint
             .claims()
-            .filter_map(|(uid, _)| ContainerName::of_claim(uid))
+            .map(|(uid, _)| uid)
+            .chain(checkpoint.unreadable())
+            .filter_map(ContainerName::of_claim)
             .collect()
     }
 
@@ -569,9 +575,13 @@ impl PreparedClaims {
         let mut checkpoint = self.checkpoint();
         match checkpoint.get(uid).cloned() {
             Some(entry) => self.forget_entry(&mut checkpoint, uid, &entry),
-            // Not recorded (a checkpoint lost or moved aside): a spec of
-            // ours for the claim is named by its UID.
-            None if ContainerName::of_claim(uid).is_some() => self.remove_spec(uid),
+            // Not recorded (a checkpoint lost or moved aside) or not
+            // readable: a spec of ours for the claim is named by its UID.
+            None if ContainerName::of_claim(uid).is_some() => {
+                self.remove_spec(uid)?;
+                checkpoint.remove(uid)?;
+                Ok(())
+            }
             None => Ok(()),
         }
     }

@@ -507,6 +507,14 @@ pub async fn run_dra(
     if let Some(err) = &opened.corrupt {
         error!(%err, "started a new DRA checkpoint: claims prepared before keep their CDI specs until kubelet unprepares them");
     }
+    for entry in &opened.unreadable {
+        let checkpoint = common.state_dir.join(CHECKPOINT);
+        if entry.stale {
+            warn!(uid = %entry.uid, error = %entry.error, checkpoint = %checkpoint.display(), "dropped an unreadable entry of the DRA checkpoint, prepared before the node rebooted");
+        } else {
+            error!(uid = %entry.uid, error = %entry.error, checkpoint = %checkpoint.display(), "an entry of the DRA checkpoint does not read: kept as it is; its claim keeps its CDI spec and accounting directory until kubelet unprepares it, its share of the GPU is missing from /status and metrics, and only the shim holds it to its cap");
+        }
+    }
     let claims = PreparedClaims::new(
         config.driver.clone(),
         config.client.clone(),
