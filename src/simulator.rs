@@ -92,6 +92,8 @@ struct Endpoint {
     connected: bool,
     /// Tells this endpoint's stream reader from a later registration's.
     serial: u64,
+    /// Ends its ListAndWatch stream, as a failed read does in kubelet.
+    hang_up: CancellationToken,
 }
 
 #[derive(Default)]
@@ -318,6 +320,7 @@ impl Registration for RegistrationService {
             .map_err(|s| Status::unknown(format!("GetDevicePluginOptions: {}", s.message())))?
             .into_inner();
         let resource = request.resource_name.clone();
+        let hang_up = CancellationToken::new();
         let serial = {
             let mut state = self.shared.lock();
             state.next_serial += 1;
@@ -331,6 +334,7 @@ impl Registration for RegistrationService {
                     devices: Vec::new(),
                     connected: true,
                     serial,
+                    hang_up: hang_up.clone(),
                 },
             );
             serial
@@ -339,6 +343,7 @@ impl Registration for RegistrationService {
         tokio::spawn(read_devices(
             self.shared.clone(),
             self.life.clone(),
+            hang_up,
             client,
             resource,
             serial,
@@ -352,6 +357,7 @@ impl Registration for RegistrationService {
 async fn read_devices(
     shared: Arc<Shared>,
     life: CancellationToken,
+    hang_up: CancellationToken,
     mut client: DevicePluginClient<Channel>,
     resource: String,
     serial: u64,
@@ -363,6 +369,7 @@ async fn read_devices(
     while let Some(s) = stream.as_mut() {
         let message = tokio::select! {
             () = life.cancelled() => break,
+            () = hang_up.cancelled() => break,
             message = s.message() => message,
         };
         let Ok(Some(list)) = message else { break };
@@ -536,6 +543,15 @@ impl KubeletSim {
             accept(&ep.devices).then(|| ep.devices.clone())
         })
         .await
+    }
+
+    /// Ends the ListAndWatch stream of `resource`'s plugin, as kubelet does
+    /// when reading it fails (a message over 4 MiB, say); like kubelet, it
+    /// never calls ListAndWatch again on that registration.
+    pub fn hang_up(&self, resource: &str) {
+        if let Some(ep) = self.shared.lock().endpoints.get(resource) {
+            ep.hang_up.cancel();
+        }
     }
 
     /// Waits until no plugin of `resource` is connected (its stream ended).

@@ -4,6 +4,7 @@
 mod common;
 
 use std::collections::HashSet;
+use std::time::Duration;
 
 use common::{Node, RESOURCE, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::{
@@ -311,6 +312,30 @@ async fn re_registers_after_kubelet_restarts() {
         .admit("after-restart", "main", RESOURCE, 2)
         .await
         .unwrap();
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn registers_again_when_kubelet_ends_list_and_watch() {
+    let node = Node::start("t4", MemoryUnit::GiB, Policy::Binpack).await;
+    node.devices().await;
+    // kubelet drops the stream (as on a failed read) but does not restart:
+    // both sockets stay, and it will not call ListAndWatch again.
+    node.kubelet().hang_up(RESOURCE);
+    assert!(node.kubelet().wait_for_disconnect(RESOURCE, WAIT).await);
+    let devices = node
+        .kubelet()
+        .wait_for_devices(RESOURCE, 2, WAIT)
+        .await
+        .expect("registered again after kubelet ended ListAndWatch");
+    assert_eq!(devices.len(), 14);
+    node.kubelet()
+        .admit("after-hang-up", "main", RESOURCE, 2)
+        .await
+        .unwrap();
+    // Once: the new registration's stream stays up.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(node.kubelet().registrations().len(), 2);
     node.stop().await;
 }
 

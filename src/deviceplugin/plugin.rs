@@ -1,5 +1,6 @@
 //! The plugin's life with kubelet: serve our socket, then Register; notice a
-//! kubelet restart and do both again; on shutdown, stop and remove the socket.
+//! kubelet restart, or kubelet ending ListAndWatch, and do both again; on
+//! shutdown, stop and remove the socket.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -33,6 +34,13 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// only client is kubelet, which must re-dial anyway; after unary calls
 /// kubelet's HTTP/2 connection can keep a graceful shutdown waiting.
 const DRAIN: Duration = Duration::from_secs(1);
+/// After kubelet ends ListAndWatch, the wait before registering again:
+/// kubelets before PR #135437 disconnect the resource by name once the old
+/// stream's reader returns, and must not take the new registration with it.
+/// Doubled while registrations keep ending within [`STEADY`].
+const HANG_UP_WAIT: Duration = Duration::from_secs(1);
+const MAX_HANG_UP_WAIT: Duration = Duration::from_secs(30);
+const STEADY: Duration = Duration::from_secs(60);
 /// Requests larger than tonic's 4 MiB default are legal from kubelet (an
 /// `available_deviceIDs` list in MiB mode); accept them.
 const MAX_REQUEST: usize = 64 * 1024 * 1024;
@@ -80,6 +88,16 @@ pub struct Plugin {
 enum Registration {
     Done(Option<SocketId>),
     SocketGone,
+    Shutdown,
+}
+
+/// Why a registration ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// Our socket went or kubelet.sock was replaced: kubelet restarted.
+    Restart,
+    /// kubelet ended ListAndWatch and will not call it again.
+    HungUp,
     Shutdown,
 }
 
@@ -138,17 +156,30 @@ impl Plugin {
         if UnixStream::connect(&socket).await.is_ok() {
             return Err(PluginError::SocketInUse { path: socket });
         }
+        let mut hang_up_wait = HANG_UP_WAIT;
         loop {
             let generation = shutdown.child_token();
-            let (ours, server) = self.serve(&socket, &inventory, &generation)?;
+            let hung_up = CancellationToken::new();
+            let (ours, server) = self.serve(&socket, &inventory, &generation, &hung_up)?;
+            let mut ended = Ended::Restart;
             if let Registration::Done(kubelet_id) = self.register(&socket, ours, &shutdown).await {
                 self.status.send_modify(|s| {
                     s.registered = true;
                     s.registrations += 1;
                 });
                 info!(resource = %self.config.resource_name, socket = %socket.display(), "registered with kubelet");
-                watch_for_restart(&socket, ours, dir, kubelet_id, &shutdown).await;
+                let since = tokio::time::Instant::now();
+                let watched = Watched {
+                    socket: &socket,
+                    ours,
+                    kubelet_sock: dir.join(KUBELET_SOCKET),
+                    kubelet_id,
+                };
+                ended = watched.until_ended(&hung_up, hang_up_wait, &shutdown).await;
                 self.status.send_modify(|s| s.registered = false);
+                if since.elapsed() >= STEADY {
+                    hang_up_wait = HANG_UP_WAIT;
+                }
             }
             generation.cancel();
             if tokio::time::timeout(DRAIN, server).await.is_err() {
@@ -161,6 +192,11 @@ impl Plugin {
                 info!("stopped");
                 return Ok(());
             }
+            if ended == Ended::HungUp {
+                warn!(waited = ?hang_up_wait, "kubelet ended ListAndWatch and will not call it again; serving a new socket and registering again");
+                hang_up_wait = (hang_up_wait * 2).min(MAX_HANG_UP_WAIT);
+                continue;
+            }
             info!("kubelet restarted or removed our socket; serving a new socket and registering again");
         }
     }
@@ -172,6 +208,7 @@ impl Plugin {
         socket: &Path,
         inventory: &watch::Receiver<Arc<Inventory>>,
         generation: &CancellationToken,
+        hung_up: &CancellationToken,
     ) -> Result<(SocketId, tokio::task::JoinHandle<()>), PluginError> {
         remove_socket(socket);
         let bind_err = |source| PluginError::Bind {
@@ -188,6 +225,7 @@ impl Plugin {
             self.config.device_list.clone(),
             self.counters.clone(),
             generation.clone(),
+            hung_up.clone(),
         )
         .with_extender(self.extender.clone());
         let server = tonic::transport::Server::builder()
@@ -263,23 +301,46 @@ impl Plugin {
     }
 }
 
-/// Returns when our socket is gone or replaced, kubelet.sock is replaced
-/// (kubelet restarted), or on shutdown.
-async fn watch_for_restart(
-    socket: &Path,
+/// The sockets of one registration.
+struct Watched<'a> {
+    socket: &'a Path,
     ours: SocketId,
-    dir: &Path,
+    kubelet_sock: PathBuf,
     kubelet_id: Option<SocketId>,
-    shutdown: &CancellationToken,
-) {
-    let kubelet_sock = dir.join(KUBELET_SOCKET);
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep(POLL) => {}
-        }
-        if SocketId::of(socket) != Some(ours) || SocketId::of(&kubelet_sock) != kubelet_id {
-            return;
+}
+
+impl Watched<'_> {
+    /// Our socket gone or replaced, or kubelet.sock replaced.
+    fn restarted(&self) -> bool {
+        SocketId::of(self.socket) != Some(self.ours)
+            || SocketId::of(&self.kubelet_sock) != self.kubelet_id
+    }
+
+    /// Returns when kubelet restarts, on shutdown, or `wait` after kubelet
+    /// ended ListAndWatch: a restart ends the stream too, and the sockets
+    /// changing meanwhile tell that it was one.
+    async fn until_ended(
+        &self,
+        hung_up: &CancellationToken,
+        wait: Duration,
+        shutdown: &CancellationToken,
+    ) -> Ended {
+        let mut deadline = None;
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return Ended::Shutdown,
+                () = hung_up.cancelled(), if deadline.is_none() => {}
+                () = tokio::time::sleep(POLL) => {}
+            }
+            if self.restarted() {
+                return Ended::Restart;
+            }
+            if hung_up.is_cancelled() {
+                let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + wait);
+                if tokio::time::Instant::now() >= deadline {
+                    return Ended::HungUp;
+                }
+            }
         }
     }
 }

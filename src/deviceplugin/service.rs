@@ -74,7 +74,8 @@ pub struct Counters {
 }
 
 /// One socket generation's service. `stop` ends its ListAndWatch streams, so
-/// a graceful server shutdown does not wait for them for ever.
+/// a graceful server shutdown does not wait for them for ever; `hung_up` is
+/// cancelled when kubelet ends one while the generation still serves.
 #[derive(Clone)]
 pub struct DevicePluginService {
     inventory: watch::Receiver<Arc<Inventory>>,
@@ -83,6 +84,7 @@ pub struct DevicePluginService {
     device_list: Arc<DeviceListStrategy>,
     counters: Arc<Counters>,
     stop: CancellationToken,
+    hung_up: CancellationToken,
     /// Placement decided by gpushare's scheduler extender, if it runs.
     extender: Option<Arc<Extender>>,
 }
@@ -95,6 +97,7 @@ impl DevicePluginService {
         device_list: DeviceListStrategy,
         counters: Arc<Counters>,
         stop: CancellationToken,
+        hung_up: CancellationToken,
     ) -> Self {
         DevicePluginService {
             inventory,
@@ -103,6 +106,7 @@ impl DevicePluginService {
             device_list: Arc::new(device_list),
             counters,
             stop,
+            hung_up,
             extender: None,
         }
     }
@@ -115,6 +119,22 @@ impl DevicePluginService {
 
     fn snapshot(&self) -> Arc<Inventory> {
         self.inventory.borrow().clone()
+    }
+}
+
+/// Lives in a ListAndWatch stream: dropped while its generation still
+/// serves, the stream was ended by kubelet, which never calls ListAndWatch
+/// again on its own (the plugin must register again).
+struct HangUp {
+    stop: CancellationToken,
+    hung_up: CancellationToken,
+}
+
+impl Drop for HangUp {
+    fn drop(&mut self) {
+        if !self.stop.is_cancelled() {
+            self.hung_up.cancel();
+        }
     }
 }
 
@@ -138,21 +158,28 @@ impl DevicePlugin for DevicePluginService {
         let mut rx = self.inventory.clone();
         rx.mark_changed();
         let stop = self.stop.clone();
+        let hang_up = HangUp {
+            stop: stop.clone(),
+            hung_up: self.hung_up.clone(),
+        };
         // The full list at once, then again on every change; the stream ends
         // only when this socket generation stops or kubelet hangs up.
-        let stream = futures_util::stream::unfold((rx, stop), |(mut rx, stop)| async move {
-            tokio::select! {
-                () = stop.cancelled() => return None,
-                changed = rx.changed() => if changed.is_err() {
-                    // Nobody will update the inventory again; the list stays
-                    // valid, so keep the stream open rather than look dead.
-                    stop.cancelled().await;
-                    return None;
-                },
-            }
-            let list = rx.borrow_and_update().list_and_watch();
-            Some((Ok(list), (rx, stop)))
-        });
+        let stream = futures_util::stream::unfold(
+            (rx, stop, hang_up),
+            |(mut rx, stop, hang_up)| async move {
+                tokio::select! {
+                    () = stop.cancelled() => return None,
+                    changed = rx.changed() => if changed.is_err() {
+                        // Nobody will update the inventory again; the list stays
+                        // valid, so keep the stream open rather than look dead.
+                        stop.cancelled().await;
+                        return None;
+                    },
+                }
+                let list = rx.borrow_and_update().list_and_watch();
+                Some((Ok(list), (rx, stop, hang_up)))
+            },
+        );
         Ok(Response::new(Box::pin(stream)))
     }
 
