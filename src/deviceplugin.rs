@@ -4,6 +4,8 @@
 
 pub mod api;
 pub mod authority;
+pub mod checkpoint;
+pub mod holders;
 pub mod kubelet;
 pub mod plugin;
 pub mod podresources;

@@ -6,6 +6,9 @@
 //! GetDevicePluginOptions), one ListAndWatch per connection, devices picked
 //! from `healthy − allocated` with GetPreferredAllocation, one Allocate per
 //! container, 4 MiB receive limit, and a restart that deletes every socket.
+//! It writes kubelet's device checkpoint as kubelet does: at every allocation
+//! and every device list, not when a pod goes; pod-resources lists neither
+//! regular init containers nor ended pods.
 
 pub mod dra;
 
@@ -82,6 +85,15 @@ pub struct Allocation {
     pub resource: String,
     pub device_ids: Vec<String>,
     pub response: ContainerAllocateResponse,
+    /// A regular init container: in the checkpoint, never in pod-resources.
+    pub init: bool,
+}
+
+impl Allocation {
+    /// The pod's UID as the checkpoint records it.
+    pub fn pod_uid(&self) -> String {
+        format!("uid-{}", self.pod)
+    }
 }
 
 struct Endpoint {
@@ -103,6 +115,8 @@ struct State {
     allocations: Vec<Allocation>,
     /// Containers running with DRA claims: (pod, container, claim).
     claim_uses: Vec<(String, String, ClaimUse)>,
+    /// Regular init containers: (pod, container).
+    init_containers: BTreeSet<(String, String)>,
     next_serial: u64,
     /// Pod-resources calls answered and refused by the rate limit.
     pod_resources_calls: u64,
@@ -150,7 +164,8 @@ impl State {
                 }),
             }
         }
-        for a in self.allocations.iter().filter(|a| a.pod == name) {
+        let admitted = self.allocations.iter().any(|a| a.pod == name);
+        for a in self.allocations.iter().filter(|a| a.pod == name && !a.init) {
             let devices = ContainerDevices {
                 resource_name: a.resource.clone(),
                 device_ids: a.device_ids.clone(),
@@ -165,7 +180,9 @@ impl State {
                 }),
             }
         }
-        (!containers.is_empty()).then(|| PodResources {
+        // A pod is listed while active, with its app containers, holding
+        // devices or not (this simulator knows only those that do).
+        (admitted || !containers.is_empty()).then(|| PodResources {
             name: name.to_owned(),
             namespace: NAMESPACE.to_owned(),
             containers,
@@ -189,6 +206,51 @@ impl Shared {
 
     fn changed(&self) {
         self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Writes kubelet's device checkpoint (`kubelet_internal_checkpoint`)
+    /// from the allocations kubelet still has, whole and renamed into
+    /// place, as kubelet's checkpoint manager does. `Checksum` is 0 (kubelet
+    /// hashes Go's rendering of the data) and `AllocResp` left out: readers
+    /// of the file must not depend on either.
+    fn write_checkpoint(&self) {
+        let state = self.lock();
+        let entries: Vec<serde_json::Value> = state
+            .allocations
+            .iter()
+            .map(|a| {
+                serde_json::json!({
+                    "PodUID": a.pod_uid(),
+                    "ContainerName": a.container,
+                    "ResourceName": a.resource,
+                    "DeviceIDs": {"-1": a.device_ids},
+                })
+            })
+            .collect();
+        let registered: serde_json::Map<String, serde_json::Value> = state
+            .endpoints
+            .iter()
+            .map(|(resource, ep)| {
+                let healthy: Vec<&str> = ep
+                    .devices
+                    .iter()
+                    .filter(|d| d.health == HEALTHY)
+                    .map(|d| d.id.as_str())
+                    .collect();
+                (resource.clone(), serde_json::json!(healthy))
+            })
+            .collect();
+        drop(state);
+        let file = serde_json::json!({
+            "Data": {"PodDeviceEntries": entries, "RegisteredDevices": registered},
+            "Checksum": 0,
+        });
+        let path = self.dir.join(crate::deviceplugin::checkpoint::FILE_NAME);
+        let staging = self.dir.join(".kubelet_internal_checkpoint.tmp");
+        // A simulator's write that fails shows as a test failure elsewhere.
+        if std::fs::write(&staging, file.to_string()).is_ok() {
+            let _ = std::fs::rename(&staging, &path);
+        }
     }
 }
 
@@ -378,6 +440,8 @@ async fn read_devices(
                 ep.devices = list.devices;
             }
         }
+        // kubelet's genericDeviceUpdateCallback writes it at every list.
+        shared.write_checkpoint();
         shared.changed();
     }
     if let Some(ep) = shared.lock().endpoints.get_mut(&resource) {
@@ -589,8 +653,11 @@ impl KubeletSim {
         count: usize,
     ) -> Result<Allocation, AdmissionError> {
         let _serial = self.admission.lock().await;
-        let (mut client, options, available) = {
+        let (mut client, options, available, init) = {
             let state = self.shared.lock();
+            let init = state
+                .init_containers
+                .contains(&(pod.to_owned(), container.to_owned()));
             let ep = state
                 .endpoints
                 .get(resource)
@@ -608,7 +675,7 @@ impl KubeletSim {
                 .filter(|d| d.health == HEALTHY && !allocated.contains(&d.id))
                 .map(|d| d.id.clone())
                 .collect();
-            (ep.client.clone(), ep.options, available)
+            (ep.client.clone(), ep.options, available, init)
         };
         if available.len() < count {
             return Err(AdmissionError::Insufficient {
@@ -676,17 +743,31 @@ impl KubeletSim {
             resource: resource.to_owned(),
             device_ids: chosen,
             response,
+            init,
         };
         self.shared.lock().allocations.push(allocation.clone());
+        self.shared.write_checkpoint();
         self.shared.changed();
         Ok(allocation)
     }
 
-    /// Frees a pod's devices, as kubelet does once the pod is no longer active.
+    /// Says that `pod`'s `container` is a regular init container (as its
+    /// pod's spec would): admitted like any other and kept in the
+    /// checkpoint, it is never listed by pod-resources.
+    pub fn declare_init_container(&self, pod: &str, container: &str) {
+        self.shared
+            .lock()
+            .init_containers
+            .insert((pod.to_owned(), container.to_owned()));
+    }
+
+    /// Frees a pod's devices, as kubelet does once the pod is no longer
+    /// active; like kubelet, it leaves the checkpoint until its next write.
     pub fn remove_pod(&self, pod: &str) {
         let mut state = self.shared.lock();
         state.allocations.retain(|a| a.pod != pod);
         state.claim_uses.retain(|(p, ..)| p != pod);
+        state.init_containers.retain(|(p, _)| p != pod);
         drop(state);
         self.shared.changed();
     }

@@ -393,6 +393,47 @@ async fn pod_resources_is_read_within_kubelets_rate_limit() {
 }
 
 #[tokio::test]
+async fn an_init_container_keeps_its_state_until_its_pod_ends() {
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let grace = Duration::from_millis(400);
+    let d = Daemon::start("t4", shim(host.path(), state.path()), grace).await;
+    let dir_of = |a: &gpumem::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
+    // Admitted, and waiting for its image far longer than the grace
+    // period: pod-resources never lists it, kubelet's checkpoint does.
+    d.k().declare_init_container("slow", "fetch-model");
+    let init = d
+        .k()
+        .admit("slow", "fetch-model", RESOURCE, 4)
+        .await
+        .unwrap();
+    let dir = dir_of(&init);
+    tokio::time::sleep(grace * 5).await;
+    assert!(
+        dir.join("accounting").exists(),
+        "an admitted init container lost its state before it started"
+    );
+
+    // Its pod ends, and nothing else is allocated on the node: its state
+    // still goes after the grace period.
+    d.k().remove_pod("slow");
+    wait_until_removed(&dir, "an ended init container's state").await;
+    d.stop().await;
+}
+
+/// Waits up to [`WAIT`] for `dir` to be removed.
+async fn wait_until_removed(dir: &Path, what: &str) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while dir.exists() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} was never removed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
 async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     let host = common::installed_shim();
     let state = tempfile::tempdir().unwrap();
@@ -413,14 +454,7 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     d.k().remove_pod("done");
     d.k().remove_pod("orphan");
 
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while done.exists() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "finished container's state never removed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_removed(&done, "a finished container's state").await;
     // Several grace periods later, the others are still there.
     tokio::time::sleep(grace * 3).await;
     assert!(
@@ -434,13 +468,7 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
 
     holder.kill().unwrap();
     holder.wait().unwrap();
-    while orphan.exists() {
-        assert!(
-            tokio::time::Instant::now() < deadline + WAIT,
-            "orphan's state never removed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_removed(&orphan, "the orphan's state").await;
     assert!(running.exists());
     d.stop().await;
 }

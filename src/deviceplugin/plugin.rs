@@ -17,7 +17,7 @@ use crate::cluster::gpushare::Extender;
 use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePluginServer;
 use crate::deviceplugin::api::deviceplugin::{RegisterRequest, VERSION};
 use crate::deviceplugin::kubelet::{self, SocketId, KUBELET_SOCKET};
-use crate::deviceplugin::service::{plugin_options, Counters, DevicePluginService};
+use crate::deviceplugin::service::{plugin_options, Counters, DevicePluginService, Streams};
 use crate::isolation::inject::{DeviceListStrategy, Isolation};
 use crate::node::inventory::Inventory;
 use crate::node::placement::Policy;
@@ -83,6 +83,7 @@ pub struct Plugin {
     counters: Arc<Counters>,
     status: watch::Sender<PluginStatus>,
     extender: Option<Arc<Extender>>,
+    resend: watch::Sender<u64>,
 }
 
 enum Registration {
@@ -109,7 +110,13 @@ impl Plugin {
             config,
             status: watch::Sender::new(PluginStatus::default()),
             extender: None,
+            resend: watch::Sender::new(0),
         }
+    }
+
+    /// Bumping it sends the device list to kubelet again, unchanged.
+    pub fn resend(&self) -> watch::Sender<u64> {
+        self.resend.clone()
     }
 
     /// Places containers where gpushare's scheduler extender chose.
@@ -224,8 +231,11 @@ impl Plugin {
             self.isolation.clone(),
             self.config.device_list.clone(),
             self.counters.clone(),
-            generation.clone(),
-            hung_up.clone(),
+            Streams {
+                stop: generation.clone(),
+                hung_up: hung_up.clone(),
+                resend: self.resend.subscribe(),
+            },
         )
         .with_extender(self.extender.clone());
         let server = tonic::transport::Server::builder()

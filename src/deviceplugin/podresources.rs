@@ -42,8 +42,17 @@ pub enum PodResourcesError {
     List { path: PathBuf, message: String },
 }
 
+/// One List answer: the containers holding our devices, and a fingerprint
+/// of every pod listed (with devices or not), which changes when a pod
+/// comes or goes.
+#[derive(Debug, Clone, Default)]
+pub struct Listed {
+    pub holdings: Vec<Holding>,
+    pub pods: u64,
+}
+
 /// The last List answer and when it was read.
-type Cache = Arc<Mutex<Option<(Instant, Vec<Holding>)>>>;
+type Cache = Arc<Mutex<Option<(Instant, Listed)>>>;
 
 /// A cached reader of the pod-resources API for one resource name (the DRA
 /// driver: its driver name).
@@ -70,23 +79,28 @@ impl PodResources {
     /// Containers holding our devices, at most a second old. Concurrent
     /// callers share one call.
     pub async fn holdings(&self) -> Result<Vec<Holding>, PodResourcesError> {
+        Ok(self.listed().await?.holdings)
+    }
+
+    /// The whole answer of [`holdings`](Self::holdings).
+    pub async fn listed(&self) -> Result<Listed, PodResourcesError> {
         let mut cache = self.cache.lock().await;
-        if let Some((at, holdings)) = cache.as_ref() {
+        if let Some((at, listed)) = cache.as_ref() {
             if at.elapsed() < FRESH {
-                return Ok(holdings.clone());
+                return Ok(listed.clone());
             }
         }
-        let holdings = tokio::time::timeout(CALL_TIMEOUT, self.list())
+        let listed = tokio::time::timeout(CALL_TIMEOUT, self.list())
             .await
             .map_err(|_| PodResourcesError::List {
                 path: self.path.clone(),
                 message: format!("no answer within {CALL_TIMEOUT:?}"),
             })??;
-        *cache = Some((Instant::now(), holdings.clone()));
-        Ok(holdings)
+        *cache = Some((Instant::now(), listed.clone()));
+        Ok(listed)
     }
 
-    async fn list(&self) -> Result<Vec<Holding>, PodResourcesError> {
+    async fn list(&self) -> Result<Listed, PodResourcesError> {
         let channel =
             kubelet::connect(&self.path)
                 .await
@@ -104,7 +118,9 @@ impl PodResources {
             })?
             .into_inner();
         let mut holdings = Vec::new();
+        let mut pods: Vec<(String, String)> = Vec::new();
         for pod in response.pod_resources {
+            pods.push((pod.namespace.clone(), pod.name.clone()));
             for container in pod.containers {
                 let device_ids: Vec<String> = container
                     .devices
@@ -133,24 +149,13 @@ impl PodResources {
                 }
             }
         }
-        Ok(holdings)
-    }
-}
-
-#[tonic::async_trait]
-impl crate::isolation::cleanup::Holders for PodResources {
-    async fn live(
-        &self,
-    ) -> Result<std::collections::HashSet<crate::isolation::containers::ContainerName>, String>
-    {
-        let holdings = self.holdings().await.map_err(|err| err.to_string())?;
-        // Every unit's name: a container allocated before --memory-unit
-        // changed keeps its directory.
-        Ok(holdings
-            .iter()
-            .flat_map(|h| {
-                crate::isolation::containers::ContainerName::of_devices_any_unit(&h.device_ids)
-            })
-            .collect())
+        pods.sort_unstable();
+        let pods = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            pods.hash(&mut hasher);
+            hasher.finish()
+        };
+        Ok(Listed { holdings, pods })
     }
 }

@@ -73,9 +73,20 @@ pub struct Counters {
     pub allocation_errors: Counter,
 }
 
-/// One socket generation's service. `stop` ends its ListAndWatch streams, so
-/// a graceful server shutdown does not wait for them for ever; `hung_up` is
-/// cancelled when kubelet ends one while the generation still serves.
+/// What ties a service's ListAndWatch streams to its socket generation.
+#[derive(Clone)]
+pub struct Streams {
+    /// Ends them, so a graceful server shutdown does not wait for them for
+    /// ever.
+    pub stop: CancellationToken,
+    /// Cancelled when kubelet ends one while the generation still serves.
+    pub hung_up: CancellationToken,
+    /// Changed to send the device list again unchanged (see
+    /// `deviceplugin::holders`).
+    pub resend: watch::Receiver<u64>,
+}
+
+/// One socket generation's service.
 #[derive(Clone)]
 pub struct DevicePluginService {
     inventory: watch::Receiver<Arc<Inventory>>,
@@ -83,8 +94,7 @@ pub struct DevicePluginService {
     isolation: Arc<Isolation>,
     device_list: Arc<DeviceListStrategy>,
     counters: Arc<Counters>,
-    stop: CancellationToken,
-    hung_up: CancellationToken,
+    streams: Streams,
     /// Placement decided by gpushare's scheduler extender, if it runs.
     extender: Option<Arc<Extender>>,
 }
@@ -96,8 +106,7 @@ impl DevicePluginService {
         isolation: Arc<Isolation>,
         device_list: DeviceListStrategy,
         counters: Arc<Counters>,
-        stop: CancellationToken,
-        hung_up: CancellationToken,
+        streams: Streams,
     ) -> Self {
         DevicePluginService {
             inventory,
@@ -105,8 +114,7 @@ impl DevicePluginService {
             isolation,
             device_list: Arc::new(device_list),
             counters,
-            stop,
-            hung_up,
+            streams,
             extender: None,
         }
     }
@@ -157,16 +165,18 @@ impl DevicePlugin for DevicePluginService {
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let mut rx = self.inventory.clone();
         rx.mark_changed();
-        let stop = self.stop.clone();
+        let stop = self.streams.stop.clone();
         let hang_up = HangUp {
             stop: stop.clone(),
-            hung_up: self.hung_up.clone(),
+            hung_up: self.streams.hung_up.clone(),
         };
-        // The full list at once, then again on every change; the stream ends
-        // only when this socket generation stops or kubelet hangs up.
+        let resend = self.streams.resend.clone();
+        // The full list at once, then again on every change or when asked
+        // to resend; the stream ends only when this socket generation stops
+        // or kubelet hangs up.
         let stream = futures_util::stream::unfold(
-            (rx, stop, hang_up),
-            |(mut rx, stop, hang_up)| async move {
+            (rx, resend, stop, hang_up),
+            |(mut rx, mut resend, stop, hang_up)| async move {
                 tokio::select! {
                     () = stop.cancelled() => return None,
                     changed = rx.changed() => if changed.is_err() {
@@ -175,9 +185,10 @@ impl DevicePlugin for DevicePluginService {
                         stop.cancelled().await;
                         return None;
                     },
+                    Ok(()) = resend.changed() => {}
                 }
                 let list = rx.borrow_and_update().list_and_watch();
-                Some((Ok(list), (rx, stop, hang_up)))
+                Some((Ok(list), (rx, resend, stop, hang_up)))
             },
         );
         Ok(Response::new(Box::pin(stream)))

@@ -16,6 +16,7 @@ use crate::cluster::client::ADMISSION_CALL_BOUND;
 use crate::cluster::events::{self, PodEvents};
 use crate::cluster::gpushare::{self, Extender, PlacedPod};
 use crate::cluster::pods::NodePods;
+use crate::deviceplugin::holders::KubeletHolders;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::deviceplugin::podresources::{Holding, PodResources};
 use crate::dra::checkpoint::Checkpoint;
@@ -141,6 +142,7 @@ pub async fn run(
     let resource = config.plugin.resource_name.to_string();
     let pod_resources = PodResources::new(&config.pod_resources_socket, &resource);
     let policy = config.plugin.policy;
+    let kubelet_dir = config.plugin.kubelet_dir.clone();
     let mut plugin = Plugin::new(config.plugin);
     // Everything below stops with the plugin, whichever way it ends.
     let stop = shutdown.child_token();
@@ -207,11 +209,12 @@ pub async fn run(
                 warn!(dir = %specs.dir().display(), %err, "--cdi-spec-dir is not usable; Allocate will refuse containers until it is");
             }
         }
+        let holders = KubeletHolders::new(pod_resources, &kubelet_dir, &resource, plugin.resend());
         tasks.spawn(cleanup::run(
             shim.clone(),
             cdi_specs,
             inventory_rx.clone(),
-            pod_resources,
+            holders,
             common.state_grace,
             stop.clone(),
         ));

@@ -1,0 +1,107 @@
+//! Who holds the device plugin's accounting directories, for clean-up: the
+//! containers kubelet's pod-resources List shows, and those only kubelet's
+//! device checkpoint names. List never shows a regular init container, so
+//! an init container waiting for its image longer than the grace period
+//! would otherwise lose its directory before it starts.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use tokio::sync::watch;
+use tracing::{debug, warn};
+
+use crate::deviceplugin::checkpoint;
+use crate::deviceplugin::podresources::PodResources;
+use crate::isolation::cleanup::Holders;
+use crate::isolation::containers::ContainerName;
+
+pub struct KubeletHolders {
+    pod_resources: PodResources,
+    checkpoint: PathBuf,
+    resource: String,
+    /// Bumped to have the plugin send its device list again: kubelet writes
+    /// its checkpoint at every device list.
+    resend: watch::Sender<u64>,
+    /// The pods List showed when the list was last sent again.
+    resent_for: Mutex<Option<u64>>,
+    /// A checkpoint that cannot be read is logged once.
+    warned: AtomicBool,
+}
+
+impl KubeletHolders {
+    /// `device_plugins` is kubelet's device-plugins directory (where its
+    /// checkpoint lives); `resend` reaches the plugin's ListAndWatch.
+    pub fn new(
+        pod_resources: PodResources,
+        device_plugins: &Path,
+        resource: &str,
+        resend: watch::Sender<u64>,
+    ) -> Self {
+        KubeletHolders {
+            pod_resources,
+            checkpoint: device_plugins.join(checkpoint::FILE_NAME),
+            resource: resource.to_owned(),
+            resend,
+            resent_for: Mutex::new(None),
+            warned: AtomicBool::new(false),
+        }
+    }
+
+    /// kubelet forgets a pod that ended (at the List just made) but writes
+    /// its checkpoint only at its next allocation or device list, so the
+    /// pod's entries could outlive it for hours on a quiet node. One device
+    /// list each time the listed pods change has kubelet write it at once.
+    fn resend_once_for(&self, pods: u64) {
+        let mut resent_for = self.resent_for.lock().unwrap_or_else(|e| e.into_inner());
+        if *resent_for != Some(pods) {
+            *resent_for = Some(pods);
+            self.resend.send_modify(|n| *n = n.wrapping_add(1));
+            debug!("kubelet's checkpoint names containers List does not show; sending the device list again so that kubelet rewrites it");
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Holders for KubeletHolders {
+    async fn live(&self) -> Result<HashSet<ContainerName>, String> {
+        let listed = self
+            .pod_resources
+            .listed()
+            .await
+            .map_err(|err| err.to_string())?;
+        // Every unit's name: a container allocated before --memory-unit
+        // changed keeps its directory.
+        let mut live: HashSet<ContainerName> = listed
+            .holdings
+            .iter()
+            .flat_map(|h| ContainerName::of_devices_any_unit(&h.device_ids))
+            .collect();
+        let (path, resource) = (self.checkpoint.clone(), self.resource.clone());
+        let read = tokio::task::spawn_blocking(move || checkpoint::read(&path, &resource))
+            .await
+            .map_err(|err| err.to_string())?;
+        let entries = match read {
+            Ok(entries) => entries,
+            Err(err) => {
+                // List alone, as before this reader: init containers may
+                // lose their directories, nothing else changes.
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    warn!(%err, "init containers' accounting directories are kept only while they run; the rest of clean-up goes on");
+                }
+                return Ok(live);
+            }
+        };
+        let mut unlisted = false;
+        for entry in &entries {
+            for name in ContainerName::of_devices_any_unit(&entry.device_ids) {
+                unlisted |= live.insert(name);
+            }
+        }
+        if unlisted {
+            self.resend_once_for(listed.pods);
+        }
+        Ok(live)
+    }
+}
