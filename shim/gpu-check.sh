@@ -330,6 +330,10 @@ print(next(l.split()[-1] for l in text.splitlines() if l.startswith("gpumem_over
         echo "### outside: $f" >>"$log"
         cat "$dir/$f" >>"$log" 2>&1
     done
+    # The plugin's health watch on the real NVML: which GPUs give XID events.
+    local xids
+    xids=$(grep -o 'watching XID events.*\|only polling this GPU.*' "$dir/plugin.log" | head -3 | tr '\n' ' ')
+    echo "HEALTH ${xids:-no XID event registration logged (see plugin.log)}" | tee -a "$log"
     local d=$cgroup
     while [ -n "$made_cgroup" ] && rmdir "$d" 2>/dev/null && [ "$d" != "$made_cgroup" ]; do d=$(dirname "$d"); done
     [ -n "$made_mount_point" ] && rmdir "$made_mount_point" 2>/dev/null

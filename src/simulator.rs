@@ -7,8 +7,11 @@
 //! from `healthy − allocated` with GetPreferredAllocation, one Allocate per
 //! container, 4 MiB receive limit, and a restart that deletes every socket.
 //! It writes kubelet's device checkpoint as kubelet does: at every allocation
-//! and every device list, not when a pod goes; pod-resources lists neither
-//! regular init containers nor ended pods.
+//! and every device list, not when a pod ends. An ended pod's devices are
+//! freed at the next pod-resources List or allocation (kubelet's
+//! UpdateAllocatedDevices); List never shows regular init containers, and
+//! shows ended pods (without devices) only in the mode of kubelets before
+//! 1.34.
 
 pub mod dra;
 
@@ -117,6 +120,12 @@ struct State {
     claim_uses: Vec<(String, String, ClaimUse)>,
     /// Regular init containers: (pod, container).
     init_containers: BTreeSet<(String, String)>,
+    /// Pods that ended; their devices are freed at the next List or
+    /// allocation.
+    ended: BTreeSet<String>,
+    /// List shows ended pods, as kubelets before 1.34 do
+    /// (`KubeletPodResourcesListUseActivePods` off).
+    lists_ended_pods: bool,
     next_serial: u64,
     /// Pod-resources calls answered and refused by the rate limit.
     pod_resources_calls: u64,
@@ -142,7 +151,15 @@ impl State {
         Ok(())
     }
 
+    /// kubelet's UpdateAllocatedDevices: frees the devices of ended pods,
+    /// in memory only (the checkpoint keeps them until its next write).
+    fn update_allocated_devices(&mut self) {
+        let ended = &self.ended;
+        self.allocations.retain(|a| !ended.contains(&a.pod));
+    }
+
     fn pod(&self, name: &str) -> Option<PodResources> {
+        let ended = self.ended.contains(name);
         let mut containers: Vec<ContainerResources> = Vec::new();
         for (_, container, claim) in self.claim_uses.iter().filter(|(pod, ..)| pod == name) {
             let dynamic = DynamicResource {
@@ -165,6 +182,14 @@ impl State {
             }
         }
         let admitted = self.allocations.iter().any(|a| a.pod == name);
+        if ended {
+            // No devices any more; listed only by older kubelets.
+            return self.lists_ended_pods.then(|| PodResources {
+                name: name.to_owned(),
+                namespace: NAMESPACE.to_owned(),
+                containers: Vec::new(),
+            });
+        }
         for a in self.allocations.iter().filter(|a| a.pod == name && !a.init) {
             let devices = ContainerDevices {
                 resource_name: a.resource.clone(),
@@ -286,11 +311,13 @@ impl PodResourcesLister for PodResourcesService {
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
         let mut state = self.shared.lock();
         state.admit_pod_resources_call()?;
+        state.update_allocated_devices();
         let mut names: Vec<&str> = state
             .allocations
             .iter()
             .map(|a| a.pod.as_str())
             .chain(state.claim_uses.iter().map(|(pod, ..)| pod.as_str()))
+            .chain(state.ended.iter().map(String::as_str))
             .collect();
         names.sort_unstable();
         names.dedup();
@@ -654,7 +681,9 @@ impl KubeletSim {
     ) -> Result<Allocation, AdmissionError> {
         let _serial = self.admission.lock().await;
         let (mut client, options, available, init) = {
-            let state = self.shared.lock();
+            let mut state = self.shared.lock();
+            state.update_allocated_devices();
+            state.ended.remove(pod);
             let init = state
                 .init_containers
                 .contains(&(pod.to_owned(), container.to_owned()));
@@ -751,6 +780,12 @@ impl KubeletSim {
         Ok(allocation)
     }
 
+    /// Lists ended pods (without devices) until the end, as kubelets before
+    /// 1.34 do.
+    pub fn list_ended_pods(&self) {
+        self.shared.lock().lists_ended_pods = true;
+    }
+
     /// Says that `pod`'s `container` is a regular init container (as its
     /// pod's spec would): admitted like any other and kept in the
     /// checkpoint, it is never listed by pod-resources.
@@ -761,11 +796,11 @@ impl KubeletSim {
             .insert((pod.to_owned(), container.to_owned()));
     }
 
-    /// Frees a pod's devices, as kubelet does once the pod is no longer
-    /// active; like kubelet, it leaves the checkpoint until its next write.
+    /// Ends a pod: kubelet frees its devices at the next List or
+    /// allocation, and leaves the checkpoint until its next write.
     pub fn remove_pod(&self, pod: &str) {
         let mut state = self.shared.lock();
-        state.allocations.retain(|a| a.pod != pod);
+        state.ended.insert(pod.to_owned());
         state.claim_uses.retain(|(p, ..)| p != pod);
         state.init_containers.retain(|(p, _)| p != pod);
         drop(state);

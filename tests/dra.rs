@@ -789,10 +789,6 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
     assert!(host.spec_file(&uid(7)).exists());
 }
 
-/// A checkpoint that does not parse loses the records, not the claims: their
-/// pods still run, and kubelet (which has them as prepared) hands the same
-/// CDI devices to the runtime at every container restart without preparing
-/// them again. Their specs stay, and kubelet's Unprepare removes each.
 #[tokio::test]
 async fn after_a_downgrade_a_claim_in_a_newer_state_is_prepared_again() {
     let host = Host::new();
@@ -867,6 +863,10 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
     assert!(record["claims"].get(uid(2)).is_some(), "{record}");
 }
 
+/// A checkpoint that does not parse loses the records, not the claims: their
+/// pods still run, and kubelet (which has them as prepared) hands the same
+/// CDI devices to the runtime at every container restart without preparing
+/// them again. Their specs stay, and kubelet's Unprepare removes each.
 #[tokio::test]
 async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare() {
     let host = Host::new();

@@ -134,6 +134,15 @@ impl Daemon {
         }
     }
 
+    /// On a T4 with the shim installed in a fresh host directory and state
+    /// directory, which live as long as the returned guards.
+    async fn with_shim(grace: Duration) -> (Daemon, TempDir, TempDir) {
+        let host = common::installed_shim();
+        let state = tempfile::tempdir().unwrap();
+        let d = Daemon::start("t4", shim(host.path(), state.path()), grace).await;
+        (d, host, state)
+    }
+
     fn k(&self) -> &KubeletSim {
         self.kubelet.as_ref().expect("kubelet running")
     }
@@ -394,10 +403,8 @@ async fn pod_resources_is_read_within_kubelets_rate_limit() {
 
 #[tokio::test]
 async fn an_init_container_keeps_its_state_until_its_pod_ends() {
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
     let grace = Duration::from_millis(400);
-    let d = Daemon::start("t4", shim(host.path(), state.path()), grace).await;
+    let (d, _host, _state) = Daemon::with_shim(grace).await;
     let dir_of = |a: &gpumem::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
     // Admitted, and waiting for its image far longer than the grace
     // period: pod-resources never lists it, kubelet's checkpoint does.
@@ -421,6 +428,28 @@ async fn an_init_container_keeps_its_state_until_its_pod_ends() {
     d.stop().await;
 }
 
+#[tokio::test]
+async fn a_kubelet_that_lists_ended_pods_still_lets_their_init_state_go() {
+    let grace = Duration::from_millis(400);
+    let (d, _host, _state) = Daemon::with_shim(grace).await;
+    // Kubelets before 1.34 list an ended pod (a finished Job's, say), without
+    // devices, until it is deleted: ending a pod whose GPU was only in its
+    // init container changes nothing List shows.
+    d.k().list_ended_pods();
+    d.k().declare_init_container("job", "fetch-model");
+    let init = d
+        .k()
+        .admit("job", "fetch-model", RESOURCE, 4)
+        .await
+        .unwrap();
+    let dir = PathBuf::from(&init.response.mounts[2].host_path);
+    tokio::time::sleep(grace * 3).await;
+    assert!(dir.join("accounting").exists(), "removed while its pod ran");
+    d.k().remove_pod("job");
+    wait_until_removed(&dir, "an ended pod's init container state").await;
+    d.stop().await;
+}
+
 /// Waits up to [`WAIT`] for `dir` to be removed.
 async fn wait_until_removed(dir: &Path, what: &str) {
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -435,10 +464,8 @@ async fn wait_until_removed(dir: &Path, what: &str) {
 
 #[tokio::test]
 async fn finished_containers_state_is_removed_after_the_grace_period_only() {
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
     let grace = Duration::from_millis(800);
-    let d = Daemon::start("t4", shim(host.path(), state.path()), grace).await;
+    let (d, _host, _state) = Daemon::with_shim(grace).await;
     let dir_of = |a: &gpumem::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
     let done = dir_of(&d.k().admit("done", "main", RESOURCE, 4).await.unwrap());
     let running = dir_of(&d.k().admit("running", "main", RESOURCE, 4).await.unwrap());

@@ -50,9 +50,10 @@ struct File {
 #[derive(Deserialize)]
 #[serde(rename_all = "PascalCase")]
 struct Data {
-    /// `null` with no entries (Go's nil slice).
+    /// `null` with no entries (Go's nil slice). Each entry is read on its
+    /// own, ours only: another resource's odd entry is none of our business.
     #[serde(default)]
-    pod_device_entries: Option<Vec<RawEntry>>,
+    pod_device_entries: Option<Vec<serde_json::Value>>,
 }
 
 #[derive(Deserialize)]
@@ -61,9 +62,9 @@ struct RawEntry {
     #[serde(rename = "PodUID")]
     pod_uid: String,
     container_name: String,
-    resource_name: String,
-    #[serde(rename = "DeviceIDs")]
-    device_ids: DeviceIds,
+    /// `null` when kubelet recorded none.
+    #[serde(rename = "DeviceIDs", default)]
+    device_ids: Option<DeviceIds>,
 }
 
 /// Per NUMA node since kubelet 1.20 (`"-1"` without topology); a plain
@@ -71,12 +72,12 @@ struct RawEntry {
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum DeviceIds {
-    ByNuma(BTreeMap<String, Vec<String>>),
+    ByNuma(BTreeMap<String, Option<Vec<String>>>),
     Flat(Vec<String>),
 }
 
 /// The entries of `resource` in the checkpoint at `path`; none if there is
-/// no file yet (kubelet writes it at its first allocation).
+/// no file (kubelet writes it at its first allocation or device list).
 pub fn read(path: &Path, resource: &str) -> Result<Vec<Entry>, CheckpointError> {
     let text = match std::fs::read(path) {
         Ok(text) => text,
@@ -92,21 +93,28 @@ pub fn read(path: &Path, resource: &str) -> Result<Vec<Entry>, CheckpointError> 
         path: path.display().to_string(),
         source,
     })?;
-    Ok(file
-        .data
-        .pod_device_entries
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|e| e.resource_name == resource)
-        .map(|e| Entry {
-            pod_uid: e.pod_uid,
-            container: e.container_name,
-            device_ids: match e.device_ids {
-                DeviceIds::ByNuma(by_node) => by_node.into_values().flatten().collect(),
-                DeviceIds::Flat(ids) => ids,
+    let mut entries = Vec::new();
+    for value in file.data.pod_device_entries.unwrap_or_default() {
+        if value.get("ResourceName").and_then(|r| r.as_str()) != Some(resource) {
+            continue;
+        }
+        let entry = RawEntry::deserialize(&value).map_err(|source| CheckpointError::Parse {
+            path: path.display().to_string(),
+            source,
+        })?;
+        entries.push(Entry {
+            pod_uid: entry.pod_uid,
+            container: entry.container_name,
+            device_ids: match entry.device_ids {
+                Some(DeviceIds::ByNuma(by_node)) => {
+                    by_node.into_values().flatten().flatten().collect()
+                }
+                Some(DeviceIds::Flat(ids)) => ids,
+                None => Vec::new(),
             },
-        })
-        .collect())
+        });
+    }
+    Ok(entries)
 }
 
 #[cfg(test)]
@@ -155,6 +163,12 @@ mod tests {
             "ResourceName":"aliyun.com/gpu-mem","DeviceIDs":["c-0"],"AllocResp":"CgA="}],
             "RegisteredDevices":{}},"Checksum":1}"#;
         assert_eq!(read_text(older).unwrap()[0].device_ids, ["c-0"]);
+        // Another resource's entry of another shape, and none of ours.
+        let odd = r#"{"Data":{"PodDeviceEntries":[{"PodUID":"p4","ContainerName":"c",
+            "ResourceName":"example.com/fpga","DeviceIDs":7},{"PodUID":"p5",
+            "ContainerName":"c","ResourceName":"aliyun.com/gpu-mem","DeviceIDs":null}]},
+            "Checksum":1}"#;
+        assert_eq!(read_text(odd).unwrap()[0].device_ids, Vec::<String>::new());
         // No allocation yet.
         let empty = r#"{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{}},"Checksum":1}"#;
         assert_eq!(read_text(empty).unwrap(), []);

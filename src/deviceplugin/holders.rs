@@ -8,8 +8,10 @@ use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::deviceplugin::checkpoint;
@@ -24,39 +26,51 @@ pub struct KubeletHolders {
     /// Bumped to have the plugin send its device list again: kubelet writes
     /// its checkpoint at every device list.
     resend: watch::Sender<u64>,
-    /// The pods List showed when the list was last sent again.
-    resent_for: Mutex<Option<u64>>,
+    /// What was seen when the list was last sent again, and when.
+    resent: Mutex<Option<(u64, Instant)>>,
+    /// How often the list is sent again while nothing changes.
+    every: Duration,
     /// A checkpoint that cannot be read is logged once.
     warned: AtomicBool,
 }
 
 impl KubeletHolders {
     /// `device_plugins` is kubelet's device-plugins directory (where its
-    /// checkpoint lives); `resend` reaches the plugin's ListAndWatch.
+    /// checkpoint lives); `resend` reaches the plugin's ListAndWatch, at
+    /// most once per `every` while nothing changes (the grace period).
     pub fn new(
         pod_resources: PodResources,
         device_plugins: &Path,
         resource: &str,
         resend: watch::Sender<u64>,
+        every: Duration,
     ) -> Self {
         KubeletHolders {
             pod_resources,
             checkpoint: device_plugins.join(checkpoint::FILE_NAME),
             resource: resource.to_owned(),
             resend,
-            resent_for: Mutex::new(None),
+            resent: Mutex::new(None),
+            every,
             warned: AtomicBool::new(false),
         }
     }
 
     /// kubelet forgets a pod that ended (at the List just made) but writes
     /// its checkpoint only at its next allocation or device list, so the
-    /// pod's entries could outlive it for hours on a quiet node. One device
-    /// list each time the listed pods change has kubelet write it at once.
-    fn resend_once_for(&self, pods: u64) {
-        let mut resent_for = self.resent_for.lock().unwrap_or_else(|e| e.into_inner());
-        if *resent_for != Some(pods) {
-            *resent_for = Some(pods);
+    /// pod's entries could outlive it for hours on a quiet node. A device
+    /// list has kubelet write it: sent when what List and the checkpoint
+    /// say changes (`seen`), and every `every` while they keep disagreeing,
+    /// since an ended pod can change neither (kubelets before 1.34 list it
+    /// until it is deleted, and one with a GPU only in an init container
+    /// was never in List's holdings).
+    fn resend_if_due(&self, seen: u64) {
+        let mut resent = self.resent.lock().unwrap_or_else(|e| e.into_inner());
+        let due = resent
+            .as_ref()
+            .is_none_or(|(before, at)| *before != seen || at.elapsed() >= self.every);
+        if due {
+            *resent = Some((seen, Instant::now()));
             self.resend.send_modify(|n| *n = n.wrapping_add(1));
             debug!("kubelet's checkpoint names containers List does not show; sending the device list again so that kubelet rewrites it");
         }
@@ -93,14 +107,24 @@ impl Holders for KubeletHolders {
                 return Ok(live);
             }
         };
-        let mut unlisted = false;
+        let mut unlisted: Vec<String> = Vec::new();
         for entry in &entries {
             for name in ContainerName::of_devices_any_unit(&entry.device_ids) {
-                unlisted |= live.insert(name);
+                if !live.contains(&name) {
+                    unlisted.push(name.as_str().to_owned());
+                    live.insert(name);
+                }
             }
         }
-        if unlisted {
-            self.resend_once_for(listed.pods);
+        if !unlisted.is_empty() {
+            unlisted.sort_unstable();
+            let seen = {
+                use std::hash::{Hash, Hasher};
+                let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                (listed.pods, &unlisted).hash(&mut hasher);
+                hasher.finish()
+            };
+            self.resend_if_due(seen);
         }
         Ok(live)
     }

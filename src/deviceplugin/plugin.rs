@@ -35,9 +35,11 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// kubelet's HTTP/2 connection can keep a graceful shutdown waiting.
 const DRAIN: Duration = Duration::from_secs(1);
 /// After kubelet ends ListAndWatch, the wait before registering again:
-/// kubelets before PR #135437 disconnect the resource by name once the old
-/// stream's reader returns, and must not take the new registration with it.
-/// Doubled while registrations keep ending within [`STEADY`].
+/// kubelet disconnects the old client once the old stream's reader returns,
+/// looking it up by resource name (and, since PR #135437, socket path,
+/// which every generation here shares), and must not find the new one
+/// instead. Should it, that stream ends too and the plugin registers once
+/// more. Doubled while registrations keep ending within [`STEADY`].
 const HANG_UP_WAIT: Duration = Duration::from_secs(1);
 const MAX_HANG_UP_WAIT: Duration = Duration::from_secs(30);
 const STEADY: Duration = Duration::from_secs(60);
@@ -182,7 +184,11 @@ impl Plugin {
                     kubelet_sock: dir.join(KUBELET_SOCKET),
                     kubelet_id,
                 };
-                ended = watched.until_ended(&hung_up, hang_up_wait, &shutdown).await;
+                // kubelet dropped us at the hang-up, not after the wait.
+                let unregistered = || self.status.send_modify(|s| s.registered = false);
+                ended = watched
+                    .until_ended(&hung_up, hang_up_wait, &shutdown, unregistered)
+                    .await;
                 self.status.send_modify(|s| s.registered = false);
                 if since.elapsed() >= STEADY {
                     hang_up_wait = HANG_UP_WAIT;
@@ -334,8 +340,10 @@ impl Watched<'_> {
         hung_up: &CancellationToken,
         wait: Duration,
         shutdown: &CancellationToken,
+        on_hang_up: impl FnOnce(),
     ) -> Ended {
         let mut deadline = None;
+        let mut on_hang_up = Some(on_hang_up);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return Ended::Shutdown,
@@ -346,6 +354,9 @@ impl Watched<'_> {
                 return Ended::Restart;
             }
             if hung_up.is_cancelled() {
+                if let Some(tell) = on_hang_up.take() {
+                    tell();
+                }
                 let deadline = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + wait);
                 if tokio::time::Instant::now() >= deadline {
                     return Ended::HungUp;

@@ -209,7 +209,13 @@ pub async fn run(
                 warn!(dir = %specs.dir().display(), %err, "--cdi-spec-dir is not usable; Allocate will refuse containers until it is");
             }
         }
-        let holders = KubeletHolders::new(pod_resources, &kubelet_dir, &resource, plugin.resend());
+        let holders = KubeletHolders::new(
+            pod_resources,
+            &kubelet_dir,
+            &resource,
+            plugin.resend(),
+            common.state_grace,
+        );
         tasks.spawn(cleanup::run(
             shim.clone(),
             cdi_specs,
