@@ -39,7 +39,8 @@ use gpumem::ops::status::NodeStatus;
 #[derive(Parser)]
 #[command(name = "gpumem", version, propagate_version = true)]
 struct Cli {
-    /// Log format: text for people, json for log pipelines.
+    /// Log format: text for people (coloured only on a terminal without
+    /// NO_COLOR set), json for log pipelines.
     #[arg(long, global = true, env = "GPUMEM_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
 
@@ -607,8 +608,13 @@ fn main() -> ExitCode {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // Colours only for a person at a terminal: `kubectl logs` and log
+    // pipelines would show the escape codes.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     match cli.log_format {
         LogFormat::Text => logs.init(),

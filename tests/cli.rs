@@ -109,6 +109,25 @@ fn without_nvml_the_error_points_to_fake_gpus() {
 }
 
 #[test]
+fn logs_written_to_a_pipe_carry_no_colour_codes() {
+    // As under a DaemonSet: `kubectl logs` shows stderr as it was written.
+    let (out, text) = run(gpumem()
+        .args([
+            "plugin",
+            "--metrics-addr",
+            "",
+            "--kubelet-dir",
+            "/nonexistent",
+        ])
+        .arg("--fake-gpus")
+        .arg(fixture("t4")));
+    assert!(!out.status.success(), "{text}");
+    let logs = String::from_utf8_lossy(&out.stderr);
+    assert!(logs.contains("INFO") && logs.contains("Tesla T4"), "{logs}");
+    assert!(!logs.contains('\x1b'), "escape codes in {logs:?}");
+}
+
+#[test]
 fn invalid_flags_are_named() {
     let (out, text) = run(gpumem().args(["plugin", "--resource-name", "gpu-mem"]));
     assert!(!out.status.success());
