@@ -39,8 +39,8 @@ use gpumem::ops::status::NodeStatus;
 #[derive(Parser)]
 #[command(name = "gpumem", version, propagate_version = true)]
 struct Cli {
-    /// Log format: text for people (coloured only on a terminal without
-    /// NO_COLOR set), json for log pipelines.
+    /// Log format: text for people (coloured only on a terminal, and not
+    /// with NO_COLOR set), json for log pipelines.
     #[arg(long, global = true, env = "GPUMEM_LOG_FORMAT", default_value = "text")]
     log_format: LogFormat,
 

@@ -790,8 +790,9 @@ impl KubeletSim {
     /// pod's spec would): admitted like any other and kept in the
     /// checkpoint, it is never listed by pod-resources.
     pub fn declare_init_container(&self, pod: &str, container: &str) {
-        self.shared
-            .lock()
+        let mut state = self.shared.lock();
+        state.ended.remove(pod);
+        state
             .init_containers
             .insert((pod.to_owned(), container.to_owned()));
     }
@@ -810,10 +811,12 @@ impl KubeletSim {
     /// Lists `pod`'s `container` in pod-resources as using a DRA claim, as
     /// kubelet does once the claim is prepared and the container runs.
     pub fn run_with_claim(&self, pod: &str, container: &str, claim: ClaimUse) {
-        self.shared
-            .lock()
+        let mut state = self.shared.lock();
+        state.ended.remove(pod);
+        state
             .claim_uses
             .push((pod.to_owned(), container.to_owned(), claim));
+        drop(state);
         self.shared.changed();
     }
 }

@@ -112,6 +112,8 @@ fn without_nvml_the_error_points_to_fake_gpus() {
 fn logs_written_to_a_pipe_carry_no_colour_codes() {
     // As under a DaemonSet: `kubectl logs` shows stderr as it was written.
     let (out, text) = run(gpumem()
+        .env_remove("NO_COLOR")
+        .env_remove("RUST_LOG")
         .args([
             "plugin",
             "--metrics-addr",

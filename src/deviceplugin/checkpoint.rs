@@ -166,9 +166,12 @@ mod tests {
         // Another resource's entry of another shape, and none of ours.
         let odd = r#"{"Data":{"PodDeviceEntries":[{"PodUID":"p4","ContainerName":"c",
             "ResourceName":"example.com/fpga","DeviceIDs":7},{"PodUID":"p5",
-            "ContainerName":"c","ResourceName":"aliyun.com/gpu-mem","DeviceIDs":null}]},
-            "Checksum":1}"#;
-        assert_eq!(read_text(odd).unwrap()[0].device_ids, Vec::<String>::new());
+            "ContainerName":"c","ResourceName":"aliyun.com/gpu-mem","DeviceIDs":null},
+            {"PodUID":"p6","ContainerName":"c","ResourceName":"aliyun.com/gpu-mem",
+            "DeviceIDs":{"-1":null,"0":["d-0"]}}]},"Checksum":1}"#;
+        let entries = read_text(odd).unwrap();
+        assert_eq!(entries[0].device_ids, Vec::<String>::new());
+        assert_eq!(entries[1].device_ids, ["d-0"]);
         // No allocation yet.
         let empty = r#"{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{}},"Checksum":1}"#;
         assert_eq!(read_text(empty).unwrap(), []);

@@ -19,6 +19,10 @@ use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
 
+/// The least time between two unprompted resends, whatever the grace
+/// period: each makes kubelet rewrite its checkpoint.
+const MIN_RESEND_EVERY: Duration = Duration::from_secs(5);
+
 pub struct KubeletHolders {
     pod_resources: PodResources,
     checkpoint: PathBuf,
@@ -37,7 +41,8 @@ pub struct KubeletHolders {
 impl KubeletHolders {
     /// `device_plugins` is kubelet's device-plugins directory (where its
     /// checkpoint lives); `resend` reaches the plugin's ListAndWatch, at
-    /// most once per `every` while nothing changes (the grace period).
+    /// most once per `every` while nothing changes (the grace period; at
+    /// least [`MIN_RESEND_EVERY`]).
     pub fn new(
         pod_resources: PodResources,
         device_plugins: &Path,
@@ -51,7 +56,7 @@ impl KubeletHolders {
             resource: resource.to_owned(),
             resend,
             resent: Mutex::new(None),
-            every,
+            every: every.max(MIN_RESEND_EVERY),
             warned: AtomicBool::new(false),
         }
     }
