@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use common::cdi::check_cdi_spec;
 use common::{fixture, T4_UUID};
-use gpumem::dra::claims::ClaimRef;
+use gpumem::dra::claims::{ClaimRef, Prepared};
 use gpumem::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use gpumem::simulator::dra::{DraVersion, FakeDraKubelet, KUBELET_1_33, KUBELET_1_34};
 use gpumem::simulator::{ClaimUse, KubeletSim};
@@ -209,6 +209,17 @@ async fn kubelet_1_34(host: &Host) -> FakeDraKubelet {
     FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
         .await
         .unwrap()
+}
+
+/// `gpumem dra` on `host` once a 1.34 kubelet had it prepare claim `nb`
+/// (4Gi on gpu-0, UID `uid(1)`), and what kubelet was told.
+async fn driver_with_notebook(host: &Host, api: &FakeApiServer) -> (Driver, Prepared) {
+    let driver = Driver::start(host, api).await;
+    let kubelet = kubelet_1_34(host).await;
+    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    let prepared = kubelet.prepare(&[claim_ref("nb", &uid(1))]).await.unwrap();
+    prepared[&uid(1)].as_ref().unwrap();
+    (driver, prepared)
 }
 
 fn claim_ref(name: &str, uid: &str) -> ClaimRef {
@@ -793,12 +804,8 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
 async fn after_a_downgrade_a_claim_in_a_newer_state_is_prepared_again() {
     let host = Host::new();
     let api = api().await;
-    let mut driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
-    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    let (mut driver, prepared) = driver_with_notebook(&host, &api).await;
     let refs = [claim_ref("nb", &uid(1))];
-    let prepared = kubelet.prepare(&refs).await.unwrap();
-    prepared[&uid(1)].as_ref().unwrap();
 
     // A newer version recorded a state this one does not know.
     driver.kill();
@@ -871,11 +878,7 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
 async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare() {
     let host = Host::new();
     let api = api().await;
-    let mut driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
-    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
-    let prepared = kubelet.prepare(&[claim_ref("nb", &uid(1))]).await.unwrap();
-    prepared[&uid(1)].as_ref().unwrap();
+    let (mut driver, _) = driver_with_notebook(&host, &api).await;
     assert!(host.spec_file(&uid(1)).exists());
 
     // The driver restarts and finds its checkpoint truncated.

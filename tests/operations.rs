@@ -405,16 +405,9 @@ async fn pod_resources_is_read_within_kubelets_rate_limit() {
 async fn an_init_container_keeps_its_state_until_its_pod_ends() {
     let grace = Duration::from_millis(400);
     let (d, _host, _state) = Daemon::with_shim(grace).await;
-    let dir_of = |a: &gpumem::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
     // Admitted, and waiting for its image far longer than the grace
     // period: pod-resources never lists it, kubelet's checkpoint does.
-    d.k().declare_init_container("slow", "fetch-model");
-    let init = d
-        .k()
-        .admit("slow", "fetch-model", RESOURCE, 4)
-        .await
-        .unwrap();
-    let dir = dir_of(&init);
+    let dir = admit_init_container(&d, "slow").await;
     tokio::time::sleep(grace * 5).await;
     assert!(
         dir.join("accounting").exists(),
@@ -436,18 +429,20 @@ async fn a_kubelet_that_lists_ended_pods_still_lets_their_init_state_go() {
     // devices, until it is deleted: ending a pod whose GPU was only in its
     // init container changes nothing List shows.
     d.k().list_ended_pods();
-    d.k().declare_init_container("job", "fetch-model");
-    let init = d
-        .k()
-        .admit("job", "fetch-model", RESOURCE, 4)
-        .await
-        .unwrap();
-    let dir = PathBuf::from(&init.response.mounts[2].host_path);
+    let dir = admit_init_container(&d, "job").await;
     tokio::time::sleep(grace * 3).await;
     assert!(dir.join("accounting").exists(), "removed while its pod ran");
     d.k().remove_pod("job");
     wait_until_removed(&dir, "an ended pod's init container state").await;
     d.stop().await;
+}
+
+/// Admits `pod`, whose only container with units is its init container
+/// `fetch-model` (4 units); returns that container's accounting directory.
+async fn admit_init_container(d: &Daemon, pod: &str) -> PathBuf {
+    d.k().declare_init_container(pod, "fetch-model");
+    let init = d.k().admit(pod, "fetch-model", RESOURCE, 4).await.unwrap();
+    PathBuf::from(&init.response.mounts[2].host_path)
 }
 
 /// Waits up to [`WAIT`] for `dir` to be removed.
