@@ -126,7 +126,7 @@ impl Holders for KubeletHolders {
             let seen = {
                 use std::hash::{Hash, Hasher};
                 let mut hasher = std::collections::hash_map::DefaultHasher::new();
-                (listed.pods, &unlisted).hash(&mut hasher);
+                (&listed.pods, &unlisted).hash(&mut hasher);
                 hasher.finish()
             };
             self.resend_if_due(seen);

@@ -42,13 +42,12 @@ pub enum PodResourcesError {
     List { path: PathBuf, message: String },
 }
 
-/// One List answer: the containers holding our devices, and a fingerprint
-/// of every pod listed (with devices or not), which changes when a pod
-/// comes or goes.
+/// One List answer: the containers holding our devices, and every pod
+/// listed (with devices or not), sorted, as (namespace, name).
 #[derive(Debug, Clone, Default)]
 pub struct Listed {
     pub holdings: Vec<Holding>,
-    pub pods: u64,
+    pub pods: Vec<(String, String)>,
 }
 
 /// The last List answer and when it was read.
@@ -150,12 +149,6 @@ impl PodResources {
             }
         }
         pods.sort_unstable();
-        let pods = {
-            use std::hash::{Hash, Hasher};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            pods.hash(&mut hasher);
-            hasher.finish()
-        };
         Ok(Listed { holdings, pods })
     }
 }

@@ -516,8 +516,8 @@ pub async fn run_dra(
     if let Some(err) = &opened.corrupt {
         error!(%err, "started a new DRA checkpoint: claims prepared before keep their CDI specs until kubelet unprepares them");
     }
+    let checkpoint = opened.checkpoint.path().to_owned();
     for entry in &opened.unreadable {
-        let checkpoint = common.state_dir.join(CHECKPOINT);
         if entry.stale {
             warn!(uid = %entry.uid, error = %entry.error, checkpoint = %checkpoint.display(), "dropped an unreadable entry of the DRA checkpoint, prepared before the node rebooted");
         } else {
