@@ -434,7 +434,7 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
                 "/etc/ld.so.preload".to_owned(),
                 host.path("shim/ld.so.preload"),
             ),
-            ("/var/run/gpumem".to_owned(), dir.clone()),
+            (format!("/var/run/gpumem/claim-{}", claim.uid), dir.clone()),
         ] {
             assert!(
                 mounts.contains(&(container.clone(), host_path.display().to_string())),
@@ -568,10 +568,11 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     }
 
     // 5000 MiB of the claim's 4096, in a process with the claim's
-    // directory at /var/run/gpumem, as the claim's CDI spec mounts it.
+    // directory at /var/run/gpumem/claim-<UID>, as the claim's CDI spec
+    // mounts it.
     let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();
     let dir = host.path("state/containers").join(format!("claim-{uid}"));
-    let mountinfo = common::mountinfo_with_state_dir(&dir);
+    let mountinfo = common::mountinfo_with_claims(&[&dir]);
     common::list_fake_process(&gpus, rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
 
     let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
@@ -592,6 +593,93 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     assert_eq!(event["type"], "Warning");
     assert_eq!(event.pointer("/regarding/uid"), Some(&POD_UID.into()));
     assert_eq!(event.pointer("/regarding/name"), Some(&"nb".into()));
+}
+
+/// A container that references two claims, one per GPU, is given both
+/// claims' accounting directories (each spec mounts its own at its own
+/// path), and the shim in it holds each GPU to its own claim's cap.
+#[tokio::test]
+async fn a_container_with_two_claims_is_held_to_each_on_its_gpu() {
+    const V100: [&str; 2] = [
+        "GPU-1a2b3c4d-0000-4000-8000-000000010000",
+        "GPU-1a2b3c4d-0000-4000-8000-000000010001",
+    ];
+    let host = Host::new();
+    let api = api().await;
+    let driver = Driver::start_custom(
+        &host,
+        &api,
+        &host.path("no-kubelet.sock"),
+        &fixture("v100x2"),
+        &["--reconcile-secs", "0"],
+    )
+    .await;
+    let kubelet = kubelet_1_34(&host).await;
+    api.put(claim("train", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    api.put(claim("scratch", &uid(2), &[("gpu-1", Some("2Gi"), None)]));
+    let refs = [claim_ref("train", &uid(1)), claim_ref("scratch", &uid(2))];
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    for claim in &refs {
+        prepared[&claim.uid]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    }
+
+    // The container's state directory as a runtime makes it from both
+    // specs (CDI replaces a mount at a container path taken already).
+    let state = host.path("container-state");
+    std::fs::create_dir_all(&state).unwrap();
+    for claim in &refs {
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(host.spec_file(&claim.uid)).unwrap()).unwrap();
+        for mount in spec["devices"][0]["containerEdits"]["mounts"]
+            .as_array()
+            .unwrap()
+        {
+            let at = mount["containerPath"].as_str().unwrap();
+            let Some(inside) = at.strip_prefix(gpumem_layout::CONTAINER_DIR) else {
+                continue;
+            };
+            let from = Path::new(mount["hostPath"].as_str().unwrap());
+            let (from, to) = match inside.strip_prefix('/') {
+                Some(name) => (from.to_owned(), state.join(name)),
+                // Over the state directory itself: its file stands for it.
+                None => (
+                    from.join(gpumem_layout::FILE_NAME),
+                    state.join(gpumem_layout::FILE_NAME),
+                ),
+            };
+            let _ = std::fs::remove_file(&to);
+            std::os::unix::fs::symlink(from, to).unwrap();
+        }
+    }
+
+    let (ok, lines, stderr) = common::run_lines(
+        common::shim_kit()
+            .probe(Some(&state))
+            .env("FAKEGPU_UUIDS", V100.join(","))
+            .args([
+                "ctx:0",
+                "alloc:3700",
+                "alloc:200",
+                "ctx:1",
+                "alloc:1700",
+                "alloc:100",
+            ]),
+    );
+    assert!(ok, "{stderr}");
+    // Each cap less the fake driver's 300 MiB context.
+    assert_eq!(
+        lines[2..],
+        [
+            "alloc:3700 0 #0",
+            "alloc:200 2 #1",
+            "ctx:1 0",
+            "alloc:1700 0 #2",
+            "alloc:100 2 #3"
+        ],
+        "{stderr}"
+    );
 }
 
 #[tokio::test]

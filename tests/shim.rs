@@ -6,7 +6,7 @@ mod common;
 use std::process::Stdio;
 
 use common::{
-    capped_dir, field, line, nth, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB,
+    capped_dir, field, line, nth, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB, T4_UUID,
 };
 
 const CAP: u64 = 4308 * MIB;
@@ -607,11 +607,23 @@ fn an_execed_process_leaves_no_charge_behind() {
 
 #[test]
 fn a_file_shrunk_under_a_running_process_is_an_error_not_a_crash() {
-    let dir = capped_dir(4308);
-    let go = dir.path().join("go");
-    let output = dir.path().join("output");
+    let own = capped_dir(4308);
+    shrink_under_a_running_probe(own.path(), &own.path().join("accounting"));
+    // A container with two claims: the file mapped first.
+    let claims = claims_dir(&[("claim-a", T4_UUID, 4308), ("claim-b", SECOND_UUID, 4308)]);
+    let file = claims.path().join("claim-a").join("accounting");
+    shrink_under_a_running_probe(claims.path(), &file);
+}
+
+/// Shrinks `file`, which caps the first GPU, to nothing while a probe under
+/// the shim with `dir` holds memory there, and checks the probe says so in
+/// one line and goes on uncapped.
+fn shrink_under_a_running_probe(dir: &std::path::Path, file: &std::path::Path) {
+    let go = dir.join("go");
+    let output = dir.join("output");
     let child = shim_kit()
-        .probe(Some(dir.path()))
+        .probe(Some(dir))
+        .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND_UUID}"))
         .args([
             "alloc:100",
             &format!("wait:{}", go.display()),
@@ -635,7 +647,7 @@ fn a_file_shrunk_under_a_running_process_is_an_error_not_a_crash() {
     }
     std::fs::OpenOptions::new()
         .write(true)
-        .open(dir.path().join("accounting"))
+        .open(file)
         .unwrap()
         .set_len(0)
         .unwrap();
@@ -644,7 +656,9 @@ fn a_file_shrunk_under_a_running_process_is_an_error_not_a_crash() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{:?}: {stderr}", out.status);
     assert!(
-        stderr.contains("shrank while in use") && stderr.contains("NOT capped"),
+        stderr.contains("shrank while in use")
+            && stderr.contains("NOT capped")
+            && stderr.contains(&file.display().to_string()),
         "{stderr}"
     );
     assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
@@ -788,5 +802,100 @@ int main(void) {
     assert_eq!(
         stdout, "small 0\nover 2\n",
         "through the interposer, still capped"
+    );
+}
+
+const SECOND_UUID: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
+
+/// A state directory as a container with two DRA claims has it: each
+/// claim's CDI spec mounts its accounting directory inside the state
+/// directory, under the claim directory's own name.
+fn claims_dir(claims: &[(&str, &str, u64)]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for &(name, uuid, cap_mib) in claims {
+        gpumem::isolation::accounting::prepare(
+            &dir.path().join(name),
+            &[gpumem::isolation::accounting::Cap {
+                uuid: uuid.into(),
+                cap_mib,
+                context_charge_mib: 0,
+            }],
+        )
+        .unwrap();
+    }
+    dir
+}
+
+#[test]
+fn a_container_with_two_claims_is_held_to_each_claims_cap_on_its_gpu() {
+    let dir = claims_dir(&[("claim-a", T4_UUID, 4308), ("claim-b", SECOND_UUID, 2000)]);
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND_UUID}"))
+            .args([
+                "ctx:0",
+                "alloc:3900",
+                "alloc:200",
+                "ctx:1",
+                "info",
+                "alloc:1600",
+                "alloc:200",
+                "nvml",
+                "nvml:1",
+            ]),
+    );
+    assert!(ok, "{stderr}");
+    assert!(!stderr.contains("NOT capped"), "{stderr}");
+    // 4308 less the 300 MiB context on the first GPU, 2000 less its own on
+    // the second.
+    assert_eq!(line(&lines, "alloc:3900"), "alloc:3900 0 #0");
+    assert_eq!(nth(&lines, "alloc:200", 0), "alloc:200 2 #1");
+    assert_eq!(line(&lines, "alloc:1600"), "alloc:1600 0 #2");
+    assert_eq!(nth(&lines, "alloc:200", 1), "alloc:200 2 #3");
+    assert_eq!(field(line(&lines, "info 0"), "total"), 2000 * MIB);
+    assert_eq!(field(line(&lines, "nvml 0"), "total"), CAP);
+    assert_eq!(field(line(&lines, "nvml:1 0"), "total"), 2000 * MIB);
+
+    // Each claim's file holds what was charged on its own GPU.
+    let usage = |name: &str| {
+        gpumem::isolation::accounting::usage(&dir.path().join(name).join("accounting")).unwrap()
+    };
+    assert_eq!(usage("claim-a")[0].peak_bytes, CONTEXT + 3900 * MIB);
+    assert_eq!(usage("claim-b")[0].peak_bytes, CONTEXT + 1600 * MIB);
+}
+
+#[test]
+fn a_gpu_in_two_claims_of_one_container_is_held_to_the_first_claims_cap() {
+    let dir = claims_dir(&[("claim-a", T4_UUID, 1000), ("claim-b", T4_UUID, 3000)]);
+    let (ok, lines, stderr) =
+        run_lines(
+            shim_kit()
+                .probe(Some(dir.path()))
+                .args(["info", "alloc:800", "alloc:800"]),
+        );
+    assert!(ok, "{stderr}");
+    assert_eq!(field(line(&lines, "info 0"), "total"), 1000 * MIB);
+    assert_eq!(nth(&lines, "alloc:800", 1), "alloc:800 2 #1");
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.contains(T4_UUID) && stderr.contains("claim-b"),
+        "the second file's cap is named as unused: {stderr}"
+    );
+}
+
+#[test]
+fn a_broken_claim_file_costs_only_its_own_gpu_its_cap() {
+    let dir = claims_dir(&[("claim-b", T4_UUID, 1000)]);
+    std::fs::create_dir(dir.path().join("claim-a")).unwrap();
+    let broken = dir.path().join("claim-a").join("accounting");
+    std::fs::write(&broken, vec![0xAB; 4096]).unwrap();
+    let (ok, lines, stderr) = run_lines(shim_kit().probe(Some(dir.path())).args(["info"]));
+    assert!(ok, "{stderr}");
+    assert_eq!(field(line(&lines, "info 0"), "total"), 1000 * MIB);
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.contains(&broken.display().to_string()) && stderr.contains("on its devices"),
+        "{stderr}"
     );
 }

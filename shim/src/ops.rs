@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Mutex, OnceLock};
 
-use gpumem_layout::{self as layout, MAX_DEVICES};
+use gpumem_layout::{self as layout, DeviceSpec, MAX_DEVICES};
 
 use crate::log;
 use crate::region::{self, Reaper, Region};
@@ -23,7 +23,6 @@ const NO_SLOT: usize = usize::MAX;
 const PRIVATE_SLOT: usize = usize::MAX - 1;
 
 static FULL: AtomicBool = AtomicBool::new(false);
-static MISSING: AtomicBool = AtomicBool::new(false);
 /// Threads opening the file or waiting for it to open: a child forked then
 /// must not wait for an opening that will never finish there.
 static OPENING: AtomicUsize = AtomicUsize::new(0);
@@ -34,15 +33,31 @@ static OPENING: AtomicUsize = AtomicUsize::new(0);
 /// out-of-memory error costs a program anyway.
 const RETRY_PAUSES_US: [u64; 10] = [0, 0, 20, 50, 100, 200, 400, 800, 1600, 2000];
 
-/// A process's view of its container's accounting file.
+/// A process's view of its container's accounting files: the one in the
+/// state directory (Allocate's) and one in each directory directly inside
+/// it (a DRA claim's each). Devices are numbered across the files.
 pub struct Shim {
+    files: Vec<File>,
+    devices: Vec<Device>,
+    /// This process's charges when every slot of a device's file was taken.
+    overflow: [AtomicU64; MAX_DEVICES],
+}
+
+/// One accounting file and this process's place in it.
+struct File {
     region: Region,
     /// This process's slot; reset in a forked child, which must claim its own.
     slot: AtomicUsize,
     /// One claim at a time.
     claim: Mutex<()>,
-    /// This process's charges when every slot was taken.
-    overflow: [AtomicU64; MAX_DEVICES],
+}
+
+/// A capped device: its record, and where it is in which file.
+struct Device {
+    spec: DeviceSpec,
+    file: usize,
+    /// Its position in its file's records.
+    record: usize,
 }
 
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
@@ -86,34 +101,63 @@ fn open() -> Option<Shim> {
     let dir = std::env::var_os("GPUMEM_STATE_DIR")
         .filter(|d| !d.is_empty())
         .map_or_else(|| PathBuf::from(layout::CONTAINER_DIR), PathBuf::from);
-    let path = dir.join(layout::FILE_NAME);
-    match Region::open(&path) {
-        Ok(region) => {
-            log::info(&format!(
-                "capping {} device(s) from {}",
-                region.devices().len(),
-                path.display()
-            ));
-            Some(Shim::over(region))
-        }
-        Err(err) => {
-            log::warn_once(
-                &MISSING,
-                &format!(
-                    "accounting file {} unusable ({err}); GPU memory is NOT capped in this process",
+    let own = dir.join(layout::FILE_NAME);
+    // A claim's directory is mounted under its own name: sorted, so every
+    // process of the container numbers and prefers them alike.
+    let mut claims: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| Some(entry.ok()?.path().join(layout::FILE_NAME)))
+        .filter(|path| path.is_file())
+        .collect();
+    claims.sort();
+    let mut paths: Vec<PathBuf> = if claims.is_empty() || own.exists() {
+        std::iter::once(own).chain(claims).collect()
+    } else {
+        claims
+    };
+    // Each file caps a device at least.
+    for path in paths.drain(MAX_DEVICES.min(paths.len())..) {
+        log::warn(&format!(
+            "accounting file {} is past the {MAX_DEVICES} a process can be capped by; GPU \
+             memory is NOT capped in this process on its devices",
+            path.display()
+        ));
+    }
+    // With several files, a broken one costs only its own devices their cap.
+    let whose = if paths.len() > 1 {
+        " on its devices"
+    } else {
+        ""
+    };
+    let mut regions = Vec::new();
+    for path in paths {
+        match Region::open(&path) {
+            Ok(region) => {
+                log::info(&format!(
+                    "capping {} device(s) from {}",
+                    region.devices().len(),
                     path.display()
-                ),
-            );
-            None
+                ));
+                regions.push((path, region));
+            }
+            Err(err) => log::warn(&format!(
+                "accounting file {} unusable ({err}); GPU memory is NOT capped in this \
+                 process{whose}",
+                path.display()
+            )),
         }
     }
+    (!regions.is_empty()).then(|| Shim::over(regions))
 }
 
 /// Forgets this process's slot and charges: called in a forked child, whose
 /// record locks were not inherited and whose CUDA state is unusable.
 pub fn forget_after_fork() {
     if let Some(Some(shim)) = SHIM.get() {
-        shim.slot.store(NO_SLOT, SeqCst);
+        for file in &shim.files {
+            file.slot.store(NO_SLOT, SeqCst);
+        }
         for counter in &shim.overflow {
             counter.store(0, SeqCst);
         }
@@ -121,11 +165,46 @@ pub fn forget_after_fork() {
 }
 
 impl Shim {
-    fn over(region: Region) -> Shim {
+    /// The shim over the files opened, in order: a device in two files is
+    /// capped by the first.
+    fn over(regions: Vec<(PathBuf, Region)>) -> Shim {
+        let mut devices: Vec<Device> = Vec::new();
+        let mut files = Vec::new();
+        for (path, region) in regions {
+            for (record, spec) in region.devices().iter().enumerate() {
+                let uuid = layout::format_uuid(&spec.uuid);
+                if let Some(first) = devices.iter().find(|d| d.spec.uuid == spec.uuid) {
+                    log::warn(&format!(
+                        "{uuid} is capped by {}; its cap in {} is not used",
+                        files.get(first.file).map_or(&path, |(p, _)| p).display(),
+                        path.display()
+                    ));
+                } else if devices.len() == MAX_DEVICES {
+                    log::warn(&format!(
+                        "{uuid} in {} is past the {MAX_DEVICES} devices a process can be \
+                         capped on; GPU memory is NOT capped on it",
+                        path.display()
+                    ));
+                } else {
+                    devices.push(Device {
+                        spec: *spec,
+                        file: files.len(),
+                        record,
+                    });
+                }
+            }
+            files.push((path, region));
+        }
         Shim {
-            region,
-            slot: AtomicUsize::new(NO_SLOT),
-            claim: Mutex::new(()),
+            files: files
+                .into_iter()
+                .map(|(_, region)| File {
+                    region,
+                    slot: AtomicUsize::new(NO_SLOT),
+                    claim: Mutex::new(()),
+                })
+                .collect(),
+            devices,
             overflow: [const { AtomicU64::new(0) }; MAX_DEVICES],
         }
     }
@@ -134,33 +213,42 @@ impl Shim {
     /// apart from the process's own: for tests of the accounting logic.
     #[cfg(test)]
     pub fn for_test(cap: u64) -> &'static Shim {
-        Box::leak(Box::new(Shim::over(Region::for_test(cap))))
+        let region = Region::for_test(cap);
+        Box::leak(Box::new(Shim::over(vec![(PathBuf::new(), region)])))
     }
 
-    /// Position of a device in the file, by its 16-byte UUID.
+    /// Position of a device among the capped ones, by its 16-byte UUID.
     pub fn device_of(&self, uuid: &[u8; 16]) -> Option<usize> {
-        self.region.devices().iter().position(|d| &d.uuid == uuid)
+        self.devices.iter().position(|d| &d.spec.uuid == uuid)
+    }
+
+    /// The file that caps `dev`, and the device's record in it.
+    #[inline]
+    fn file_of(&self, dev: usize) -> (&File, usize) {
+        let device = &self.devices[dev];
+        (&self.files[device.file], device.record)
     }
 
     pub fn uuid(&self, dev: usize) -> [u8; 16] {
-        self.region.devices()[dev].uuid
+        self.devices[dev].spec.uuid
     }
 
     pub fn cap(&self, dev: usize) -> u64 {
-        self.region.devices()[dev].cap_bytes
+        self.devices[dev].spec.cap_bytes
     }
 
     /// What the plugin says a context costs, for when it cannot be measured.
     pub fn context_hint(&self, dev: usize) -> u64 {
-        self.region.devices()[dev].context_charge_bytes
+        self.devices[dev].spec.context_charge_bytes
     }
 
-    /// This process's counter for `dev`, if it has a slot.
+    /// This process's counter for `dev`, if it has a slot in its file.
     fn own_counter(&self, dev: usize) -> Option<&AtomicU64> {
-        match self.slot.load(SeqCst) {
+        let (file, record) = self.file_of(dev);
+        match file.slot.load(SeqCst) {
             NO_SLOT => None,
             PRIVATE_SLOT => Some(&self.overflow[dev]),
-            index => Some(self.region.file().used_counter(index, dev)),
+            index => Some(file.region.file().used_counter(index, record)),
         }
     }
 
@@ -174,49 +262,51 @@ impl Shim {
         self.own_counter(dev).unwrap_or_else(|| self.register(dev))
     }
 
-    /// Claims this process's slot if it has none: from its first context
-    /// on, even with nothing charged, its record lock is how the node
-    /// daemon finds its untracked usage in NVML.
+    /// Claims this process's slot in `dev`'s file if it has none: from its
+    /// first context on, even with nothing charged, its record lock is how
+    /// the node daemon finds its untracked usage in NVML.
     pub fn claim_slot(&self, dev: usize) {
         self.counter(dev);
     }
 
     #[cold]
     fn register(&self, dev: usize) -> &AtomicU64 {
-        let _one_at_a_time = crate::fork::lock(&self.claim);
-        let mut slot = self.slot.load(SeqCst);
+        let (file, record) = self.file_of(dev);
+        let _one_at_a_time = crate::fork::lock(&file.claim);
+        let mut slot = file.slot.load(SeqCst);
         if slot == NO_SLOT {
             let pid = std::process::id();
             let start = region::start_time_of(pid).unwrap_or(0);
             // Slots an earlier image of this process left before an exec
             // go first: they carry this pid and start time.
-            self.region.reap(Reaper::Claiming, None);
-            slot = self.region.claim(pid, start).unwrap_or_else(|| {
+            file.region.reap(Reaper::Claiming, None);
+            slot = file.region.claim(pid, start).unwrap_or_else(|| {
                 log::warn_once(
                     &FULL,
                     &format!(
                         "all {} accounting slots are in use; this process is capped on its own",
-                        self.region.file().slot_count()
+                        file.region.file().slot_count()
                     ),
                 );
                 PRIVATE_SLOT
             });
-            self.slot.store(slot, SeqCst);
+            file.slot.store(slot, SeqCst);
         }
         match slot {
             PRIVATE_SLOT => &self.overflow[dev],
-            index => self.region.file().used_counter(index, dev),
+            index => file.region.file().used_counter(index, record),
         }
     }
 
     /// Bytes in use on `dev` by the whole container.
     pub fn used(&self, dev: usize) -> u64 {
-        let private = if self.slot.load(SeqCst) == PRIVATE_SLOT {
+        let (file, record) = self.file_of(dev);
+        let private = if file.slot.load(SeqCst) == PRIVATE_SLOT {
             self.overflow[dev].load(SeqCst)
         } else {
             0
         };
-        self.region.file().used(dev).saturating_add(private)
+        file.region.file().used(record).saturating_add(private)
     }
 
     /// Adds `bytes` to this process's charge unless the container would go
@@ -231,7 +321,7 @@ impl Shim {
         let cap = self.cap(dev);
         if bytes > cap {
             // Never add a sum that could wrap the shared counter.
-            self.region.file().note_oom(dev);
+            self.note_oom(dev);
             return Err(Refusal::OutOfMemory);
         }
         let counter = self.counter(dev);
@@ -245,11 +335,17 @@ impl Shim {
         counter.fetch_add(bytes, SeqCst);
         let total = self.used(dev);
         if total <= cap {
-            self.region.file().note_peak(dev, total);
+            let (file, record) = self.file_of(dev);
+            file.region.file().note_peak(record, total);
             return true;
         }
         counter.fetch_sub(bytes, SeqCst);
         false
+    }
+
+    fn note_oom(&self, dev: usize) {
+        let (file, record) = self.file_of(dev);
+        file.region.file().note_oom(record);
     }
 
     /// The slow path: over the cap on the first try. Racers that failed
@@ -264,8 +360,8 @@ impl Shim {
         bytes: u64,
         cap: u64,
     ) -> Result<(), Refusal> {
-        let _turn = self.region.lock_charges();
-        self.reap();
+        let _turn = self.file_of(dev).0.region.lock_charges();
+        self.reap(dev);
         for pause in RETRY_PAUSES_US {
             match pause {
                 0 => std::thread::yield_now(),
@@ -275,16 +371,18 @@ impl Shim {
                 return Ok(());
             }
         }
-        self.region.file().note_oom(dev);
+        self.note_oom(dev);
         log::debug(|| format!("refused {bytes} bytes on device {dev}: cap {cap}"));
         Err(Refusal::OutOfMemory)
     }
 
-    /// Frees the slots of dead processes (not on the allocation fast path:
-    /// at registration, on a refusal, and before reporting usage).
-    fn reap(&self) {
-        let own = Some(self.slot.load(SeqCst)).filter(|&s| s < self.region.file().slot_count());
-        self.region.reap(Reaper::Running, own);
+    /// Frees the slots of dead processes in `dev`'s file (not on the
+    /// allocation fast path: at registration, on a refusal, and before
+    /// reporting usage).
+    fn reap(&self, dev: usize) {
+        let (file, _) = self.file_of(dev);
+        let own = Some(file.slot.load(SeqCst)).filter(|&s| s < file.region.file().slot_count());
+        file.region.reap(Reaper::Running, own);
     }
 
     /// Gives back bytes charged earlier; never wraps below zero.
@@ -324,7 +422,7 @@ impl Shim {
     /// `cuMemGetInfo` as the container should see it: total is the cap,
     /// free is what is left of it (never more than the device really has).
     pub fn cuda_info(&self, dev: usize, free: u64, total: u64) -> (u64, u64) {
-        self.reap();
+        self.reap(dev);
         let cap = self.cap(dev).min(total);
         let left = cap.saturating_sub(self.used(dev));
         (left.min(free), cap)
@@ -333,7 +431,7 @@ impl Shim {
     /// NVML's (total, used, free) for the container: total is the cap and
     /// used is the container's own usage, so used + free = total.
     pub fn nvml_info(&self, dev: usize, real_total: u64) -> (u64, u64, u64) {
-        self.reap();
+        self.reap(dev);
         let cap = self.cap(dev).min(real_total);
         let used = self.used(dev).min(cap);
         (cap, used, cap - used)

@@ -163,7 +163,7 @@ impl Region {
                 ident: (st.st_dev, st.st_ino),
             }),
             Err(err) => {
-                crate::sigbus::forget();
+                crate::sigbus::forget(base);
                 // SAFETY: unmaps exactly what was mapped above.
                 unsafe { libc::munmap(base, len) };
                 Err(RegionError::Layout(err))

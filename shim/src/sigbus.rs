@@ -6,39 +6,61 @@
 
 use std::ffi::{c_int, c_void};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-static BASE: AtomicUsize = AtomicUsize::new(0);
-static LEN: AtomicUsize = AtomicUsize::new(0);
+use gpumem_layout::MAX_DEVICES;
+
+/// A guarded mapping: a base of 0 is a free entry.
+struct Guarded {
+    base: AtomicUsize,
+    len: AtomicUsize,
+    /// The warning after `gpumem-shim[PID`, built before any fault can
+    /// happen (the handler must not allocate) and never freed, so a
+    /// handler that read the pointer can always use it.
+    message: AtomicPtr<u8>,
+    message_len: AtomicUsize,
+}
+
+/// One entry per accounting file a process maps (each caps a device at
+/// least, so there are never more than there are devices).
+static GUARDED: [Guarded; MAX_DEVICES] = [const {
+    Guarded {
+        base: AtomicUsize::new(0),
+        len: AtomicUsize::new(0),
+        message: AtomicPtr::new(std::ptr::null_mut()),
+        message_len: AtomicUsize::new(0),
+    }
+}; MAX_DEVICES];
 static BROKEN: AtomicBool = AtomicBool::new(false);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// The disposition before ours, to pass other faults on to.
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
-/// The warning after `gpumem-shim[PID`, built before any fault can happen:
-/// the handler must not allocate.
-static MESSAGE: OnceLock<Box<[u8]>> = OnceLock::new();
 
 /// Whether the accounting file was found shrunk: the shim is off.
 pub fn broken() -> bool {
     BROKEN.load(Ordering::Relaxed)
 }
 
-/// Guards `len` bytes mapped at `base` from `path` (one region a process).
+/// Guards `len` bytes mapped at `base` from `path`; a mapping past the
+/// table's size is left unguarded (the shim opens no more files than that).
 pub fn protect(base: *mut c_void, len: usize, path: &Path) {
     // Read the log level now: the handler cannot read the environment.
     crate::log::quiet();
-    let _ = MESSAGE.set(
-        format!(
-            "]: accounting file {} shrank while in use; GPU memory is NOT capped in this \
-             process from now on\n",
-            path.display()
-        )
-        .into_bytes()
-        .into_boxed_slice(),
+    let message = format!(
+        "]: accounting file {} shrank while in use; GPU memory is NOT capped in this \
+         process from now on\n",
+        path.display()
     );
-    LEN.store(len, Ordering::Release);
-    BASE.store(base as usize, Ordering::Release);
+    // Mappings are made one at a time, at the shim's opening.
+    let Some(entry) = GUARDED.iter().find(|g| g.base.load(Ordering::Acquire) == 0) else {
+        return;
+    };
+    let message: &'static mut [u8] = message.into_bytes().leak();
+    entry.message_len.store(message.len(), Ordering::Release);
+    entry.message.store(message.as_mut_ptr(), Ordering::Release);
+    entry.len.store(len, Ordering::Release);
+    entry.base.store(base as usize, Ordering::Release);
     if INSTALLED.swap(true, Ordering::AcqRel) {
         return;
     }
@@ -56,16 +78,30 @@ pub fn protect(base: *mut c_void, len: usize, path: &Path) {
     }
 }
 
-/// Stops guarding the region (it was unmapped).
-pub fn forget() {
-    BASE.store(0, Ordering::Release);
+/// Stops guarding the mapping at `base` (it was unmapped).
+pub fn forget(base: *mut c_void) {
+    for entry in &GUARDED {
+        let _ = entry
+            .base
+            .compare_exchange(base as usize, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let address = unsafe { (*info).si_addr() } as usize;
-    let (base, len) = (BASE.load(Ordering::Acquire), LEN.load(Ordering::Acquire));
-    if base != 0 && (base..base + len).contains(&address) {
+    let faulted = GUARDED.iter().find(|g| {
+        let (base, len) = (
+            g.base.load(Ordering::Acquire),
+            g.len.load(Ordering::Acquire),
+        );
+        base != 0 && (base..base + len).contains(&address)
+    });
+    if let Some(entry) = faulted {
+        let (base, len) = (
+            entry.base.load(Ordering::Acquire),
+            entry.len.load(Ordering::Acquire),
+        );
         // SAFETY: replaces exactly our own mapping, which nothing outside
         // the shim points into, with anonymous private pages.
         unsafe {
@@ -79,7 +115,14 @@ extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut
             );
         }
         if !BROKEN.swap(true, Ordering::AcqRel) {
-            warn();
+            let (text, len) = (
+                entry.message.load(Ordering::Acquire),
+                entry.message_len.load(Ordering::Acquire),
+            );
+            // SAFETY: a leaked message of that length, never freed (a
+            // message and its length are stored together before the base
+            // that makes the entry reachable).
+            warn((!text.is_null()).then(|| unsafe { std::slice::from_raw_parts(text, len) }));
         }
         return;
     }
@@ -125,7 +168,7 @@ unsafe fn pass_on(signal: c_int, info: *mut libc::siginfo_t, context: *mut c_voi
 }
 
 /// One line on stderr without allocating: `gpumem-shim[PID]: …`.
-fn warn() {
+fn warn(message: Option<&[u8]>) {
     if crate::log::quiet() {
         return;
     }
@@ -148,9 +191,7 @@ fn warn() {
     }
     line[at..at + digits.len() - n].copy_from_slice(&digits[n..]);
     at += digits.len() - n;
-    let tail = MESSAGE
-        .get()
-        .map_or(&b"]: accounting file shrank\n"[..], |m| m);
+    let tail = message.map_or(&b"]: accounting file shrank\n"[..], |m| m);
     let take = tail.len().min(line.len() - at);
     line[at..at + take].copy_from_slice(&tail[..take]);
     at += take;

@@ -51,24 +51,39 @@ pub fn parse(cgroup: &str) -> Option<Owner> {
 /// `/var/run` is a link to `/run`, so the kernel shows `/run/gpumem` there.
 const STATE_MOUNT_POINTS: [&str; 2] = [gpumem_layout::CONTAINER_DIR, "/run/gpumem"];
 
-/// The gpumem container directory a process's mount table has at the
+/// The gpumem container directories a process's mount table has at the
 /// shim's state path (`/var/run/gpumem`, or `/run/gpumem` where `/var/run`
-/// links there), from the contents of its `/proc/<pid>/mountinfo`:
-/// Allocate mounted it there, so every process of the container has it,
-/// loaded the shim or not, and an unprivileged container cannot change it.
-/// The name is the directory's under `<state-dir>/containers`.
-pub fn mounted_container(mountinfo: &str) -> Option<String> {
-    mountinfo.lines().find_map(|line| {
-        // ID, parent ID, major:minor, root, mount point, …
-        let mut fields = line.split(' ');
-        let root = fields.nth(3)?;
-        let point = fields.next()?;
-        if !STATE_MOUNT_POINTS.contains(&point) {
-            return None;
-        }
-        let (parent, name) = root.rsplit_once('/')?;
-        (parent.ends_with("/containers") || parent == "/containers").then(|| name.to_owned())
-    })
+/// links there) and directly inside it (a DRA claim's, under its own name),
+/// from the contents of its `/proc/<pid>/mountinfo`, in the order the shim
+/// reads their files: the state path's own, then the others by name.
+/// Allocate or a claim's CDI spec mounted them there, so every process of
+/// the container has them, loaded the shim or not, and an unprivileged
+/// container cannot change them. A name is the directory's under
+/// `<state-dir>/containers`.
+pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
+    let mut found: Vec<(bool, String)> = mountinfo
+        .lines()
+        .filter_map(|line| {
+            // ID, parent ID, major:minor, root, mount point, …
+            let mut fields = line.split(' ');
+            let root = fields.nth(3)?;
+            let point = fields.next()?;
+            let own = STATE_MOUNT_POINTS.contains(&point);
+            let inside = || {
+                let (parent, last) = point.rsplit_once('/')?;
+                (STATE_MOUNT_POINTS.contains(&parent) && !last.is_empty()).then_some(())
+            };
+            if !own {
+                inside()?;
+            }
+            let (parent, name) = root.rsplit_once('/')?;
+            (parent.ends_with("/containers") || parent == "/containers")
+                .then(|| (!own, name.to_owned()))
+        })
+        .collect();
+    found.sort();
+    found.dedup();
+    found.into_iter().map(|(_, name)| name).collect()
 }
 
 /// The text of `<proc_root>/<pid>/<name>` (`/proc` on a node); `None` once
@@ -106,7 +121,7 @@ struct Known {
     /// `None` where `stat` could not be read: nothing is kept then.
     start: Option<u64>,
     /// What each file said, once it could be read.
-    mounted: Option<Option<String>>,
+    mounted: Option<Vec<String>>,
     owner: Option<Option<Owner>>,
 }
 
@@ -146,13 +161,14 @@ pub(crate) struct Sweep<'a, R> {
 }
 
 impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
-    /// The container directory a listed process's mounts name.
-    pub(crate) fn mounted(&mut self, pid: u32) -> Option<String> {
+    /// The container directories a listed process's mounts name, in the
+    /// order the shim reads their files.
+    pub(crate) fn mounted(&mut self, pid: u32) -> &[String] {
         let known = known(self.identities, &self.read, pid);
         if known.mounted.is_none() {
-            known.mounted = (self.read)(pid, "mountinfo").map(|text| mounted_container(&text));
+            known.mounted = (self.read)(pid, "mountinfo").map(|text| mounted_containers(&text));
         }
-        known.mounted.clone().flatten()
+        known.mounted.as_deref().unwrap_or_default()
     }
 
     /// The pod and container a listed process's cgroup names.
@@ -344,24 +360,33 @@ mod tests {
                 "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
                  2 1 8:1 {root} /var/run/gpumem rw - ext4 /dev/sda1 rw\n"
             );
-            assert_eq!(mounted_container(&mountinfo).as_deref(), Some(name));
+            assert_eq!(mounted_containers(&mountinfo), [name]);
         }
         // Where `/var/run` links to `/run` in the image, as in most.
         let mountinfo = format!(
             "2 1 8:1 /var/lib/gpumem/containers/{name} /run/gpumem rw - ext4 /dev/sda1 rw\n"
         );
-        assert_eq!(mounted_container(&mountinfo).as_deref(), Some(name));
-        // A host process, and a mount elsewhere.
-        assert_eq!(
-            mounted_container("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n"),
-            None
-        );
-        assert_eq!(
-            mounted_container(&format!(
-                "2 1 8:1 /x/containers/{name} /mnt rw - ext4 a rw\n"
-            )),
-            None
-        );
+        assert_eq!(mounted_containers(&mountinfo), [name]);
+        // A host process, and mounts elsewhere.
+        assert!(mounted_containers("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n").is_empty());
+        for point in ["/mnt", "/var/run/gpumem/a/b", "/var/run/gpumemx/a"] {
+            assert!(
+                mounted_containers(&format!(
+                    "2 1 8:1 /x/containers/{name} {point} rw - ext4 a rw\n"
+                ))
+                .is_empty(),
+                "{point}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_container_with_several_claims_names_each_in_the_shims_order() {
+        let mountinfo = "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
+             3 1 8:1 /var/lib/gpumem/containers/claim-b /run/gpumem/claim-b rw - ext4 a rw\n\
+             4 1 8:1 /var/lib/gpumem/containers/claim-a /run/gpumem/claim-a rw - ext4 a rw\n\
+             5 1 8:1 /var/lib/gpumem/containers/own /run/gpumem rw - ext4 a rw\n";
+        assert_eq!(mounted_containers(mountinfo), ["own", "claim-a", "claim-b"]);
     }
 
     /// A `/proc` whose files tests change, counting what is read.
@@ -425,7 +450,7 @@ mod tests {
         // First sweep: its start time, then each file once, however often asked.
         let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
         for _ in 0..2 {
-            assert_eq!(sweep.mounted(10).as_deref(), Some("a"));
+            assert_eq!(sweep.mounted(10), ["a"]);
             assert_eq!(sweep.owner(10), owner(true));
         }
         assert_eq!(
@@ -435,7 +460,7 @@ mod tests {
         // The next sweeps read its start time only.
         for _ in 0..2 {
             let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-            assert_eq!(sweep.mounted(10).as_deref(), Some("a"));
+            assert_eq!(sweep.mounted(10), ["a"]);
             assert_eq!(sweep.owner(10), owner(true));
             assert_eq!(proc.taken(), reads(&[(10, "stat")]));
         }
@@ -444,7 +469,7 @@ mod tests {
         proc.set(10, "mountinfo", &mounts("b"));
         proc.set(10, "cgroup", "0::/system.slice/x.service\n");
         let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-        assert_eq!(sweep.mounted(10).as_deref(), Some("b"));
+        assert_eq!(sweep.mounted(10), ["b"]);
         assert_eq!(sweep.owner(10), None);
         assert_eq!(
             proc.taken(),
@@ -453,7 +478,7 @@ mod tests {
         // A sweep that does not look at it forgets it.
         identities.sweep(|pid, name| proc.read(pid, name));
         let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-        assert_eq!(sweep.mounted(10).as_deref(), Some("b"));
+        assert_eq!(sweep.mounted(10), ["b"]);
         assert_eq!(proc.taken(), reads(&[(10, "stat"), (10, "mountinfo")]));
     }
 
@@ -466,26 +491,22 @@ mod tests {
         proc.set(11, "mountinfo", &mounts("a"));
         for _ in 0..2 {
             let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-            assert_eq!(sweep.mounted(11).as_deref(), Some("a"));
+            assert_eq!(sweep.mounted(11), ["a"]);
             assert_eq!(proc.taken(), reads(&[(11, "stat"), (11, "mountinfo")]));
         }
         // A file that could not be read is not taken to say nothing.
         proc.start(12, 300);
         let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-        assert_eq!(sweep.mounted(12), None);
+        assert!(sweep.mounted(12).is_empty());
         proc.set(12, "mountinfo", &mounts("a"));
-        assert_eq!(sweep.mounted(12).as_deref(), Some("a"));
+        assert_eq!(sweep.mounted(12), ["a"]);
         assert_eq!(
             proc.taken(),
             reads(&[(12, "stat"), (12, "mountinfo"), (12, "mountinfo")])
         );
         proc.remove(12, "mountinfo");
         let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
-        assert_eq!(
-            sweep.mounted(12).as_deref(),
-            Some("a"),
-            "kept: same process"
-        );
+        assert_eq!(sweep.mounted(12), ["a"], "kept: same process");
     }
 
     #[test]

@@ -182,7 +182,7 @@ impl Grant {
             env::STATE_DIR.to_owned(),
             gpumem_layout::CONTAINER_DIR.to_owned(),
         );
-        grant.mounts = shim_mounts(shim, dir);
+        grant.mounts = shim_mounts(shim, dir, gpumem_layout::CONTAINER_DIR.into());
         grant
     }
 
@@ -341,13 +341,21 @@ pub fn claim_edits(
             env::STATE_DIR.to_owned(),
             gpumem_layout::CONTAINER_DIR.to_owned(),
         );
-        grant.mounts = shim_mounts(shim, dir);
+        // Inside the state directory, under its own name: a container
+        // that references several claims has each claim's file, and the
+        // shim reads them all.
+        let at = Path::new(gpumem_layout::CONTAINER_DIR).join(dir.name.as_str());
+        grant.mounts = shim_mounts(shim, dir, at);
     }
     grant.edits()
 }
 
-/// The preload, the library and the accounting directory `dir`.
-fn shim_mounts(shim: &ShimConfig, dir: &ContainerDir) -> Vec<(PathBuf, PathBuf, bool)> {
+/// The preload, the library and the accounting directory `dir` at `at`.
+fn shim_mounts(
+    shim: &ShimConfig,
+    dir: &ContainerDir,
+    at: PathBuf,
+) -> Vec<(PathBuf, PathBuf, bool)> {
     vec![
         (
             Path::new(CONTAINER_SHIM_DIR).join(SHIM_LIBRARY),
@@ -355,7 +363,7 @@ fn shim_mounts(shim: &ShimConfig, dir: &ContainerDir) -> Vec<(PathBuf, PathBuf, 
             true,
         ),
         ("/etc/ld.so.preload".into(), shim.preload_list(), true),
-        (gpumem_layout::CONTAINER_DIR.into(), dir.path.clone(), false),
+        (at, dir.path.clone(), false),
     ]
 }
 

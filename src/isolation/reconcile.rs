@@ -182,11 +182,12 @@ struct Attributed {
     strangers: Vec<(String, u32, u64, Option<Owner>)>,
 }
 
-/// Attributes every process NVML lists on a GPU: a slot holder is its
-/// container's already; another process whose mount table has a
-/// container's state directory, or that shares a slot holder's container ID
-/// (cgroup), counts against that container on the GPUs its file caps;
-/// anything else is unmanaged. `who` reads what `/proc` says of them.
+/// Attributes every process NVML lists on a GPU: a slot holder in a file
+/// that caps the GPU is that file's already; another process whose mount
+/// table has a container's state directory, or that shares a slot holder's
+/// container ID (cgroup), counts against the first of that container's
+/// files that caps the GPU (the shim's own choice for a GPU two of them
+/// cap); anything else is unmanaged. `who` reads what `/proc` says of them.
 fn attribute<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     memory: &ProcessMemory,
@@ -197,13 +198,15 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
         .enumerate()
         .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
         .collect();
-    let holders: HashSet<u32> = loaded
-        .iter()
-        .flat_map(|(_, processes)| processes.live.iter().filter_map(|p| p.pid))
-        .collect();
+    let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
+    for (index, (_, processes)) in loaded.iter().enumerate() {
+        for pid in processes.live.iter().filter_map(|p| p.pid) {
+            held.entry(pid).or_default().push(index);
+        }
+    }
     // The slot holders' cgroups are read only once a process's mounts did
     // not name its container.
-    let mut containers: Option<HashMap<String, usize>> = None;
+    let mut containers: Option<HashMap<String, Vec<usize>>> = None;
     let mut attributed = Attributed {
         unslotted: loaded
             .iter()
@@ -212,32 +215,36 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
         ..Attributed::default()
     };
     for (uuid, per_pid) in memory {
+        // The file `index` with its position of this GPU, if it caps it.
+        let capping = |index: usize| {
+            let devices = &loaded[index].1.devices;
+            Some((index, devices.iter().position(|d| &d.uuid == uuid)?))
+        };
         let unmanaged = attributed.unmanaged.entry(uuid.clone()).or_default();
         for (&pid, &bytes) in per_pid {
-            if holders.contains(&pid) {
+            let files = held.get(&pid).map_or(&[][..], Vec::as_slice);
+            if files.iter().any(|&index| capping(index).is_some()) {
                 continue;
             }
             let mounted = who
                 .mounted(pid)
-                .and_then(|name| by_dir.get(std::ffi::OsStr::new(&name)).copied());
+                .iter()
+                .filter_map(|name| by_dir.get(std::ffi::OsStr::new(name)).copied())
+                .find_map(capping);
             // The cgroup is read only where the mounts did not say.
             let owner = if mounted.is_some() {
                 None
             } else {
                 who.owner(pid)
             };
-            let home = mounted
-                .or_else(|| {
-                    let id = owner.as_ref()?.container_id.as_ref()?;
-                    containers
-                        .get_or_insert_with(|| holder_containers(loaded, who))
-                        .get(id)
-                        .copied()
-                })
-                .and_then(|index| {
-                    let devices = &loaded[index].1.devices;
-                    Some((index, devices.iter().position(|d| &d.uuid == uuid)?))
-                });
+            let home = mounted.or_else(|| {
+                let id = owner.as_ref()?.container_id.as_ref()?;
+                containers
+                    .get_or_insert_with(|| holder_containers(loaded, who))
+                    .get(id)?
+                    .iter()
+                    .find_map(|&index| capping(index))
+            });
             match home {
                 Some((index, dev)) => attributed.unslotted[index][dev].push((pid, bytes)),
                 None => {
@@ -251,19 +258,21 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
     attributed
 }
 
-/// The file of each slot holder's container ID (the first file's, for an
-/// ID in several).
+/// The files of each slot holder's container ID, in the order of `loaded`.
 fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     who: &mut attribution::Sweep<'_, R>,
-) -> HashMap<String, usize> {
-    let mut containers = HashMap::new();
+) -> HashMap<String, Vec<usize>> {
+    let mut containers: HashMap<String, Vec<usize>> = HashMap::new();
     for (index, (file, processes)) in loaded.iter().enumerate() {
         for p in &processes.live {
             let Some(pid) = p.pid else { continue };
             let owner = who.holder_owner(file, pid, p.start_time);
             if let Some(id) = owner.and_then(|o| o.container_id) {
-                containers.entry(id).or_insert(index);
+                let files = containers.entry(id).or_default();
+                if files.last() != Some(&index) {
+                    files.push(index);
+                }
             }
         }
     }
@@ -845,5 +854,62 @@ mod tests {
         let (attributed, taken) = sweep(&loaded, &mounted);
         assert_eq!(attributed.unslotted[0], [vec![(31, MIB)]]);
         assert_eq!(taken, names(&[(31, "stat"), (31, "mountinfo")]));
+    }
+
+    /// A container with two claims, one per GPU, has both directories
+    /// mounted: each GPU's usage counts against the claim that caps it,
+    /// a slot holder's too where its file does not cap that GPU.
+    #[test]
+    fn a_process_of_two_claims_counts_against_each_gpus_own() {
+        const OTHER: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
+        let file = |name: &str, uuid: &str, holders: Vec<LiveProcess>| {
+            let processes = Processes {
+                devices: vec![Usage {
+                    uuid: uuid.into(),
+                    cap_bytes: 4308 * MIB,
+                    context_charge_bytes: 0,
+                    used_bytes: 0,
+                    untracked_bytes: 0,
+                    peak_bytes: 0,
+                    refusals: 0,
+                }],
+                live: holders,
+            };
+            let path = PathBuf::from(format!("/s/containers/{name}/accounting"));
+            (path, processes)
+        };
+        let loaded = [
+            file("claim-a", T4, vec![live(Some(10), 1)]),
+            file("claim-b", OTHER, Vec::new()),
+        ];
+        let mounts = "1 0 8:1 / / rw - ext4 a rw\n\
+             2 1 8:1 /s/containers/claim-b /run/gpumem/claim-b rw - ext4 a rw\n\
+             3 1 8:1 /s/containers/claim-a /run/gpumem/claim-a rw - ext4 a rw\n";
+        let read = |pid: u32, name: &str| match name {
+            "stat" => Some(format!(
+                "{pid} (p) 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 1\n"
+            )),
+            "mountinfo" => Some(mounts.to_owned()),
+            _ => None,
+        };
+        // 10 holds a slot of claim-a and is on both GPUs; 30 loaded no shim.
+        let memory: ProcessMemory = [
+            (T4.to_owned(), [(10, MIB), (30, 3 * MIB)].into()),
+            (OTHER.to_owned(), [(10, 2 * MIB), (30, 6 * MIB)].into()),
+        ]
+        .into();
+        let mut identities = attribution::Identities::default();
+        let mut attributed = attribute(&loaded, &memory, &mut identities.sweep(read));
+        for per_file in &mut attributed.unslotted {
+            per_file.iter_mut().for_each(|list| list.sort_unstable());
+        }
+        assert_eq!(
+            attributed.unslotted,
+            [
+                vec![vec![(30, 3 * MIB)]],
+                vec![vec![(10, 2 * MIB), (30, 6 * MIB)]]
+            ]
+        );
+        assert!(attributed.strangers.is_empty(), "{attributed:?}");
     }
 }

@@ -306,8 +306,8 @@ async fn run_tenant(
     applied: &Applied,
 ) -> Result<String, String> {
     let state = applied
-        .mounts
-        .get(Path::new(gpumem_layout::CONTAINER_DIR))
+        .state_dir()
+        .map_err(|e| format!("could not make the state directory: {e}"))?
         .ok_or("no accounting directory was mounted")?;
     let cap: u64 = applied
         .env
@@ -318,7 +318,7 @@ async fn run_tenant(
     let mut cmd = tokio::process::Command::new(&kit.probe);
     cmd.env_clear()
         .envs(&applied.env)
-        .env(env::STATE_DIR, state)
+        .env(env::STATE_DIR, state.path())
         .env("LD_PRELOAD", &kit.shim)
         .env("LD_LIBRARY_PATH", driver_dir)
         // The one GPU the runtime would expose, as the fake driver's only one.
@@ -503,7 +503,48 @@ struct Applied {
     mounts: BTreeMap<PathBuf, PathBuf>,
 }
 
+/// The container's state directory, as the shim finds it.
+enum StateDir<'a> {
+    /// Mounted there itself (Allocate's).
+    Mounted(&'a Path),
+    /// Claims' directories mounted inside it, stood for by links.
+    Links(tempfile::TempDir),
+}
+
+impl StateDir<'_> {
+    fn path(&self) -> &Path {
+        match self {
+            StateDir::Mounted(path) => path,
+            StateDir::Links(dir) => dir.path(),
+        }
+    }
+}
+
 impl Applied {
+    /// The host directory mounted at the state directory, or else one of
+    /// links to those mounted inside it; `None` where there are neither.
+    fn state_dir(&self) -> std::io::Result<Option<StateDir<'_>>> {
+        let root = Path::new(gpumem_layout::CONTAINER_DIR);
+        if let Some(host) = self.mounts.get(root) {
+            return Ok(Some(StateDir::Mounted(host)));
+        }
+        let inside: Vec<_> = self
+            .mounts
+            .iter()
+            .filter_map(|(at, host)| Some((at.strip_prefix(root).ok()?, host)))
+            .collect();
+        if inside.is_empty() {
+            return Ok(None);
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("gpumem-demo-state-")
+            .tempdir()?;
+        for (name, host) in inside {
+            std::os::unix::fs::symlink(host, dir.path().join(name))?;
+        }
+        Ok(Some(StateDir::Links(dir)))
+    }
+
     /// What a runtime applies for the CDI devices `ids` whose specs are in
     /// `specs` (others, such as NVIDIA's, the demo has not).
     fn of_cdi(ids: &[&str], specs: &SpecDir) -> Self {

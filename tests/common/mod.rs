@@ -379,3 +379,20 @@ pub fn mountinfo_with_state_dir(dir: &Path) -> String {
         dir.display()
     )
 }
+
+/// A `/proc/<pid>/mountinfo` with each of `dirs` (DRA claims' accounting
+/// directories) inside /var/run/gpumem under its own name, as the claims'
+/// CDI specs mount them in every process of a container (at /run, where
+/// `/var/run` links there in the image).
+pub fn mountinfo_with_claims(dirs: &[&Path]) -> String {
+    let mut text = "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n".to_owned();
+    for (i, dir) in dirs.iter().enumerate() {
+        let name = dir.file_name().unwrap().to_str().unwrap();
+        text += &format!(
+            "{} 1 8:1 {} /run/gpumem/{name} rw - ext4 /dev/sda1 rw\n",
+            i + 2,
+            dir.display()
+        );
+    }
+    text
+}

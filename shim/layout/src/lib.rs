@@ -20,7 +20,9 @@ pub mod protocol;
 
 /// File name inside the per-container state directory.
 pub const FILE_NAME: &str = "accounting";
-/// Where the plugin mounts the per-container state directory in containers.
+/// Where the plugin mounts the per-container state directory in containers;
+/// a DRA claim's directory is mounted directly inside it, under its own
+/// name, and the shim reads the file in each.
 pub const CONTAINER_DIR: &str = "/var/run/gpumem";
 /// `GPUMEMv1` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUMEMv1");

@@ -43,8 +43,14 @@ fn library() -> *mut c_void {
     lib
 }
 
-/// Device 0's memory through both `nvmlDeviceGetMemoryInfo` versions.
-pub fn memory() {
+/// A device's memory through both `nvmlDeviceGetMemoryInfo` versions, as
+/// `nvml[:INDEX] R …` and `nvml2[:INDEX] R …` (no index for device 0).
+pub fn memory(index: c_uint) {
+    let suffix = if index == 0 {
+        String::new()
+    } else {
+        format!(":{index}")
+    };
     let lib = library();
     // SAFETY: documented NVML signatures.
     unsafe {
@@ -55,14 +61,17 @@ pub fn memory() {
         let v2: unsafe extern "C" fn(*mut c_void, *mut NvmlMemoryV2) -> c_uint =
             cast(sym(lib, "nvmlDeviceGetMemoryInfo_v2"));
         let mut dev = std::ptr::null_mut();
-        by_index(0, &mut dev);
+        by_index(index, &mut dev);
         let mut m = NvmlMemory {
             total: 0,
             free: 0,
             used: 0,
         };
         let r = v1(dev, &mut m);
-        println!("nvml {r} total={} used={} free={}", m.total, m.used, m.free);
+        println!(
+            "nvml{suffix} {r} total={} used={} free={}",
+            m.total, m.used, m.free
+        );
         let mut m = NvmlMemoryV2 {
             version: (std::mem::size_of::<NvmlMemoryV2>() | 2 << 24) as c_uint,
             total: 0,
@@ -72,7 +81,7 @@ pub fn memory() {
         };
         let r = v2(dev, &mut m);
         println!(
-            "nvml2 {r} total={} reserved={} used={} free={}",
+            "nvml2{suffix} {r} total={} reserved={} used={} free={}",
             m.total, m.reserved, m.used, m.free
         );
     }

@@ -86,7 +86,7 @@ impl Probe {
         let mut parts = step.split(':');
         let kind = parts.next().unwrap_or_default();
         match kind {
-            "nvml" => nvml::memory(),
+            "nvml" => nvml::memory(parts.next().map_or(0, |i| num(Some(i)) as u32)),
             "nvmlprocs" => nvml::processes(),
             "hold" => {
                 println!("holding pid={}", std::process::id());
