@@ -19,7 +19,7 @@ pub enum Refusal {
 }
 
 const NO_SLOT: usize = usize::MAX;
-/// The file was full: count this process in `Shim::overflow` instead.
+/// The file was full: count this process in its devices' `overflow` instead.
 const PRIVATE_SLOT: usize = usize::MAX - 1;
 
 static FULL: AtomicBool = AtomicBool::new(false);
@@ -37,10 +37,9 @@ const RETRY_PAUSES_US: [u64; 10] = [0, 0, 20, 50, 100, 200, 400, 800, 1600, 2000
 /// state directory (Allocate's) and one in each directory directly inside
 /// it (a DRA claim's each). Devices are numbered across the files.
 pub struct Shim {
-    files: Vec<File>,
+    /// Never freed, like the shim itself: each device points at its own.
+    files: Vec<&'static File>,
     devices: Vec<Device>,
-    /// This process's charges when every slot of a device's file was taken.
-    overflow: [AtomicU64; MAX_DEVICES],
 }
 
 /// One accounting file and this process's place in it.
@@ -55,9 +54,11 @@ struct File {
 /// A capped device: its record, and where it is in which file.
 struct Device {
     spec: DeviceSpec,
-    file: usize,
+    file: &'static File,
     /// Its position in its file's records.
     record: usize,
+    /// This process's charges on it when every slot of its file was taken.
+    overflow: AtomicU64,
 }
 
 static SHIM: OnceLock<Option<Shim>> = OnceLock::new();
@@ -158,8 +159,8 @@ pub fn forget_after_fork() {
         for file in &shim.files {
             file.slot.store(NO_SLOT, SeqCst);
         }
-        for counter in &shim.overflow {
-            counter.store(0, SeqCst);
+        for device in &shim.devices {
+            device.overflow.store(0, SeqCst);
         }
     }
 }
@@ -169,14 +170,23 @@ impl Shim {
     /// capped by the first.
     fn over(regions: Vec<(PathBuf, Region)>) -> Shim {
         let mut devices: Vec<Device> = Vec::new();
-        let mut files = Vec::new();
+        let mut files: Vec<&'static File> = Vec::new();
+        let mut paths: Vec<PathBuf> = Vec::new();
         for (path, region) in regions {
-            for (record, spec) in region.devices().iter().enumerate() {
+            let file: &'static File = Box::leak(Box::new(File {
+                region,
+                slot: AtomicUsize::new(NO_SLOT),
+                claim: Mutex::new(()),
+            }));
+            for (record, spec) in file.region.devices().iter().enumerate() {
                 let uuid = layout::format_uuid(&spec.uuid);
-                if let Some(first) = devices.iter().find(|d| d.spec.uuid == spec.uuid) {
+                if let Some(first) = devices.iter().position(|d| d.spec.uuid == spec.uuid) {
+                    let by = files
+                        .iter()
+                        .position(|f| std::ptr::eq(*f, devices[first].file));
                     log::warn(&format!(
                         "{uuid} is capped by {}; its cap in {} is not used",
-                        files.get(first.file).map_or(&path, |(p, _)| p).display(),
+                        by.map_or(&path, |f| &paths[f]).display(),
                         path.display()
                     ));
                 } else if devices.len() == MAX_DEVICES {
@@ -188,25 +198,16 @@ impl Shim {
                 } else {
                     devices.push(Device {
                         spec: *spec,
-                        file: files.len(),
+                        file,
                         record,
+                        overflow: AtomicU64::new(0),
                     });
                 }
             }
-            files.push((path, region));
+            files.push(file);
+            paths.push(path);
         }
-        Shim {
-            files: files
-                .into_iter()
-                .map(|(_, region)| File {
-                    region,
-                    slot: AtomicUsize::new(NO_SLOT),
-                    claim: Mutex::new(()),
-                })
-                .collect(),
-            devices,
-            overflow: [const { AtomicU64::new(0) }; MAX_DEVICES],
-        }
+        Shim { files, devices }
     }
 
     /// A shim over a new accounting file of one device capped at `cap`,
@@ -226,7 +227,7 @@ impl Shim {
     #[inline]
     fn file_of(&self, dev: usize) -> (&File, usize) {
         let device = &self.devices[dev];
-        (&self.files[device.file], device.record)
+        (device.file, device.record)
     }
 
     pub fn uuid(&self, dev: usize) -> [u8; 16] {
@@ -243,11 +244,12 @@ impl Shim {
     }
 
     /// This process's counter for `dev`, if it has a slot in its file.
+    #[inline]
     fn own_counter(&self, dev: usize) -> Option<&AtomicU64> {
         let (file, record) = self.file_of(dev);
         match file.slot.load(SeqCst) {
             NO_SLOT => None,
-            PRIVATE_SLOT => Some(&self.overflow[dev]),
+            PRIVATE_SLOT => Some(&self.devices[dev].overflow),
             index => Some(file.region.file().used_counter(index, record)),
         }
     }
@@ -258,6 +260,7 @@ impl Shim {
     }
 
     /// This process's counter for `dev`, claiming a slot on first use.
+    #[inline]
     fn counter(&self, dev: usize) -> &AtomicU64 {
         self.own_counter(dev).unwrap_or_else(|| self.register(dev))
     }
@@ -293,16 +296,17 @@ impl Shim {
             file.slot.store(slot, SeqCst);
         }
         match slot {
-            PRIVATE_SLOT => &self.overflow[dev],
+            PRIVATE_SLOT => &self.devices[dev].overflow,
             index => file.region.file().used_counter(index, record),
         }
     }
 
     /// Bytes in use on `dev` by the whole container.
+    #[inline]
     pub fn used(&self, dev: usize) -> u64 {
         let (file, record) = self.file_of(dev);
         let private = if file.slot.load(SeqCst) == PRIVATE_SLOT {
-            self.overflow[dev].load(SeqCst)
+            self.devices[dev].overflow.load(SeqCst)
         } else {
             0
         };
@@ -331,6 +335,7 @@ impl Shim {
         self.charge_contended(counter, dev, bytes, cap)
     }
 
+    #[inline]
     fn try_add(&self, counter: &AtomicU64, dev: usize, bytes: u64, cap: u64) -> bool {
         counter.fetch_add(bytes, SeqCst);
         let total = self.used(dev);
@@ -395,6 +400,7 @@ impl Shim {
 
     /// Moves a charge of `charged` bytes to `actual`: more is charged
     /// against the cap, less is given back.
+    #[inline]
     pub fn settle(&self, dev: usize, charged: u64, actual: u64) -> Result<(), Refusal> {
         match actual.cmp(&charged) {
             std::cmp::Ordering::Greater => self.charge(dev, actual - charged),
