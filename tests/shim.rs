@@ -610,7 +610,10 @@ fn a_file_shrunk_under_a_running_process_is_an_error_not_a_crash() {
     let own = capped_dir(4308);
     shrink_under_a_running_probe(own.path(), &own.path().join("accounting"));
     // A container with two claims: the file mapped first.
-    let claims = claims_dir(&[("claim-a", T4_UUID, 4308), ("claim-b", SECOND_UUID, 4308)]);
+    let claims = claims_dir(&[
+        ("claim-a", &[(T4_UUID, 4308)], SLOTS),
+        ("claim-b", &[(SECOND_UUID, 4308)], SLOTS),
+    ]);
     let file = claims.path().join("claim-a").join("accounting");
     shrink_under_a_running_probe(claims.path(), &file);
 }
@@ -807,32 +810,50 @@ int main(void) {
 
 const SECOND_UUID: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
 
-/// A state directory as a container with two DRA claims has it: each
-/// claim's CDI spec mounts its accounting directory inside the state
-/// directory, under the claim directory's own name.
-fn claims_dir(claims: &[(&str, &str, u64)]) -> tempfile::TempDir {
+const THIRD_UUID: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010001";
+
+/// A claim's directory name, its (GPU, cap in MiB) and its slots.
+type Claim<'a> = (&'a str, &'a [(&'a str, u64)], u32);
+
+/// A state directory as a container with DRA claims has it: each claim's
+/// CDI spec mounts its accounting directory inside the state directory,
+/// under the claim directory's own name.
+fn claims_dir(claims: &[Claim]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    for &(name, uuid, cap_mib) in claims {
-        gpumem::isolation::accounting::prepare(
-            &dir.path().join(name),
-            &[gpumem::isolation::accounting::Cap {
-                uuid: uuid.into(),
-                cap_mib,
-                context_charge_mib: 0,
-            }],
-        )
-        .unwrap();
+    for &(name, caps, slots) in claims {
+        let devices: Vec<_> = caps
+            .iter()
+            .map(|&(uuid, cap_mib)| gpumem_layout::DeviceSpec {
+                uuid: gpumem_layout::parse_uuid(uuid).unwrap(),
+                cap_bytes: cap_mib * MIB,
+                context_charge_bytes: 0,
+            })
+            .collect();
+        std::fs::create_dir(dir.path().join(name)).unwrap();
+        let file = dir.path().join(name).join("accounting");
+        std::fs::write(file, gpumem_layout::encode(&devices, slots)).unwrap();
     }
     dir
 }
 
+const SLOTS: u32 = gpumem_layout::DEFAULT_SLOTS;
+
+/// Claim A caps GPUs 0 and 2, claim B GPU 1: the shim numbers devices
+/// across files (A's two, then B's), so each ordinal must find its own
+/// file and record there.
 #[test]
 fn a_container_with_two_claims_is_held_to_each_claims_cap_on_its_gpu() {
-    let dir = claims_dir(&[("claim-a", T4_UUID, 4308), ("claim-b", SECOND_UUID, 2000)]);
+    let dir = claims_dir(&[
+        ("claim-a", &[(T4_UUID, 4308), (THIRD_UUID, 1000)], SLOTS),
+        ("claim-b", &[(SECOND_UUID, 2000)], SLOTS),
+    ]);
     let (ok, lines, stderr) = run_lines(
         shim_kit()
             .probe(Some(dir.path()))
-            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND_UUID}"))
+            .env(
+                "FAKEGPU_UUIDS",
+                format!("{T4_UUID},{SECOND_UUID},{THIRD_UUID}"),
+            )
             .args([
                 "ctx:0",
                 "alloc:3900",
@@ -841,33 +862,122 @@ fn a_container_with_two_claims_is_held_to_each_claims_cap_on_its_gpu() {
                 "info",
                 "alloc:1600",
                 "alloc:200",
+                "ctx:2",
+                "alloc:600",
+                "alloc:200",
                 "nvml",
                 "nvml:1",
+                "nvml:2",
             ]),
     );
     assert!(ok, "{stderr}");
     assert!(!stderr.contains("NOT capped"), "{stderr}");
-    // 4308 less the 300 MiB context on the first GPU, 2000 less its own on
-    // the second.
-    assert_eq!(line(&lines, "alloc:3900"), "alloc:3900 0 #0");
-    assert_eq!(nth(&lines, "alloc:200", 0), "alloc:200 2 #1");
-    assert_eq!(line(&lines, "alloc:1600"), "alloc:1600 0 #2");
-    assert_eq!(nth(&lines, "alloc:200", 1), "alloc:200 2 #3");
+    // Each cap less the 300 MiB context on its GPU.
+    let results: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.starts_with("alloc"))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        results,
+        [
+            "alloc:3900 0 #0",
+            "alloc:200 2 #1",
+            "alloc:1600 0 #2",
+            "alloc:200 2 #3",
+            "alloc:600 0 #4",
+            "alloc:200 2 #5"
+        ]
+    );
     assert_eq!(field(line(&lines, "info 0"), "total"), 2000 * MIB);
     assert_eq!(field(line(&lines, "nvml 0"), "total"), CAP);
     assert_eq!(field(line(&lines, "nvml:1 0"), "total"), 2000 * MIB);
+    assert_eq!(field(line(&lines, "nvml:2 0"), "total"), 1000 * MIB);
 
-    // Each claim's file holds what was charged on its own GPU.
+    // Each claim's file holds what was charged on its own GPUs.
     let usage = |name: &str| {
         gpumem::isolation::accounting::usage(&dir.path().join(name).join("accounting")).unwrap()
     };
-    assert_eq!(usage("claim-a")[0].peak_bytes, CONTEXT + 3900 * MIB);
+    let a = usage("claim-a");
+    assert_eq!(a[0].peak_bytes, CONTEXT + 3900 * MIB);
+    assert_eq!(a[1].peak_bytes, CONTEXT + 600 * MIB);
     assert_eq!(usage("claim-b")[0].peak_bytes, CONTEXT + 1600 * MIB);
+}
+
+/// Claim B's one slot is held by another process: this one is capped on
+/// its own on B's GPU, still at B's cap, and says which file was full.
+#[test]
+fn a_full_claim_file_caps_a_process_on_its_own_on_that_claims_gpu() {
+    let dir = claims_dir(&[
+        ("claim-a", &[(T4_UUID, 4308), (THIRD_UUID, 1000)], SLOTS),
+        ("claim-b", &[(SECOND_UUID, 2000)], 1),
+    ]);
+    let uuids = format!("{T4_UUID},{SECOND_UUID},{THIRD_UUID}");
+    let mut holder = shim_kit()
+        .probe(Some(dir.path()))
+        .env("FAKEGPU_UUIDS", &uuids)
+        .args(["ctx:1", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("FAKEGPU_UUIDS", &uuids)
+            .args(["ctx:1", "alloc:1000", "alloc:800", "ctx:2", "alloc:600"]),
+    );
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(ok, "{stderr}");
+    // The holder's context and this one's: 2000 - 600 leaves 1400.
+    assert_eq!(line(&lines, "alloc:1000"), "alloc:1000 0 #0");
+    assert_eq!(line(&lines, "alloc:800"), "alloc:800 2 #1");
+    assert_eq!(line(&lines, "alloc:600"), "alloc:600 0 #2");
+    let b = dir.path().join("claim-b").join("accounting");
+    assert!(
+        stderr.contains(&b.display().to_string()) && stderr.contains("capped on its own"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+}
+
+/// A process used both claims' GPUs, then exec'd a program that uses only
+/// the first: what it held on the second is given back, though the new
+/// image maps that claim's file too.
+#[test]
+fn an_execed_process_leaves_no_charge_behind_in_any_claims_file() {
+    let dir = claims_dir(&[
+        ("claim-a", &[(T4_UUID, 4308)], SLOTS),
+        ("claim-b", &[(SECOND_UUID, 4308)], SLOTS),
+    ]);
+    let uuids = format!("{T4_UUID},{SECOND_UUID}");
+    let mut execed = shim_kit()
+        .probe(Some(dir.path()))
+        .env("FAKEGPU_UUIDS", &uuids)
+        .args(["ctx:1", "alloc:3000", "exec", "ctx:0", "alloc:100", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut execed, "holding");
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("FAKEGPU_UUIDS", &uuids)
+            .args(["ctx:1", "alloc:3000"]),
+    );
+    execed.kill().unwrap();
+    execed.wait().unwrap();
+    assert!(ok, "{stderr}");
+    assert_eq!(line(&lines, "alloc:3000"), "alloc:3000 0 #0");
 }
 
 #[test]
 fn a_gpu_in_two_claims_of_one_container_is_held_to_the_first_claims_cap() {
-    let dir = claims_dir(&[("claim-a", T4_UUID, 1000), ("claim-b", T4_UUID, 3000)]);
+    let dir = claims_dir(&[
+        ("claim-a", &[(T4_UUID, 1000)], SLOTS),
+        ("claim-b", &[(T4_UUID, 3000)], SLOTS),
+    ]);
     let (ok, lines, stderr) =
         run_lines(
             shim_kit()
@@ -886,7 +996,7 @@ fn a_gpu_in_two_claims_of_one_container_is_held_to_the_first_claims_cap() {
 
 #[test]
 fn a_broken_claim_file_costs_only_its_own_gpu_its_cap() {
-    let dir = claims_dir(&[("claim-b", T4_UUID, 1000)]);
+    let dir = claims_dir(&[("claim-b", &[(T4_UUID, 1000)], SLOTS)]);
     std::fs::create_dir(dir.path().join("claim-a")).unwrap();
     let broken = dir.path().join("claim-a").join("accounting");
     std::fs::write(&broken, vec![0xAB; 4096]).unwrap();

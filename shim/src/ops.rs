@@ -22,7 +22,6 @@ const NO_SLOT: usize = usize::MAX;
 /// The file was full: count this process in its devices' `overflow` instead.
 const PRIVATE_SLOT: usize = usize::MAX - 1;
 
-static FULL: AtomicBool = AtomicBool::new(false);
 /// Threads opening the file or waiting for it to open: a child forked then
 /// must not wait for an opening that will never finish there.
 static OPENING: AtomicUsize = AtomicUsize::new(0);
@@ -44,11 +43,14 @@ pub struct Shim {
 
 /// One accounting file and this process's place in it.
 struct File {
+    path: PathBuf,
     region: Region,
     /// This process's slot; reset in a forked child, which must claim its own.
     slot: AtomicUsize,
     /// One claim at a time.
     claim: Mutex<()>,
+    /// Whether it was found with every slot taken (said once).
+    full: AtomicBool,
 }
 
 /// A capped device: its record, and where it is in which file.
@@ -108,7 +110,12 @@ fn open() -> Option<Shim> {
     let mut claims: Vec<PathBuf> = std::fs::read_dir(&dir)
         .into_iter()
         .flatten()
-        .filter_map(|entry| Some(entry.ok()?.path().join(layout::FILE_NAME)))
+        .filter_map(|entry| {
+            let entry = entry.ok()?;
+            let name = entry.file_name();
+            let claim = name.to_str()?.starts_with(layout::CLAIM_DIR_PREFIX);
+            claim.then(|| entry.path().join(layout::FILE_NAME))
+        })
         .filter(|path| path.is_file())
         .collect();
     claims.sort();
@@ -140,6 +147,10 @@ fn open() -> Option<Shim> {
                     region.devices().len(),
                     path.display()
                 ));
+                // No thread of this image has a slot yet: one with this
+                // PID is an image's before an exec. Freed here, in every
+                // file, not only in those this image will claim in.
+                region.reap(Reaper::Claiming, None);
                 regions.push((path, region));
             }
             Err(err) => log::warn(&format!(
@@ -171,29 +182,27 @@ impl Shim {
     fn over(regions: Vec<(PathBuf, Region)>) -> Shim {
         let mut devices: Vec<Device> = Vec::new();
         let mut files: Vec<&'static File> = Vec::new();
-        let mut paths: Vec<PathBuf> = Vec::new();
         for (path, region) in regions {
             let file: &'static File = Box::leak(Box::new(File {
+                path,
                 region,
                 slot: AtomicUsize::new(NO_SLOT),
                 claim: Mutex::new(()),
+                full: AtomicBool::new(false),
             }));
             for (record, spec) in file.region.devices().iter().enumerate() {
                 let uuid = layout::format_uuid(&spec.uuid);
-                if let Some(first) = devices.iter().position(|d| d.spec.uuid == spec.uuid) {
-                    let by = files
-                        .iter()
-                        .position(|f| std::ptr::eq(*f, devices[first].file));
+                if let Some(first) = devices.iter().find(|d| d.spec.uuid == spec.uuid) {
                     log::warn(&format!(
                         "{uuid} is capped by {}; its cap in {} is not used",
-                        by.map_or(&path, |f| &paths[f]).display(),
-                        path.display()
+                        first.file.path.display(),
+                        file.path.display()
                     ));
                 } else if devices.len() == MAX_DEVICES {
                     log::warn(&format!(
                         "{uuid} in {} is past the {MAX_DEVICES} devices a process can be \
                          capped on; GPU memory is NOT capped on it",
-                        path.display()
+                        file.path.display()
                     ));
                 } else {
                     devices.push(Device {
@@ -205,7 +214,6 @@ impl Shim {
                 }
             }
             files.push(file);
-            paths.push(path);
         }
         Shim { files, devices }
     }
@@ -285,10 +293,12 @@ impl Shim {
             file.region.reap(Reaper::Claiming, None);
             slot = file.region.claim(pid, start).unwrap_or_else(|| {
                 log::warn_once(
-                    &FULL,
+                    &file.full,
                     &format!(
-                        "all {} accounting slots are in use; this process is capped on its own",
-                        file.region.file().slot_count()
+                        "all {} slots of {} are in use; this process is capped on its own \
+                         on its devices",
+                        file.region.file().slot_count(),
+                        file.path.display()
                     ),
                 );
                 PRIVATE_SLOT

@@ -11,8 +11,10 @@ use std::sync::OnceLock;
 
 use gpumem_layout::MAX_DEVICES;
 
-/// A guarded mapping: a base of 0 is a free entry.
+/// A guarded mapping: a base of 0 guards nothing.
 struct Guarded {
+    /// Taken by one `protect` at a time, until `forget`.
+    taken: AtomicBool,
     base: AtomicUsize,
     len: AtomicUsize,
     /// The warning after `gpumem-shim[PID`, built before any fault can
@@ -26,6 +28,7 @@ struct Guarded {
 /// least, so there are never more than there are devices).
 static GUARDED: [Guarded; MAX_DEVICES] = [const {
     Guarded {
+        taken: AtomicBool::new(false),
         base: AtomicUsize::new(0),
         len: AtomicUsize::new(0),
         message: AtomicPtr::new(std::ptr::null_mut()),
@@ -52,8 +55,11 @@ pub fn protect(base: *mut c_void, len: usize, path: &Path) {
          process from now on\n",
         path.display()
     );
-    // Mappings are made one at a time, at the shim's opening.
-    let Some(entry) = GUARDED.iter().find(|g| g.base.load(Ordering::Acquire) == 0) else {
+    let Some(entry) = GUARDED.iter().find(|g| {
+        g.taken
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }) else {
         return;
     };
     let message: &'static mut [u8] = message.into_bytes().leak();
@@ -81,27 +87,27 @@ pub fn protect(base: *mut c_void, len: usize, path: &Path) {
 /// Stops guarding the mapping at `base` (it was unmapped).
 pub fn forget(base: *mut c_void) {
     for entry in &GUARDED {
-        let _ = entry
+        if entry
             .base
-            .compare_exchange(base as usize, 0, Ordering::AcqRel, Ordering::Acquire);
+            .compare_exchange(base as usize, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            entry.taken.store(false, Ordering::Release);
+        }
     }
 }
 
 extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let address = unsafe { (*info).si_addr() } as usize;
-    let faulted = GUARDED.iter().find(|g| {
+    let faulted = GUARDED.iter().find_map(|g| {
         let (base, len) = (
             g.base.load(Ordering::Acquire),
             g.len.load(Ordering::Acquire),
         );
-        base != 0 && (base..base + len).contains(&address)
+        (base != 0 && (base..base + len).contains(&address)).then_some((g, base, len))
     });
-    if let Some(entry) = faulted {
-        let (base, len) = (
-            entry.base.load(Ordering::Acquire),
-            entry.len.load(Ordering::Acquire),
-        );
+    if let Some((entry, base, len)) = faulted {
         // SAFETY: replaces exactly our own mapping, which nothing outside
         // the shim points into, with anonymous private pages.
         unsafe {
@@ -115,14 +121,14 @@ extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut
             );
         }
         if !BROKEN.swap(true, Ordering::AcqRel) {
-            let (text, len) = (
+            let (text, text_len) = (
                 entry.message.load(Ordering::Acquire),
                 entry.message_len.load(Ordering::Acquire),
             );
-            // SAFETY: a leaked message of that length, never freed (a
-            // message and its length are stored together before the base
-            // that makes the entry reachable).
-            warn((!text.is_null()).then(|| unsafe { std::slice::from_raw_parts(text, len) }));
+            // SAFETY: a leaked message of that length, never freed (the
+            // entry's one `protect` stored both before the base that made
+            // the entry match).
+            warn((!text.is_null()).then(|| unsafe { std::slice::from_raw_parts(text, text_len) }));
         }
         return;
     }

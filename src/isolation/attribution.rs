@@ -53,7 +53,7 @@ const STATE_MOUNT_POINTS: [&str; 2] = [gpumem_layout::CONTAINER_DIR, "/run/gpume
 
 /// The gpumem container directories a process's mount table has at the
 /// shim's state path (`/var/run/gpumem`, or `/run/gpumem` where `/var/run`
-/// links there) and directly inside it (a DRA claim's, under its own name),
+/// links there) and directly inside it (a DRA claim's, `claim-<UID>`),
 /// from the contents of its `/proc/<pid>/mountinfo`, in the order the shim
 /// reads their files: the state path's own, then the others by name.
 /// Allocate or a claim's CDI spec mounted them there, so every process of
@@ -71,7 +71,8 @@ pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
             let own = STATE_MOUNT_POINTS.contains(&point);
             let inside = || {
                 let (parent, last) = point.rsplit_once('/')?;
-                (STATE_MOUNT_POINTS.contains(&parent) && !last.is_empty()).then_some(())
+                let claim = last.starts_with(gpumem_layout::CLAIM_DIR_PREFIX);
+                (STATE_MOUNT_POINTS.contains(&parent) && claim).then_some(())
             };
             if !own {
                 inside()?;
@@ -369,7 +370,12 @@ mod tests {
         assert_eq!(mounted_containers(&mountinfo), [name]);
         // A host process, and mounts elsewhere.
         assert!(mounted_containers("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n").is_empty());
-        for point in ["/mnt", "/var/run/gpumem/a/b", "/var/run/gpumemx/a"] {
+        for point in [
+            "/mnt",
+            "/var/run/gpumem/claim-a/b",
+            "/var/run/gpumemx/claim-a",
+            "/run/gpumem/a",
+        ] {
             assert!(
                 mounted_containers(&format!(
                     "2 1 8:1 /x/containers/{name} {point} rw - ext4 a rw\n"

@@ -15,7 +15,7 @@ use crate::node::units::{cap_mib, MemoryUnit};
 /// Under the state dir, the parent of the per-container directories.
 const CONTAINERS: &str = "containers";
 /// Names a DRA claim's directory (device plugin names start with hex).
-const CLAIM_PREFIX: &str = "claim-";
+const CLAIM_PREFIX: &str = gpumem_layout::CLAIM_DIR_PREFIX;
 
 /// The per-container directories of one state dir.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -131,16 +131,18 @@ pub fn source_for(fake_gpus: Option<&Path>) -> Option<Box<dyn ProcessUsage>> {
 }
 
 /// The live processes of a file that NVML lists on its device `dev`, as
-/// (pid, what NVML shows, what the process charged); `None` when NVML had
-/// no answer for that GPU this time.
+/// (pid, what NVML shows, what the process charged), less those in
+/// `elsewhere` (the shim charges their use of that GPU to another file);
+/// `None` when NVML had no answer for that GPU this time.
 fn listed<'a>(
     processes: &'a Processes,
     memory: &'a ProcessMemory,
     dev: usize,
+    elsewhere: &'a HashSet<u32>,
 ) -> Option<impl Iterator<Item = (u32, u64, u64)> + 'a> {
     let on_gpu = memory.get(&processes.devices.get(dev)?.uuid)?;
     Some(processes.live.iter().filter_map(move |p| {
-        let pid = p.pid?;
+        let pid = p.pid.filter(|pid| !elsewhere.contains(pid))?;
         Some((
             pid,
             *on_gpu.get(&pid)?,
@@ -153,11 +155,16 @@ fn listed<'a>(
 /// process the GPU lists, what it uses beyond what it charged. Per process,
 /// so one process charging more than it uses (managed memory not yet on
 /// the device) cannot hide another's context. `None` for a GPU with no
-/// answer this time.
-pub fn untracked(processes: &Processes, memory: &ProcessMemory) -> Vec<Option<u64>> {
+/// answer this time. `elsewhere`: per device, the processes whose use of
+/// it another file is charged (see [`charged_elsewhere`]).
+fn untracked(
+    processes: &Processes,
+    memory: &ProcessMemory,
+    elsewhere: &[HashSet<u32>],
+) -> Vec<Option<u64>> {
     (0..processes.devices.len())
         .map(|dev| {
-            let excess = listed(processes, memory, dev)?
+            let excess = listed(processes, memory, dev, &elsewhere[dev])?
                 .map(|(_, actual, charged)| actual.saturating_sub(charged))
                 .fold(0, u64::saturating_add);
             Some(excess)
@@ -198,12 +205,7 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
         .enumerate()
         .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
         .collect();
-    let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
-    for (index, (_, processes)) in loaded.iter().enumerate() {
-        for pid in processes.live.iter().filter_map(|p| p.pid) {
-            held.entry(pid).or_default().push(index);
-        }
-    }
+    let held = holders(loaded);
     // The slot holders' cgroups are read only once a process's mounts did
     // not name its container.
     let mut containers: Option<HashMap<String, Vec<usize>>> = None;
@@ -258,7 +260,57 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
     attributed
 }
 
-/// The files of each slot holder's container ID, in the order of `loaded`.
+/// The files each live slot holder has a slot in.
+fn holders(loaded: &[(PathBuf, Processes)]) -> HashMap<u32, Vec<usize>> {
+    let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
+    for (index, (_, processes)) in loaded.iter().enumerate() {
+        for pid in processes.live.iter().filter_map(|p| p.pid) {
+            held.entry(pid).or_default().push(index);
+        }
+    }
+    held
+}
+
+/// Where an accounting file comes in the shim's order within a container:
+/// the state directory's own (Allocate's) first, then claims' by name.
+fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
+    let name = file.parent().and_then(Path::file_name);
+    let claim = name
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with(gpumem_layout::CLAIM_DIR_PREFIX));
+    (claim, name)
+}
+
+/// Per file and device: the slot holders whose use of that GPU the shim
+/// charges to another of their files, the first in its order that caps it
+/// (a GPU two of a container's claims cap). Their usage there is that
+/// file's, not this one's: counting it here too would count it twice, and
+/// hold it to the wrong cap.
+fn charged_elsewhere(loaded: &[(PathBuf, Processes)]) -> Vec<Vec<HashSet<u32>>> {
+    let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
+        .iter()
+        .map(|(_, p)| vec![HashSet::new(); p.devices.len()])
+        .collect();
+    for (pid, mut files) in holders(loaded) {
+        if files.len() < 2 {
+            continue;
+        }
+        files.sort_by(|&a, &b| shim_order(&loaded[a].0).cmp(&shim_order(&loaded[b].0)));
+        for (k, &index) in files.iter().enumerate() {
+            for (dev, device) in loaded[index].1.devices.iter().enumerate() {
+                let earlier = files[..k]
+                    .iter()
+                    .any(|&e| loaded[e].1.devices.iter().any(|d| d.uuid == device.uuid));
+                if earlier {
+                    elsewhere[index][dev].insert(pid);
+                }
+            }
+        }
+    }
+    elsewhere
+}
+
+/// The files of each slot holder's container ID, in the shim's order.
 fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     who: &mut attribution::Sweep<'_, R>,
@@ -275,6 +327,9 @@ fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
                 }
             }
         }
+    }
+    for files in containers.values_mut() {
+        files.sort_by(|&a, &b| shim_order(&loaded[a].0).cmp(&shim_order(&loaded[b].0)));
     }
     containers
 }
@@ -443,13 +498,17 @@ impl Reconciler {
                 .sweep(|pid, name| source.proc_file(pid, name));
             attribute(&loaded, &memory, &mut who)
         };
+        let elsewhere = charged_elsewhere(&loaded);
         self.report_unmanaged(&attributed);
-        self.enforce(&loaded, &memory, &attributed, sampled_at);
+        self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
         let mut seen = HashSet::new();
-        for ((file, processes), unslotted) in loaded.iter().zip(&attributed.unslotted) {
+        for (((file, processes), unslotted), elsewhere) in
+            loaded.iter().zip(&attributed.unslotted).zip(&elsewhere)
+        {
             self.warn_if_hidden(file, processes);
-            self.note_footprints(processes, &memory);
-            for (dev, sample) in untracked(processes, &memory).into_iter().enumerate() {
+            self.note_footprints(processes, &memory, elsewhere);
+            let samples = untracked(processes, &memory, elsewhere);
+            for (dev, sample) in samples.into_iter().enumerate() {
                 // Processes of the container that did not load the shim
                 // count whole: nothing charged them.
                 let shimless = unslotted[dev].iter().map(|&(_, b)| b);
@@ -492,15 +551,17 @@ impl Reconciler {
         loaded: &[(PathBuf, Processes)],
         memory: &ProcessMemory,
         attributed: &Attributed,
+        elsewhere: &[Vec<HashSet<u32>>],
         sampled_at: Option<u64>,
     ) {
         let Some(enforcer) = self.enforcer.as_mut() else {
             return;
         };
         let mut footprints = Vec::new();
-        for ((file, processes), unslotted) in loaded.iter().zip(&attributed.unslotted) {
+        let files = loaded.iter().zip(&attributed.unslotted).zip(elsewhere);
+        for (((file, processes), unslotted), elsewhere) in files {
             for (dev, device) in processes.devices.iter().enumerate() {
-                let Some(listed) = listed(processes, memory, dev) else {
+                let Some(listed) = listed(processes, memory, dev, &elsewhere[dev]) else {
                     continue;
                 };
                 let mut members: Vec<(u32, u64)> =
@@ -555,9 +616,14 @@ impl Reconciler {
     }
 
     /// Remembers what each live process holds beyond what it was charged.
-    fn note_footprints(&mut self, processes: &Processes, memory: &ProcessMemory) {
+    fn note_footprints(
+        &mut self,
+        processes: &Processes,
+        memory: &ProcessMemory,
+        elsewhere: &[HashSet<u32>],
+    ) {
         for (dev, device) in processes.devices.iter().enumerate() {
-            let Some(listed) = listed(processes, memory, dev) else {
+            let Some(listed) = listed(processes, memory, dev, &elsewhere[dev]) else {
                 continue;
             };
             for (pid, actual, charged) in listed {
@@ -699,14 +765,19 @@ mod tests {
             ("GPU-other".to_owned(), [(12, 700 * MIB)].into()),
         ]
         .into();
-        assert_eq!(untracked(&processes, &memory), [Some(300 * MIB)]);
+        let none = [HashSet::new()];
+        assert_eq!(untracked(&processes, &memory, &none), [Some(300 * MIB)]);
         assert_eq!(
-            untracked(&processes, &ProcessMemory::new()),
+            untracked(&processes, &ProcessMemory::new(), &none),
             [None],
             "no answer for the GPU: no sample"
         );
         let idle: ProcessMemory = [(T4.to_owned(), HashMap::new())].into();
-        assert_eq!(untracked(&processes, &idle), [Some(0)], "an idle GPU: zero");
+        assert_eq!(
+            untracked(&processes, &idle, &none),
+            [Some(0)],
+            "an idle GPU: zero"
+        );
     }
 
     /// Attribution across sweeps whose `/proc` reads are kept: the same
@@ -911,5 +982,65 @@ mod tests {
             ]
         );
         assert!(attributed.strangers.is_empty(), "{attributed:?}");
+    }
+
+    /// Claim A caps GPU X; claim B caps X and Y; a process of both holds a
+    /// slot in each. The shim charges its use of X to A (the first file
+    /// that caps X), so that use is A's alone: B neither counts it as
+    /// untracked nor holds it to B's cap.
+    #[test]
+    fn a_gpu_two_claims_cap_is_counted_in_the_first_only() {
+        const Y: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
+        let device = |uuid: &str| Usage {
+            uuid: uuid.into(),
+            cap_bytes: 1000 * MIB,
+            context_charge_bytes: 0,
+            used_bytes: 0,
+            untracked_bytes: 0,
+            peak_bytes: 0,
+            refusals: 0,
+        };
+        let holder = LiveProcess {
+            pid: Some(10),
+            start_time: 10,
+            used: vec![2000 * MIB, 0],
+        };
+        let a = Processes {
+            devices: vec![device(T4)],
+            live: vec![LiveProcess {
+                used: vec![2000 * MIB],
+                ..holder.clone()
+            }],
+        };
+        let b = Processes {
+            devices: vec![device(T4), device(Y)],
+            live: vec![LiveProcess {
+                used: vec![0, 500 * MIB],
+                ..holder
+            }],
+        };
+        // Listed B first: the order that counts is the shim's (by name).
+        let loaded = [
+            (PathBuf::from("/s/containers/claim-b/accounting"), b),
+            (PathBuf::from("/s/containers/claim-a/accounting"), a),
+        ];
+        let memory: ProcessMemory = [
+            (T4.to_owned(), [(10, 2300 * MIB)].into()),
+            (Y.to_owned(), [(10, 800 * MIB)].into()),
+        ]
+        .into();
+        let elsewhere = charged_elsewhere(&loaded);
+        assert_eq!(elsewhere[0], [[10].into(), HashSet::new()]);
+        assert_eq!(elsewhere[1], [HashSet::new()]);
+        assert_eq!(
+            untracked(&loaded[0].1, &memory, &elsewhere[0]),
+            [Some(0), Some(300 * MIB)],
+            "B: nothing of X, Y's context"
+        );
+        assert_eq!(
+            untracked(&loaded[1].1, &memory, &elsewhere[1]),
+            [Some(300 * MIB)],
+            "A: X's context"
+        );
     }
 }

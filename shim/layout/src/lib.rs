@@ -24,6 +24,9 @@ pub const FILE_NAME: &str = "accounting";
 /// a DRA claim's directory is mounted directly inside it, under its own
 /// name, and the shim reads the file in each.
 pub const CONTAINER_DIR: &str = "/var/run/gpumem";
+/// How a DRA claim's directory is named (`claim-<UID>`), on the host and
+/// in containers alike.
+pub const CLAIM_DIR_PREFIX: &str = "claim-";
 /// `GPUMEMv1` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"GPUMEMv1");
 pub const VERSION: u32 = 1;
