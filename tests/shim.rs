@@ -996,7 +996,11 @@ fn a_gpu_in_two_claims_of_one_container_is_held_to_the_first_claims_cap() {
 
 #[test]
 fn a_broken_claim_file_costs_only_its_own_gpu_its_cap() {
-    let dir = claims_dir(&[("claim-b", &[(T4_UUID, 1000)], SLOTS)]);
+    // A directory no claim's spec mounts is not read, though it sorts first.
+    let dir = claims_dir(&[
+        ("a-stray", &[(T4_UUID, 500)], SLOTS),
+        ("claim-b", &[(T4_UUID, 1000)], SLOTS),
+    ]);
     std::fs::create_dir(dir.path().join("claim-a")).unwrap();
     let broken = dir.path().join("claim-a").join("accounting");
     std::fs::write(&broken, vec![0xAB; 4096]).unwrap();

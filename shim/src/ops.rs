@@ -33,8 +33,9 @@ static OPENING: AtomicUsize = AtomicUsize::new(0);
 const RETRY_PAUSES_US: [u64; 10] = [0, 0, 20, 50, 100, 200, 400, 800, 1600, 2000];
 
 /// A process's view of its container's accounting files: the one in the
-/// state directory (Allocate's) and one in each directory directly inside
-/// it (a DRA claim's each). Devices are numbered across the files.
+/// state directory (Allocate's, or a claim's mounted there before claims
+/// had their own place) and one in each `claim-*` directory inside it.
+/// Devices are numbered across the files.
 pub struct Shim {
     /// Never freed, like the shim itself: each device points at its own.
     files: Vec<&'static File>,

@@ -32,9 +32,10 @@ impl std::fmt::Display for RegionError {
 /// Who reaps, which decides whether a slot with this process's pid may go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reaper {
-    /// The thread claiming this process's slot, under the claim lock and
-    /// with no slot yet: a slot with this pid is an earlier image's, left
-    /// before an exec.
+    /// A thread of an image none of whose threads can hold a slot in the
+    /// file yet (at the shim's opening), or the thread claiming its slot
+    /// under the claim lock: a slot with this pid is an earlier image's,
+    /// left before an exec.
     Claiming,
     /// Anyone else: a slot with this pid is this image's, the one it holds
     /// or the one another of its threads has just claimed and not yet

@@ -20,8 +20,7 @@ struct Guarded {
     /// The warning after `gpumem-shim[PID`, built before any fault can
     /// happen (the handler must not allocate) and never freed, so a
     /// handler that read the pointer can always use it.
-    message: AtomicPtr<u8>,
-    message_len: AtomicUsize,
+    message: AtomicPtr<Box<[u8]>>,
 }
 
 /// One entry per accounting file a process maps (each caps a device at
@@ -32,7 +31,6 @@ static GUARDED: [Guarded; MAX_DEVICES] = [const {
         base: AtomicUsize::new(0),
         len: AtomicUsize::new(0),
         message: AtomicPtr::new(std::ptr::null_mut()),
-        message_len: AtomicUsize::new(0),
     }
 }; MAX_DEVICES];
 static BROKEN: AtomicBool = AtomicBool::new(false);
@@ -62,9 +60,8 @@ pub fn protect(base: *mut c_void, len: usize, path: &Path) {
     }) else {
         return;
     };
-    let message: &'static mut [u8] = message.into_bytes().leak();
-    entry.message_len.store(message.len(), Ordering::Release);
-    entry.message.store(message.as_mut_ptr(), Ordering::Release);
+    let message: &'static mut Box<[u8]> = Box::leak(Box::new(message.into_bytes().into()));
+    entry.message.store(message, Ordering::Release);
     entry.len.store(len, Ordering::Release);
     entry.base.store(base as usize, Ordering::Release);
     if INSTALLED.swap(true, Ordering::AcqRel) {
@@ -121,14 +118,9 @@ extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut
             );
         }
         if !BROKEN.swap(true, Ordering::AcqRel) {
-            let (text, text_len) = (
-                entry.message.load(Ordering::Acquire),
-                entry.message_len.load(Ordering::Acquire),
-            );
-            // SAFETY: a leaked message of that length, never freed (the
-            // entry's one `protect` stored both before the base that made
-            // the entry match).
-            warn((!text.is_null()).then(|| unsafe { std::slice::from_raw_parts(text, text_len) }));
+            let text = entry.message.load(Ordering::Acquire);
+            // SAFETY: null, or a leaked message that is never freed.
+            warn(unsafe { text.as_ref() }.map(|m| &m[..]));
         }
         return;
     }

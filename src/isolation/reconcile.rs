@@ -285,17 +285,38 @@ fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
 /// charges to another of their files, the first in its order that caps it
 /// (a GPU two of a container's claims cap). Their usage there is that
 /// file's, not this one's: counting it here too would count it twice, and
-/// hold it to the wrong cap.
-fn charged_elsewhere(loaded: &[(PathBuf, Processes)]) -> Vec<Vec<HashSet<u32>>> {
+/// hold it to the wrong cap. The order is the process's mount table's
+/// where it names the files (a claim mounted before claims had their own
+/// place is at the state path itself, and comes first), else the names'.
+fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
+    loaded: &[(PathBuf, Processes)],
+    who: &mut attribution::Sweep<'_, R>,
+) -> Vec<Vec<HashSet<u32>>> {
     let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
         .iter()
         .map(|(_, p)| vec![HashSet::new(); p.devices.len()])
         .collect();
+    let caps = |index: usize| loaded[index].1.devices.iter().map(|d| &d.uuid);
     for (pid, mut files) in holders(loaded) {
-        if files.len() < 2 {
+        let shared = files.iter().enumerate().any(|(k, &a)| {
+            files[k + 1..]
+                .iter()
+                .any(|&b| caps(a).any(|u| caps(b).any(|v| u == v)))
+        });
+        // Mounts are read only for the rare process this concerns.
+        if !shared {
             continue;
         }
-        files.sort_by(|&a, &b| shim_order(&loaded[a].0).cmp(&shim_order(&loaded[b].0)));
+        let mounted = who.mounted(pid).to_vec();
+        let rank = |index: usize| {
+            let file = &loaded[index].0;
+            let name = file.parent().and_then(Path::file_name);
+            let at = mounted
+                .iter()
+                .position(|m| Some(std::ffi::OsStr::new(m)) == name);
+            (at.is_none(), at, shim_order(file))
+        };
+        files.sort_by_key(|&index| rank(index));
         for (k, &index) in files.iter().enumerate() {
             for (dev, device) in loaded[index].1.devices.iter().enumerate() {
                 let earlier = files[..k]
@@ -491,14 +512,14 @@ impl Reconciler {
         // Processes that start after this instant are not the ones NVML
         // listed: the over-cap action never kills them.
         let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
-        let attributed = {
+        let (attributed, elsewhere) = {
             let source = &self.source;
             let mut who = self
                 .identities
                 .sweep(|pid, name| source.proc_file(pid, name));
-            attribute(&loaded, &memory, &mut who)
+            let attributed = attribute(&loaded, &memory, &mut who);
+            (attributed, charged_elsewhere(&loaded, &mut who))
         };
-        let elsewhere = charged_elsewhere(&loaded);
         self.report_unmanaged(&attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
         let mut seen = HashSet::new();
@@ -1029,7 +1050,11 @@ mod tests {
             (Y.to_owned(), [(10, 800 * MIB)].into()),
         ]
         .into();
-        let elsewhere = charged_elsewhere(&loaded);
+        let stat = |pid: u32| format!("{pid} (p) {} 7\n", "1 ".repeat(19));
+        let mut identities = attribution::Identities::default();
+        // Mounts that cannot be read: the order is the names'.
+        let read = |pid: u32, name: &str| (name == "stat").then(|| stat(pid));
+        let elsewhere = charged_elsewhere(&loaded, &mut identities.sweep(read));
         assert_eq!(elsewhere[0], [[10].into(), HashSet::new()]);
         assert_eq!(elsewhere[1], [HashSet::new()]);
         assert_eq!(
@@ -1042,5 +1067,19 @@ mod tests {
             [Some(300 * MIB)],
             "A: X's context"
         );
+
+        // B was prepared before claims had their own place: its spec
+        // mounts it at the state path itself, where the shim reads first.
+        let mounts = "2 1 8:1 /s/containers/claim-b /run/gpumem rw - ext4 a rw\n\
+             3 1 8:1 /s/containers/claim-a /run/gpumem/claim-a rw - ext4 a rw\n";
+        let read = |pid: u32, name: &str| match name {
+            "stat" => Some(stat(pid)),
+            "mountinfo" => Some(mounts.to_owned()),
+            _ => None,
+        };
+        let mut identities = attribution::Identities::default();
+        let elsewhere = charged_elsewhere(&loaded, &mut identities.sweep(read));
+        assert_eq!(elsewhere[0], [HashSet::new(), HashSet::new()]);
+        assert_eq!(elsewhere[1], [[10].into()]);
     }
 }
