@@ -838,6 +838,21 @@ fn claims_dir(claims: &[Claim]) -> tempfile::TempDir {
 
 const SLOTS: u32 = gpumem_layout::DEFAULT_SLOTS;
 
+/// A probe under the shim with `dir` on the fake GPUs `uuids` that has run
+/// `steps` and holds what it made until killed.
+fn holding(dir: &std::path::Path, uuids: &str, steps: &[&str]) -> std::process::Child {
+    let mut child = shim_kit()
+        .probe(Some(dir))
+        .env("FAKEGPU_UUIDS", uuids)
+        .args(steps)
+        .arg("hold")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut child, "holding");
+    child
+}
+
 /// Claim A caps GPUs 0 and 2, claim B GPU 1: the shim numbers devices
 /// across files (A's two, then B's), so each ordinal must find its own
 /// file and record there.
@@ -913,14 +928,7 @@ fn a_full_claim_file_caps_a_process_on_its_own_on_that_claims_gpu() {
         ("claim-b", &[(SECOND_UUID, 2000)], 1),
     ]);
     let uuids = format!("{T4_UUID},{SECOND_UUID},{THIRD_UUID}");
-    let mut holder = shim_kit()
-        .probe(Some(dir.path()))
-        .env("FAKEGPU_UUIDS", &uuids)
-        .args(["ctx:1", "hold"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::wait_for_line(&mut holder, "holding");
+    let mut holder = holding(dir.path(), &uuids, &["ctx:1"]);
     let (ok, lines, stderr) = run_lines(
         shim_kit()
             .probe(Some(dir.path()))
@@ -952,14 +960,11 @@ fn an_execed_process_leaves_no_charge_behind_in_any_claims_file() {
         ("claim-b", &[(SECOND_UUID, 4308)], SLOTS),
     ]);
     let uuids = format!("{T4_UUID},{SECOND_UUID}");
-    let mut execed = shim_kit()
-        .probe(Some(dir.path()))
-        .env("FAKEGPU_UUIDS", &uuids)
-        .args(["ctx:1", "alloc:3000", "exec", "ctx:0", "alloc:100", "hold"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    common::wait_for_line(&mut execed, "holding");
+    let mut execed = holding(
+        dir.path(),
+        &uuids,
+        &["ctx:1", "alloc:3000", "exec", "ctx:0", "alloc:100"],
+    );
     let (ok, lines, stderr) = run_lines(
         shim_kit()
             .probe(Some(dir.path()))
