@@ -32,8 +32,8 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::nvml::{
-    nvml_device, NvmlReturn, NVML_ERROR_UNKNOWN, NVML_GPU_IS_LOST, NVML_INVALID_ARGUMENT,
-    NVML_NOT_SUPPORTED, NVML_RESET_REQUIRED, NVML_SUCCESS, NVML_TIMEOUT,
+    device_query, nvml_device, NvmlReturn, NVML_ERROR_UNKNOWN, NVML_GPU_IS_LOST,
+    NVML_INVALID_ARGUMENT, NVML_NOT_SUPPORTED, NVML_RESET_REQUIRED, NVML_SUCCESS, NVML_TIMEOUT,
 };
 use crate::{config, node};
 
@@ -216,15 +216,10 @@ pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
     handle: *mut c_void,
     pending: *mut c_uint,
 ) -> NvmlReturn {
-    let Some(dev) = nvml_device(handle) else {
-        return NVML_INVALID_ARGUMENT;
+    let dev = match device_query(handle, pending) {
+        Ok(dev) => dev,
+        Err(error) => return error,
     };
-    if pending.is_null() {
-        return NVML_INVALID_ARGUMENT;
-    }
-    if let Some(error) = query_error(dev) {
-        return error;
-    }
     if row_remapping() {
         return NVML_NOT_SUPPORTED;
     }
@@ -305,15 +300,10 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
 ) -> NvmlReturn {
     /// `nvmlEventTypeSingleBitEccError | DoubleBitEccError | PState | Clock`.
     const OTHER_TYPES: c_ulonglong = 0x1 | 0x2 | 0x4 | 0x10;
-    let Some(dev) = nvml_device(handle) else {
-        return NVML_INVALID_ARGUMENT;
+    let dev = match device_query(handle, types) {
+        Ok(dev) => dev,
+        Err(error) => return error,
     };
-    if types.is_null() {
-        return NVML_INVALID_ARGUMENT;
-    }
-    if let Some(error) = query_error(dev) {
-        return error;
-    }
     let unsupported = read()
         .devices
         .get(&dev)

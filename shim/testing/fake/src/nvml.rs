@@ -149,11 +149,11 @@ pub struct NvmlMemoryV2 {
     used: u64,
 }
 
-/// The device a memory query is about, or the answer NVML gives instead: a
-/// bad handle or out-pointer, or the device's health failure.
-fn memory_query<T>(handle: *mut c_void, memory: *mut T) -> Result<usize, NvmlReturn> {
+/// The device a query is about, or the answer NVML gives instead: a bad
+/// handle or out-pointer, or the device's health failure.
+pub(crate) fn device_query<T>(handle: *mut c_void, out: *mut T) -> Result<usize, NvmlReturn> {
     let dev = nvml_device(handle).ok_or(NVML_INVALID_ARGUMENT)?;
-    if memory.is_null() {
+    if out.is_null() {
         return Err(NVML_INVALID_ARGUMENT);
     }
     match health::query_error(dev) {
@@ -167,7 +167,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     handle: *mut c_void,
     memory: *mut NvmlMemory,
 ) -> NvmlReturn {
-    let dev = match memory_query(handle, memory) {
+    let dev = match device_query(handle, memory) {
         Ok(dev) => dev,
         Err(error) => return error,
     };
@@ -189,7 +189,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     handle: *mut c_void,
     memory: *mut NvmlMemoryV2,
 ) -> NvmlReturn {
-    let dev = match memory_query(handle, memory) {
+    let dev = match device_query(handle, memory) {
         Ok(dev) => dev,
         Err(error) => return error,
     };
