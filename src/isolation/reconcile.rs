@@ -197,6 +197,7 @@ struct Attributed {
 /// cap); anything else is unmanaged. `who` reads what `/proc` says of them.
 fn attribute<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
+    held: &HashMap<u32, Vec<usize>>,
     memory: &ProcessMemory,
     who: &mut attribution::Sweep<'_, R>,
 ) -> Attributed {
@@ -205,7 +206,6 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
         .enumerate()
         .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
         .collect();
-    let held = holders(loaded);
     // The slot holders' cgroups are read only once a process's mounts did
     // not name its container.
     let mut containers: Option<HashMap<String, Vec<usize>>> = None;
@@ -218,10 +218,7 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
     };
     for (uuid, per_pid) in memory {
         // The file `index` with its position of this GPU, if it caps it.
-        let capping = |index: usize| {
-            let devices = &loaded[index].1.devices;
-            Some((index, devices.iter().position(|d| &d.uuid == uuid)?))
-        };
+        let capping = |index: usize| Some((index, position(&loaded[index].1, uuid)?));
         let unmanaged = attributed.unmanaged.entry(uuid.clone()).or_default();
         for (&pid, &bytes) in per_pid {
             let files = held.get(&pid).map_or(&[][..], Vec::as_slice);
@@ -260,6 +257,11 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
     attributed
 }
 
+/// Where file `processes` records GPU `uuid`, if it caps it.
+fn position(processes: &Processes, uuid: &str) -> Option<usize> {
+    processes.devices.iter().position(|d| d.uuid == uuid)
+}
+
 /// The files each live slot holder has a slot in.
 fn holders(loaded: &[(PathBuf, Processes)]) -> HashMap<u32, Vec<usize>> {
     let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
@@ -290,18 +292,23 @@ fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
 /// place is at the state path itself, and comes first), else the names'.
 fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
+    held: &HashMap<u32, Vec<usize>>,
     who: &mut attribution::Sweep<'_, R>,
 ) -> Vec<Vec<HashSet<u32>>> {
     let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
         .iter()
         .map(|(_, p)| vec![HashSet::new(); p.devices.len()])
         .collect();
-    let caps = |index: usize| loaded[index].1.devices.iter().map(|d| &d.uuid);
-    for (pid, mut files) in holders(loaded) {
-        let shared = files.iter().enumerate().any(|(k, &a)| {
-            files[k + 1..]
-                .iter()
-                .any(|&b| caps(a).any(|u| caps(b).any(|v| u == v)))
+    // Whether a file before the `k`th of `files` caps GPU `uuid`.
+    let before = |files: &[usize], k: usize, uuid: &str| {
+        files[..k]
+            .iter()
+            .any(|&e| position(&loaded[e].1, uuid).is_some())
+    };
+    for (&pid, files) in held {
+        let shared = files.iter().enumerate().any(|(k, &index)| {
+            let devices = &loaded[index].1.devices;
+            devices.iter().any(|d| before(files, k, &d.uuid))
         });
         // Mounts are read only for the rare process this concerns.
         if !shared {
@@ -316,13 +323,11 @@ fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
                 .position(|m| Some(std::ffi::OsStr::new(m)) == name);
             (at.is_none(), at, shim_order(file))
         };
+        let mut files = files.clone();
         files.sort_by_key(|&index| rank(index));
         for (k, &index) in files.iter().enumerate() {
             for (dev, device) in loaded[index].1.devices.iter().enumerate() {
-                let earlier = files[..k]
-                    .iter()
-                    .any(|&e| loaded[e].1.devices.iter().any(|d| d.uuid == device.uuid));
-                if earlier {
+                if before(&files, k, &device.uuid) {
                     elsewhere[index][dev].insert(pid);
                 }
             }
@@ -350,7 +355,7 @@ fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
         }
     }
     for files in containers.values_mut() {
-        files.sort_by(|&a, &b| shim_order(&loaded[a].0).cmp(&shim_order(&loaded[b].0)));
+        files.sort_by_key(|&index| shim_order(&loaded[index].0));
     }
     containers
 }
@@ -517,8 +522,9 @@ impl Reconciler {
             let mut who = self
                 .identities
                 .sweep(|pid, name| source.proc_file(pid, name));
-            let attributed = attribute(&loaded, &memory, &mut who);
-            (attributed, charged_elsewhere(&loaded, &mut who))
+            let held = holders(&loaded);
+            let attributed = attribute(&loaded, &held, &memory, &mut who);
+            (attributed, charged_elsewhere(&loaded, &held, &mut who))
         };
         self.report_unmanaged(&attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
@@ -872,7 +878,12 @@ mod tests {
                 reads.borrow_mut().push((pid, name.to_owned()));
                 files.borrow().get(&(pid, name)).cloned()
             };
-            let mut attributed = attribute(loaded, memory, &mut identities.sweep(read));
+            let mut attributed = attribute(
+                loaded,
+                &holders(loaded),
+                memory,
+                &mut identities.sweep(read),
+            );
             attributed
                 .strangers
                 .sort_unstable_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
@@ -991,7 +1002,12 @@ mod tests {
         ]
         .into();
         let mut identities = attribution::Identities::default();
-        let mut attributed = attribute(&loaded, &memory, &mut identities.sweep(read));
+        let mut attributed = attribute(
+            &loaded,
+            &holders(&loaded),
+            &memory,
+            &mut identities.sweep(read),
+        );
         for per_file in &mut attributed.unslotted {
             per_file.iter_mut().for_each(|list| list.sort_unstable());
         }
@@ -1054,7 +1070,7 @@ mod tests {
         let mut identities = attribution::Identities::default();
         // Mounts that cannot be read: the order is the names'.
         let read = |pid: u32, name: &str| (name == "stat").then(|| stat(pid));
-        let elsewhere = charged_elsewhere(&loaded, &mut identities.sweep(read));
+        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(read));
         assert_eq!(elsewhere[0], [[10].into(), HashSet::new()]);
         assert_eq!(elsewhere[1], [HashSet::new()]);
         assert_eq!(
@@ -1078,7 +1094,7 @@ mod tests {
             _ => None,
         };
         let mut identities = attribution::Identities::default();
-        let elsewhere = charged_elsewhere(&loaded, &mut identities.sweep(read));
+        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(read));
         assert_eq!(elsewhere[0], [HashSet::new(), HashSet::new()]);
         assert_eq!(elsewhere[1], [[10].into()]);
     }
