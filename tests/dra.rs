@@ -222,6 +222,24 @@ async fn driver_with_notebook(host: &Host, api: &FakeApiServer) -> (Driver, Prep
     (driver, prepared)
 }
 
+/// `gpumem dra` on `host` once a 1.34 kubelet had it prepare claims `c1`
+/// and `c2` (2Gi each on gpu-0, UIDs `uid(1)` and `uid(2)`), their
+/// references, and what kubelet was told.
+async fn driver_with_two_claims(
+    host: &Host,
+    api: &FakeApiServer,
+) -> (Driver, [ClaimRef; 2], Prepared) {
+    let driver = Driver::start(host, api).await;
+    let kubelet = kubelet_1_34(host).await;
+    for (name, n) in [("c1", 1), ("c2", 2)] {
+        api.put(claim(name, &uid(n), &[("gpu-0", Some("2Gi"), None)]));
+    }
+    let refs = [claim_ref("c1", &uid(1)), claim_ref("c2", &uid(2))];
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    assert!(prepared.values().all(Result::is_ok), "{prepared:?}");
+    (driver, refs, prepared)
+}
+
 fn claim_ref(name: &str, uid: &str) -> ClaimRef {
     ClaimRef {
         namespace: "default".into(),
@@ -770,18 +788,7 @@ async fn claims_kubelet_must_not_use_are_refused_with_a_reason() {
 async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boots() {
     let host = Host::new();
     let api = api().await;
-    let mut driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
-    for n in [1, 2] {
-        api.put(claim(
-            &format!("c{n}"),
-            &uid(n),
-            &[("gpu-0", Some("2Gi"), None)],
-        ));
-    }
-    let refs = [claim_ref("c1", &uid(1)), claim_ref("c2", &uid(2))];
-    let prepared = kubelet.prepare(&refs).await.unwrap();
-    assert!(prepared.values().all(Result::is_ok), "{prepared:?}");
+    let (mut driver, refs, prepared) = driver_with_two_claims(&host, &api).await;
 
     // Killed; the claim deleted meanwhile: unprepare needs only the record.
     driver.kill();
@@ -913,14 +920,7 @@ async fn after_a_downgrade_a_claim_in_a_newer_state_is_prepared_again() {
 async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
     let host = Host::new();
     let api = api().await;
-    let mut driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
-    for (name, n) in [("c1", 1), ("c2", 2)] {
-        api.put(claim(name, &uid(n), &[("gpu-0", Some("2Gi"), None)]));
-    }
-    let refs = [claim_ref("c1", &uid(1)), claim_ref("c2", &uid(2))];
-    let prepared = kubelet.prepare(&refs).await.unwrap();
-    assert!(prepared.values().all(Result::is_ok), "{prepared:?}");
+    let (mut driver, refs, prepared) = driver_with_two_claims(&host, &api).await;
 
     // A hand edit breaks one entry while the driver is down.
     driver.kill();
