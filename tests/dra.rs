@@ -252,6 +252,39 @@ fn uid(n: u32) -> String {
     format!("0c5e1a7b-0000-4000-8000-{n:012}")
 }
 
+/// A container's state directory as a runtime makes it from the claims'
+/// CDI specs (CDI replaces a mount at a container path taken already),
+/// with links standing in for the mounts.
+fn container_state(host: &Host, refs: &[ClaimRef]) -> PathBuf {
+    let state = host.path("container-state");
+    std::fs::create_dir_all(&state).unwrap();
+    for claim in refs {
+        let spec: Value =
+            serde_json::from_slice(&std::fs::read(host.spec_file(&claim.uid)).unwrap()).unwrap();
+        for mount in spec["devices"][0]["containerEdits"]["mounts"]
+            .as_array()
+            .unwrap()
+        {
+            let at = mount["containerPath"].as_str().unwrap();
+            let Some(inside) = at.strip_prefix(gpumem_layout::CONTAINER_DIR) else {
+                continue;
+            };
+            let from = Path::new(mount["hostPath"].as_str().unwrap());
+            let (from, to) = match inside.strip_prefix('/') {
+                Some(name) => (from.to_owned(), state.join(name)),
+                // Over the state directory itself: its file stands for it.
+                None => (
+                    from.join(gpumem_layout::FILE_NAME),
+                    state.join(gpumem_layout::FILE_NAME),
+                ),
+            };
+            let _ = std::fs::remove_file(&to);
+            std::os::unix::fs::symlink(from, to).unwrap();
+        }
+    }
+    state
+}
+
 async fn wait_until<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + WAIT;
     loop {
@@ -643,35 +676,7 @@ async fn a_container_with_two_claims_is_held_to_each_on_its_gpu() {
             .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
     }
 
-    // The container's state directory as a runtime makes it from both
-    // specs (CDI replaces a mount at a container path taken already).
-    let state = host.path("container-state");
-    std::fs::create_dir_all(&state).unwrap();
-    for claim in &refs {
-        let spec: Value =
-            serde_json::from_slice(&std::fs::read(host.spec_file(&claim.uid)).unwrap()).unwrap();
-        for mount in spec["devices"][0]["containerEdits"]["mounts"]
-            .as_array()
-            .unwrap()
-        {
-            let at = mount["containerPath"].as_str().unwrap();
-            let Some(inside) = at.strip_prefix(gpumem_layout::CONTAINER_DIR) else {
-                continue;
-            };
-            let from = Path::new(mount["hostPath"].as_str().unwrap());
-            let (from, to) = match inside.strip_prefix('/') {
-                Some(name) => (from.to_owned(), state.join(name)),
-                // Over the state directory itself: its file stands for it.
-                None => (
-                    from.join(gpumem_layout::FILE_NAME),
-                    state.join(gpumem_layout::FILE_NAME),
-                ),
-            };
-            let _ = std::fs::remove_file(&to);
-            std::os::unix::fs::symlink(from, to).unwrap();
-        }
-    }
-
+    let state = container_state(&host, &refs);
     let (ok, lines, stderr) = common::run_lines(
         common::shim_kit()
             .probe(Some(&state))
@@ -698,6 +703,106 @@ async fn a_container_with_two_claims_is_held_to_each_on_its_gpu() {
         ],
         "{stderr}"
     );
+}
+
+/// Claim A caps GPU X; claim B caps X and Y; a container references both.
+/// The shim charges the container's use of X to A, the first of its files
+/// that caps X, so the over-cap action must hold that use to A's cap
+/// alone: B counts only what is B's on X (here a process that mounts B
+/// only), and A kills once X's use passes A's cap.
+#[tokio::test]
+async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() {
+    use std::os::unix::process::ExitStatusExt;
+    const X: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010001";
+    const Y: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
+    let host = Host::new();
+    let api = api().await;
+    let gpus = host.path("node.toml");
+    std::fs::copy(fixture("v100x2"), &gpus).unwrap();
+    let driver = Driver::start_custom(
+        &host,
+        &api,
+        &host.path("no-kubelet.sock"),
+        &gpus,
+        &[
+            "--reconcile-secs",
+            "1",
+            "--over-cap-action",
+            "kill",
+            "--over-cap-grace-secs",
+            "0",
+        ],
+    )
+    .await;
+    let kubelet = kubelet_1_34(&host).await;
+    api.put(claim("a", &uid(1), &[("gpu-1", Some("4Gi"), None)]));
+    api.put(claim(
+        "b",
+        &uid(2),
+        &[("gpu-1", Some("2Gi"), None), ("gpu-0", Some("2Gi"), None)],
+    ));
+    let refs = [claim_ref("a", &uid(1)), claim_ref("b", &uid(2))];
+    let prepared = kubelet.prepare(&refs).await.unwrap();
+    for claim in &refs {
+        prepared[&claim.uid]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    }
+    // A process of the container with a context on each GPU: a slot in A
+    // (for X) and in B (for Y).
+    let state = container_state(&host, &refs);
+    let mut shimmed = common::shim_kit()
+        .probe(Some(&state))
+        .env("FAKEGPU_UUIDS", format!("{X},{Y}"))
+        .args(["ctx:0", "ctx:1", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut shimmed, "holding");
+    // Beside it, in NVML's list for X (the fixture's last GPU, where
+    // listed processes go): 3000 MiB of its own, within A's 4096 but past
+    // B's 2048, and a newer process that mounts only B's directory, with
+    // 2500 MiB: past B's cap on its own.
+    let dir = |n| {
+        host.path("state/containers")
+            .join(format!("claim-{}", uid(n)))
+    };
+    let mounts = common::mountinfo_with_claims(&[&dir(1), &dir(2)]);
+    common::list_fake_process(&gpus, shimmed.id(), 3000, &[("mountinfo", &mounts)]);
+    let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();
+    let only_b = common::mountinfo_with_claims(&[&dir(2)]);
+    common::list_fake_process(&gpus, rogue.id(), 2500, &[("mountinfo", &only_b)]);
+
+    // Killing the rogue brings B under its cap: one kill in the same
+    // check, not two.
+    wait_until("the rogue's kill", || rogue.try_wait().unwrap()).await;
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        shimmed.try_wait().unwrap().is_none(),
+        "the process within A's cap was killed for B's\n{}",
+        driver.log()
+    );
+    let kills = |log: &str| log.matches("killed a GPU process").count();
+    assert_eq!(kills(&driver.log()), 1, "{}", driver.log());
+
+    // Past A's cap: A's action, on the process A holds.
+    let text = std::fs::read_to_string(&gpus).unwrap();
+    let listed = format!("pid = {}\nused_mib = 3000\n", shimmed.id());
+    let raised = text.replace(
+        &listed,
+        &format!("pid = {}\nused_mib = 5000\n", shimmed.id()),
+    );
+    assert_ne!(raised, text);
+    common::rewrite_fake_gpus(&gpus, raised);
+    let status = wait_until("the kill past A's cap", || shimmed.try_wait().unwrap()).await;
+    assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
+    let log = driver.log();
+    let last = log
+        .lines()
+        .rfind(|l| l.contains("killed a GPU process"))
+        .unwrap();
+    assert!(last.contains(&format!("claim-{}", uid(1))), "{last}");
+    assert!(last.contains("cap_mib=4096"), "{last}");
 }
 
 #[tokio::test]

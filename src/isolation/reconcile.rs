@@ -1021,6 +1021,55 @@ mod tests {
         assert!(attributed.strangers.is_empty(), "{attributed:?}");
     }
 
+    /// Two claims of one container cap the same GPU, and a process of that
+    /// container without the shim, whose mounts cannot be read, is on it:
+    /// it counts against the claim the shim would charge, the first by
+    /// name, whichever order the files come in.
+    #[test]
+    fn a_shimless_process_counts_against_the_first_of_its_containers_files() {
+        let file = |name: &str, holder: u32| {
+            let processes = Processes {
+                devices: vec![Usage {
+                    uuid: T4.into(),
+                    cap_bytes: 2000 * MIB,
+                    context_charge_bytes: 0,
+                    used_bytes: 0,
+                    untracked_bytes: 0,
+                    peak_bytes: 0,
+                    refusals: 0,
+                }],
+                live: vec![live(Some(holder), 0)],
+            };
+            (
+                PathBuf::from(format!("/s/containers/{name}/accounting")),
+                processes,
+            )
+        };
+        let loaded = [file("claim-b", 10), file("claim-a", 20)];
+        let cgroup = format!(
+            "0::/kubepods/pod0a1b2c3d-4e5f-4678-9abc-def012345678/{}\n",
+            "c".repeat(64)
+        );
+        let read = |pid: u32, name: &str| match name {
+            "stat" => Some(format!("{pid} (p) {} 7\n", "1 ".repeat(19))),
+            "cgroup" => Some(cgroup.clone()),
+            _ => None,
+        };
+        let memory: ProcessMemory = [(T4.to_owned(), [(30, 700 * MIB)].into())].into();
+        let mut identities = attribution::Identities::default();
+        let attributed = attribute(
+            &loaded,
+            &holders(&loaded),
+            &memory,
+            &mut identities.sweep(read),
+        );
+        assert_eq!(
+            attributed.unslotted,
+            [vec![vec![]], vec![vec![(30, 700 * MIB)]]],
+            "claim-a's, not claim-b's"
+        );
+    }
+
     /// Claim A caps GPU X; claim B caps X and Y; a process of both holds a
     /// slot in each. The shim charges its use of X to A (the first file
     /// that caps X), so that use is A's alone: B neither counts it as
@@ -1083,6 +1132,15 @@ mod tests {
             [Some(300 * MIB)],
             "A: X's context"
         );
+        // The overhead estimate takes X's figure from A alone: B charged
+        // nothing there, and would make the whole 2300 MiB look like overhead.
+        let mut reconciler = Reconciler::new(Box::new(FakeProcesses::new(Path::new("/none"))));
+        for ((_, processes), elsewhere) in loaded.iter().zip(&elsewhere) {
+            reconciler.note_footprints(processes, &memory, elsewhere);
+        }
+        let overheads = reconciler.footprints.medians();
+        assert_eq!(overheads[T4], 300 * MIB);
+        assert_eq!(overheads[Y], 300 * MIB);
 
         // B was prepared before claims had their own place: its spec
         // mounts it at the state path itself, where the shim reads first.
