@@ -889,6 +889,65 @@ async fn claims_kubelet_must_not_use_are_refused_with_a_reason() {
     assert!(driver.log().contains("cannot prepare"));
 }
 
+/// A claim prepared by an older version keeps that version's CDI spec while
+/// its pods run: kubelet does not prepare it again, it restarts their
+/// containers from the CDI ID. A restarted driver writes this version's
+/// spec and leaves the live accounting file alone; a claim whose GPU the
+/// node no longer lists keeps its spec.
+#[tokio::test]
+async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
+    use std::os::unix::fs::MetadataExt;
+    let host = Host::new();
+    let api = api().await;
+    let (mut driver, _) = driver_with_notebook(&host, &api).await;
+    let spec_file = host.spec_file(&uid(1));
+    let current = std::fs::read_to_string(&spec_file).unwrap();
+    // As versions before claims had their own place wrote it.
+    let inside = format!("{}/claim-{}", gpumem_layout::CONTAINER_DIR, uid(1));
+    let old = current.replace(&inside, gpumem_layout::CONTAINER_DIR);
+    assert_ne!(old, current);
+    let accounting = host
+        .path("state/containers")
+        .join(format!("claim-{}", uid(1)))
+        .join(gpumem_layout::FILE_NAME);
+    let inode = std::fs::metadata(&accounting).unwrap().ino();
+
+    // Restarted on a node that no longer lists the claim's GPU: kept.
+    driver.kill();
+    std::fs::write(&spec_file, &old).unwrap();
+    let mut driver = Driver::start_custom(
+        &host,
+        &api,
+        &host.path("no-kubelet.sock"),
+        &fixture("v100x2"),
+        &["--reconcile-secs", "0"],
+    )
+    .await;
+    assert_eq!(std::fs::read_to_string(&spec_file).unwrap(), old);
+    assert!(
+        driver.log().contains("is not on the node any more"),
+        "{}",
+        driver.log()
+    );
+
+    driver.kill();
+    let driver = Driver::start(&host, &api).await;
+    assert_eq!(
+        std::fs::read_to_string(&spec_file).unwrap(),
+        current,
+        "{}",
+        driver.log()
+    );
+    assert!(
+        driver
+            .log()
+            .contains("rewrote the CDI spec of a prepared claim"),
+        "{}",
+        driver.log()
+    );
+    assert_eq!(std::fs::metadata(&accounting).unwrap().ino(), inode);
+}
+
 #[tokio::test]
 async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boots() {
     let host = Host::new();

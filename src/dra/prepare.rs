@@ -511,42 +511,95 @@ impl PreparedClaims {
         inv: &Inventory,
     ) -> Result<(), PrepareError> {
         let config = &self.inner.config;
-        let caps = caps_by_gpu(&entry.devices);
-        let mut gpus = Vec::new();
-        for (uuid, cap_mib) in &caps {
-            if let Some(gpu) = inv.gpus().iter().position(|g| &g.gpu.uuid == uuid) {
-                gpus.push(ClaimGpu {
-                    gpu,
-                    cap_mib: *cap_mib,
-                });
+        if let Isolation::Shim(shim) = &config.isolation {
+            inject::check_shim(shim)?;
+            let caps: Vec<Cap> = caps_by_gpu(&entry.devices)
+                .into_iter()
+                .map(|(uuid, cap_mib)| Cap {
+                    uuid,
+                    cap_mib,
+                    context_charge_mib: shim.context_charge_mib,
+                })
+                .collect();
+            if !caps.is_empty() {
+                let dir = shim.containers().get(claim_dir(uid)?);
+                // After a reboot kubelet prepares the claim again.
+                accounting::prepare_with(&dir.path, &caps, Durability::Unsynced)?;
             }
         }
+        self.write_spec(uid, entry, inv, &claim_gpus(entry, inv))?;
+        Ok(())
+    }
+
+    /// Writes the claim's CDI spec for its GPUs `gpus`; whether it changed.
+    fn write_spec(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+        gpus: &[ClaimGpu],
+    ) -> Result<bool, PrepareError> {
+        let config = &self.inner.config;
         let dir = match &config.isolation {
-            Isolation::Shim(shim) => {
-                inject::check_shim(shim)?;
-                let dir = shim.containers().get(
-                    ContainerName::of_claim(uid)
-                        .ok_or_else(|| PrepareError::BadUid(uid.to_owned()))?,
-                );
-                let caps: Vec<Cap> = caps
-                    .iter()
-                    .map(|(uuid, cap_mib)| Cap {
-                        uuid: uuid.clone(),
-                        cap_mib: *cap_mib,
-                        context_charge_mib: shim.context_charge_mib,
-                    })
-                    .collect();
-                if !caps.is_empty() {
-                    // After a reboot kubelet prepares the claim again.
-                    accounting::prepare_with(&dir.path, &caps, Durability::Unsynced)?;
-                }
-                Some((shim, dir))
-            }
+            Isolation::Shim(shim) => Some((shim, shim.containers().get(claim_dir(uid)?))),
             Isolation::None => None,
         };
-        let spec = claim_spec(uid, entry, inv, &gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
-        config.specs.write(&spec)?;
-        Ok(())
+        let spec = claim_spec(uid, entry, inv, gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
+        Ok(config.specs.write(&spec)?)
+    }
+
+    /// Brings each prepared claim's files to what this version makes, at
+    /// start, before kubelet can prepare. Kubelet prepares a claim once
+    /// while its pods run and restarts their containers from the CDI ID it
+    /// was given, so a claim prepared by an older version would keep that
+    /// version's spec for as long as it lives (before claims had their own
+    /// place under /var/run/gpumem, two in one container hid each other's
+    /// directory). Only the spec is rewritten where the files are there:
+    /// the accounting file is live, and the spec is written only where its
+    /// content differs. A claim whose GPU this node no longer lists keeps
+    /// its spec.
+    pub fn refresh_specs(&self) {
+        let inv = self.inner.inventory.borrow().clone();
+        let prepared: Vec<(String, ClaimEntry)> = self
+            .checkpoint()
+            .claims()
+            .filter(|(_, e)| e.state == State::Completed)
+            .map(|(uid, e)| (uid.to_owned(), e.clone()))
+            .collect();
+        for (uid, entry) in prepared {
+            let gpus = claim_gpus(&entry, &inv);
+            if gpus.len() != caps_by_gpu(&entry.devices).len() {
+                warn!(%uid, "a GPU of this prepared claim is not on the node any more: its CDI spec is left as it is");
+                continue;
+            }
+            let refreshed = if self.files_missing(&uid) {
+                self.make_files(&uid, &entry, &inv).map(|()| true)
+            } else {
+                self.write_spec(&uid, &entry, &inv, &gpus)
+            };
+            match refreshed {
+                Ok(true) => info!(
+                    %uid,
+                    spec = %self.inner.config.specs.path(&uid).display(),
+                    "rewrote the CDI spec of a prepared claim: containers that start from it now get this version's"
+                ),
+                Ok(false) => {}
+                Err(err) => {
+                    warn!(%uid, %err, "cannot bring the CDI spec of a prepared claim up to date; it stays as it was")
+                }
+            }
+        }
+    }
+
+    /// Whether the claim's spec or accounting file is gone.
+    fn files_missing(&self, uid: &str) -> bool {
+        let config = &self.inner.config;
+        let dir_gone = match &config.isolation {
+            Isolation::Shim(shim) => ContainerName::of_claim(uid)
+                .is_some_and(|name| !shim.containers().get(name).accounting_file().is_file()),
+            Isolation::None => false,
+        };
+        dir_gone || !config.specs.path(uid).exists()
     }
 
     /// A prepared claim's answer, its spec rewritten if it is missing.
@@ -555,13 +608,7 @@ impl PreparedClaims {
         uid: &str,
         entry: &ClaimEntry,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
-        let specs = &self.inner.config.specs;
-        let dir_gone = match &self.inner.config.isolation {
-            Isolation::Shim(shim) => ContainerName::of_claim(uid)
-                .is_some_and(|name| !shim.containers().get(name).accounting_file().is_file()),
-            Isolation::None => false,
-        };
-        if dir_gone || !specs.path(uid).exists() {
+        if self.files_missing(uid) {
             let inv = self.inner.inventory.borrow().clone();
             self.make_files(uid, entry, &inv)?;
             info!(%uid, "made the missing files of a prepared claim again");
@@ -677,6 +724,23 @@ fn claim_spec(
     };
     let edits = inject::claim_edits(inv, gpus, shim, visible);
     Ok(cdi::spec(cdi::CLAIM_CLASS, uid, edits)?)
+}
+
+/// The accounting directory of claim `uid`.
+fn claim_dir(uid: &str) -> Result<ContainerName, PrepareError> {
+    ContainerName::of_claim(uid).ok_or_else(|| PrepareError::BadUid(uid.to_owned()))
+}
+
+/// The node's GPUs a claim has a cap on, with the cap; those the node no
+/// longer lists are left out.
+fn claim_gpus(entry: &ClaimEntry, inv: &Inventory) -> Vec<ClaimGpu> {
+    caps_by_gpu(&entry.devices)
+        .into_iter()
+        .filter_map(|(uuid, cap_mib)| {
+            let gpu = inv.gpus().iter().position(|g| g.gpu.uuid == uuid)?;
+            Some(ClaimGpu { gpu, cap_mib })
+        })
+        .collect()
 }
 
 /// The claim's request a result serves: `gpu` of a subrequest `gpu/small`.

@@ -542,6 +542,7 @@ pub async fn run_dra(
     if let Err(err) = std::fs::create_dir_all(config.driver.specs.dir()) {
         warn!(dir = %config.driver.specs.dir().display(), %err, "--cdi-spec-dir is not usable; claims are refused until it is");
     }
+    claims.refresh_specs();
 
     let stop = shutdown.child_token();
     let mut tasks = tokio::task::JoinSet::new();
