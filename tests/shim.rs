@@ -670,6 +670,27 @@ fn shrink_under_a_running_probe(dir: &std::path::Path, file: &std::path::Path) {
     assert!(stdout.contains("alloc:5000 0 #2"), "{stdout}");
 }
 
+/// A SIGBUS another process sends (sigqueue can set the bytes where a
+/// fault's address goes to anything) is not a fault on the accounting file:
+/// it goes to the handler before the shim's (here Rust's, which lets it
+/// pass), and the shim stays on.
+#[test]
+fn a_sigbus_sent_by_a_process_is_not_taken_for_a_shrunk_file() {
+    let dir = capped_dir(4308);
+    let (_, lines, stderr) =
+        run_lines(
+            shim_kit()
+                .probe(Some(dir.path()))
+                .args(["alloc:100", "sentbus", "alloc:5000"]),
+        );
+    assert_eq!(
+        lines[1..],
+        ["alloc:100 0 #0", "sentbus survived 0", "alloc:5000 2 #1"],
+        "{stderr}"
+    );
+    assert!(!stderr.contains("shrank"), "{stderr}");
+}
+
 #[test]
 fn racers_for_the_last_bytes_are_never_all_refused() {
     let dir = capped_dir(4308);

@@ -233,15 +233,23 @@ impl Region {
         let Ok(pid) = u32::try_from(owner.pid) else {
             return true;
         };
+        let mine = pid == std::process::id();
         // Another start time: the pid was reused (soon, in a container's
-        // small pid namespace).
-        if owner.start_time == 0 || start_time_of(pid) != Some(owner.start_time) {
+        // small pid namespace). None known (a shim that could not read
+        // /proc wrote 0): another pid's slot is taken for dead, but this
+        // process's own must not be (a slot another of its threads has
+        // just claimed with start time 0 too).
+        let reused = match owner.start_time {
+            0 => !mine,
+            start => start_time_of(pid) != Some(start),
+        };
+        if reused {
             return true;
         }
         // This very process. F_GETLK never reports the caller's own locks,
         // so only a claimer, which has no slot yet, can tell the slot is an
         // image's before an exec and not its own.
-        if pid == std::process::id() {
+        if mine {
             return by == Reaper::Claiming;
         }
         maps_file(pid, self.ident) == Some(false)
@@ -397,5 +405,11 @@ mod tests {
         let dead = region.claim(me, start_time_of(me).unwrap() - 1).unwrap();
         assert_eq!(region.reap(Reaper::Running, None), 1);
         assert_eq!(region.file().state(dead).state(), state::FREE);
+        // Claimed where /proc could not tell this process's start time:
+        // still this process's, for everyone but a claimer.
+        let unknown = region.claim(me, 0).unwrap();
+        assert_eq!(region.reap(Reaper::Running, None), 0);
+        assert_eq!(region.file().state(unknown).state(), state::ALIVE);
+        assert_eq!(region.reap(Reaper::Claiming, None), 1);
     }
 }

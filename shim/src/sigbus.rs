@@ -96,8 +96,11 @@ pub fn forget(base: *mut c_void) {
 
 extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
-    let address = unsafe { (*info).si_addr() } as usize;
-    let faulted = GUARDED.iter().find_map(|g| {
+    let (code, address) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    // Only a fault the kernel raised has an address: in a signal a process
+    // sent (si_code <= 0) the same bytes are its sender's pid and uid.
+    let fault = code > 0;
+    let faulted = GUARDED.iter().filter(|_| fault).find_map(|g| {
         let (base, len) = (
             g.base.load(Ordering::Acquire),
             g.len.load(Ordering::Acquire),
@@ -107,7 +110,7 @@ extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut
     if let Some((entry, base, len)) = faulted {
         // SAFETY: replaces exactly our own mapping, which nothing outside
         // the shim points into, with anonymous private pages.
-        unsafe {
+        let remapped = unsafe {
             libc::mmap(
                 base as *mut c_void,
                 len,
@@ -115,7 +118,14 @@ extern "C" fn on_sigbus(signal: c_int, info: *mut libc::siginfo_t, context: *mut
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
                 -1,
                 0,
-            );
+            )
+        };
+        if remapped == libc::MAP_FAILED {
+            // The access would fault again, forever: the fault takes its
+            // course instead.
+            // SAFETY: as below.
+            unsafe { pass_on(signal, info, context) };
+            return;
         }
         if !BROKEN.swap(true, Ordering::AcqRel) {
             let text = entry.message.load(Ordering::Acquire);
