@@ -893,7 +893,8 @@ async fn claims_kubelet_must_not_use_are_refused_with_a_reason() {
 /// its pods run: kubelet does not prepare it again, it restarts their
 /// containers from the CDI ID. A restarted driver writes this version's
 /// spec and leaves the live accounting file alone; a claim whose GPU the
-/// node no longer lists keeps its spec.
+/// node no longer lists keeps its spec, and so does one when the shim is
+/// off now.
 #[tokio::test]
 async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
     use std::os::unix::fs::MetadataExt;
@@ -930,18 +931,47 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
         driver.log()
     );
 
+    // Restarted without the shim: the claim keeps the isolation it was
+    // prepared with.
     driver.kill();
-    let driver = Driver::start(&host, &api).await;
+    let mut driver = Driver::start_custom(
+        &host,
+        &api,
+        &host.path("no-kubelet.sock"),
+        &fixture("t4"),
+        &["--reconcile-secs", "0", "--isolation", "none"],
+    )
+    .await;
+    assert_eq!(std::fs::read_to_string(&spec_file).unwrap(), old);
+
+    driver.kill();
+    let mut driver = Driver::start(&host, &api).await;
     assert_eq!(
         std::fs::read_to_string(&spec_file).unwrap(),
         current,
         "{}",
         driver.log()
     );
-    assert!(
-        driver
-            .log()
-            .contains("rewrote the CDI spec of a prepared claim"),
+    let rewrote = "rewrote the CDI spec of a prepared claim";
+    assert!(driver.log().contains(rewrote), "{}", driver.log());
+    assert_eq!(std::fs::metadata(&accounting).unwrap().ino(), inode);
+
+    // The spec gone, and the flags changed since the claim's file was made
+    // (another context charge): the spec is made again, the live file is
+    // not replaced by one with nothing charged.
+    driver.kill();
+    std::fs::remove_file(&spec_file).unwrap();
+    let driver = Driver::start_custom(
+        &host,
+        &api,
+        &host.path("no-kubelet.sock"),
+        &fixture("t4"),
+        &["--reconcile-secs", "0", "--context-charge-mib", "300"],
+    )
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(&spec_file).unwrap(),
+        current,
         "{}",
         driver.log()
     );
@@ -1127,22 +1157,44 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
 /// CDI devices to the runtime at every container restart without preparing
 /// them again. Their specs stay, and kubelet's Unprepare removes each.
 #[tokio::test]
-async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare() {
+async fn a_corrupt_checkpoint_keeps_the_files_of_prepared_claims_until_unprepare() {
+    let reported = "started a new DRA checkpoint";
+    without_a_readable_checkpoint(reported, |checkpoint| {
+        std::fs::write(checkpoint, b"{\"version\":1,\"bootId\":").unwrap()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_missing_checkpoint_keeps_the_files_of_prepared_claims_until_unprepare() {
+    let reported = "no DRA checkpoint, but CDI specs of claims are there";
+    without_a_readable_checkpoint(reported, |checkpoint| {
+        std::fs::remove_file(checkpoint).unwrap()
+    })
+    .await;
+}
+
+/// The driver restarts and finds its checkpoint `damage`d: the prepared
+/// claim's pods may still run, and kubelet restarts their containers from
+/// the CDI ID without preparing it again, so its spec stays, and so does
+/// the directory the spec mounts (past the clean-up's grace, though no
+/// process holds it), until kubelet unprepares it.
+async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path)) {
     let host = Host::new();
     let api = api().await;
     let (mut driver, _) = driver_with_notebook(&host, &api).await;
     assert!(host.spec_file(&uid(1)).exists());
+    let dir = host
+        .path("state/containers")
+        .join(format!("claim-{}", uid(1)));
+    assert!(dir.is_dir());
 
-    // The driver restarts and finds its checkpoint truncated.
     driver.kill();
-    std::fs::write(host.checkpoint(), b"{\"version\":1,\"bootId\":").unwrap();
+    damage(&host.checkpoint());
     let driver = Driver::start(&host, &api).await;
     let kubelet = kubelet_1_34(&host).await;
-    wait_until("the corrupt checkpoint to be reported", || {
-        driver
-            .log()
-            .contains("started a new DRA checkpoint")
-            .then_some(())
+    wait_until("the checkpoint to be reported", || {
+        driver.log().contains(reported).then_some(())
     })
     .await;
     assert!(
@@ -1150,10 +1202,19 @@ async fn a_corrupt_checkpoint_keeps_the_specs_of_prepared_claims_until_unprepare
         "the prepared claim's CDI spec was removed: its containers cannot restart\n{}",
         driver.log()
     );
+    // Clean-up sweeps every 250 ms with a grace of 1 s.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        dir.is_dir(),
+        "the directory the claim's spec mounts was removed\n{}",
+        driver.log()
+    );
+
     let unprepared = kubelet
         .unprepare(&[claim_ref("nb", &uid(1))])
         .await
         .unwrap();
     unprepared[&uid(1)].as_ref().unwrap();
     assert!(!host.spec_file(&uid(1)).exists(), "{}", driver.log());
+    wait_until("the directory's clean-up", || (!dir.exists()).then_some(())).await;
 }

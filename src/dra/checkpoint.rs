@@ -314,6 +314,9 @@ pub struct Opened {
     /// A file that did not parse, moved aside: a [`CheckpointError::Corrupt`]
     /// for the caller to log.
     pub corrupt: Option<CheckpointError>,
+    /// Whether there was a file (a first start has none; nor has a state
+    /// directory wiped or changed while claims were prepared).
+    pub found: bool,
     /// Entries that did not read, for the caller to log: this boot's are
     /// kept (see [`Checkpoint::unreadable`]), another boot's dropped with
     /// the rest of its entries.
@@ -343,6 +346,7 @@ impl Checkpoint {
         })?;
         sweep_staging(&dir, &name);
         let mut corrupt = None;
+        let mut found = true;
         let mut doc = match fs::read(path) {
             Ok(bytes) => match serde_json::from_slice::<Document>(&bytes) {
                 Ok(doc) => doc,
@@ -364,6 +368,7 @@ impl Checkpoint {
                     io::ErrorKind::NotFound | io::ErrorKind::NotADirectory
                 ) =>
             {
+                found = false;
                 Document::default()
             }
             Err(source) => {
@@ -407,6 +412,7 @@ impl Checkpoint {
             interrupted,
             stale,
             corrupt,
+            found,
             unreadable,
         })
     }

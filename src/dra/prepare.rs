@@ -4,7 +4,7 @@
 //! directory and one CDI spec. The checkpoint records what was made, so
 //! Unprepare and a restarted driver never depend on the API server.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -149,9 +149,12 @@ struct Inner {
     config: DriverConfig,
     client: kube::Client,
     inventory: watch::Receiver<Arc<Inventory>>,
-    /// Also serialises the file work of concurrent prepares, so two pods
-    /// starting with one claim make its files once.
+    /// Taken to record a claim started and completed, and around the
+    /// decisions that depend on its entry; the files are made without it.
     checkpoint: Mutex<Checkpoint>,
+    /// Per claim UID, the prepares making its files now (two pods starting
+    /// with one claim). Changed and read only with `checkpoint` held.
+    in_flight: Mutex<HashMap<String, usize>>,
 }
 
 impl PreparedClaims {
@@ -169,6 +172,7 @@ impl PreparedClaims {
                 client,
                 inventory,
                 checkpoint: Mutex::new(checkpoint),
+                in_flight: Mutex::default(),
             }),
         }
     }
@@ -177,6 +181,14 @@ impl PreparedClaims {
         // A panic while holding it left the file as it was written last.
         self.inner
             .checkpoint
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Take with the checkpoint's lock held.
+    fn in_flight(&self) -> MutexGuard<'_, HashMap<String, usize>> {
+        self.inner
+            .in_flight
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
@@ -218,13 +230,18 @@ impl PreparedClaims {
         }
     }
 
-    /// The directories of prepared claims: never removed by clean-up.
+    /// The directories of prepared claims, and of claims with a spec here
+    /// (those of a checkpoint that did not parse or was missing, whose pods
+    /// may still run: their specs mount these directories): never removed
+    /// by clean-up.
     pub fn live_dirs(&self) -> HashSet<ContainerName> {
+        let specs = self.inner.config.specs.list();
         let checkpoint = self.checkpoint();
         checkpoint
             .claims()
             .map(|(uid, _)| uid)
             .chain(checkpoint.unreadable())
+            .chain(specs.iter().map(String::as_str))
             .filter_map(ContainerName::of_claim)
             .collect()
     }
@@ -467,12 +484,23 @@ impl PreparedClaims {
                 return Ok(answer(done));
             }
             checkpoint.start(&claim.uid, entry.clone())?;
+            *self.in_flight().entry(claim.uid.clone()).or_default() += 1;
         }
         // The files without the lock: other claims' prepares go on
         // meanwhile. A concurrent prepare of this claim makes the same
         // files (each write is atomic) and records the same devices.
         let made = self.make_files(&claim.uid, &entry, inv);
         let mut checkpoint = self.checkpoint();
+        let others = {
+            let mut in_flight = self.in_flight();
+            let count = in_flight.entry(claim.uid.clone()).or_default();
+            *count = count.saturating_sub(1);
+            let others = *count;
+            if others == 0 {
+                in_flight.remove(&claim.uid);
+            }
+            others
+        };
         let made = made.and_then(|()| Ok(checkpoint.complete(&claim.uid, entry.devices.clone())?));
         if let Err(err) = made {
             if let Some(done) = checkpoint
@@ -484,6 +512,12 @@ impl PreparedClaims {
                 // answer: what it made stays.
                 warn!(uid = %claim.uid, %err, "a concurrent prepare of the claim failed after another succeeded");
                 return Ok(answer(done));
+            }
+            if others > 0 {
+                // Another prepare of this claim is making the files now:
+                // removing them would leave it to complete a claim without
+                // its spec. The last one to finish completes or undoes it.
+                return Err(err);
             }
             // Nothing half-made stays named: the spec goes, the directory
             // follows the clean-up rules.
@@ -548,16 +582,18 @@ impl PreparedClaims {
         Ok(config.specs.write(&spec)?)
     }
 
-    /// Brings each prepared claim's files to what this version makes, at
-    /// start, before kubelet can prepare. Kubelet prepares a claim once
-    /// while its pods run and restarts their containers from the CDI ID it
-    /// was given, so a claim prepared by an older version would keep that
-    /// version's spec for as long as it lives (before claims had their own
-    /// place under /var/run/gpumem, two in one container hid each other's
-    /// directory). Only the spec is rewritten where the files are there:
-    /// the accounting file is live, and the spec is written only where its
-    /// content differs. A claim whose GPU this node no longer lists keeps
-    /// its spec.
+    /// Brings prepared claims' specs to what this version makes, at start,
+    /// before kubelet can prepare. Kubelet prepares a claim once while its
+    /// pods run and restarts their containers from the CDI ID it was given,
+    /// so a claim prepared by an older version would keep that version's
+    /// spec for as long as it lives (before claims had their own place
+    /// under /var/run/gpumem, two in one container hid each other's
+    /// directory). Only a spec that mounts the claim's accounting directory
+    /// is rewritten, and only with shim isolation on: a claim keeps the
+    /// isolation it was prepared with, as a device plugin container keeps
+    /// what Allocate gave it. The accounting file, live, stays as it is; a
+    /// spec or file that is gone is made again, as a repeated Prepare
+    /// would. A claim whose GPU this node no longer lists keeps its spec.
     pub fn refresh_specs(&self) {
         let inv = self.inner.inventory.borrow().clone();
         let prepared: Vec<(String, ClaimEntry)> = self
@@ -573,9 +609,14 @@ impl PreparedClaims {
                 continue;
             }
             let refreshed = if self.files_missing(&uid) {
-                self.make_files(&uid, &entry, &inv).map(|()| true)
+                self.restore_files(&uid, &entry, &inv).map(|()| {
+                    info!(%uid, "made the missing files of a prepared claim again");
+                    false
+                })
+            } else if self.mounts_its_dir(&uid) {
+                self.rewrite_spec(&uid, &entry, &inv, &gpus)
             } else {
-                self.write_spec(&uid, &entry, &inv, &gpus)
+                Ok(false)
             };
             match refreshed {
                 Ok(true) => info!(
@@ -591,15 +632,71 @@ impl PreparedClaims {
         }
     }
 
+    /// Whether the claim's spec mounts its accounting directory, with shim
+    /// isolation on.
+    fn mounts_its_dir(&self, uid: &str) -> bool {
+        let config = &self.inner.config;
+        let (Isolation::Shim(shim), Some(name)) = (&config.isolation, ContainerName::of_claim(uid))
+        else {
+            return false;
+        };
+        let dir = shim.containers().get(name).path.display().to_string();
+        config.specs.read(uid).is_ok_and(|spec| {
+            spec.devices
+                .iter()
+                .flat_map(|d| &d.container_edits.mounts)
+                .any(|m| m.host_path == dir)
+        })
+    }
+
+    /// `write_spec` with the shim checked first: a spec never names shim
+    /// files that are not there.
+    fn rewrite_spec(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+        gpus: &[ClaimGpu],
+    ) -> Result<bool, PrepareError> {
+        if let Isolation::Shim(shim) = &self.inner.config.isolation {
+            inject::check_shim(shim)?;
+        }
+        self.write_spec(uid, entry, inv, gpus)
+    }
+
+    /// Makes again what of a prepared claim's files is gone: the
+    /// accounting file only where there is none (one that is there is
+    /// live, and stays as it is whatever the flags say now), and the spec.
+    fn restore_files(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+    ) -> Result<(), PrepareError> {
+        match &self.inner.config.isolation {
+            Isolation::Shim(shim) if !self.accounting_file_present(shim, uid) => {
+                self.make_files(uid, entry, inv)
+            }
+            _ => {
+                self.rewrite_spec(uid, entry, inv, &claim_gpus(entry, inv))?;
+                Ok(())
+            }
+        }
+    }
+
+    fn accounting_file_present(&self, shim: &ShimConfig, uid: &str) -> bool {
+        ContainerName::of_claim(uid)
+            .is_some_and(|name| shim.containers().get(name).accounting_file().is_file())
+    }
+
     /// Whether the claim's spec or accounting file is gone.
     fn files_missing(&self, uid: &str) -> bool {
         let config = &self.inner.config;
-        let dir_gone = match &config.isolation {
-            Isolation::Shim(shim) => ContainerName::of_claim(uid)
-                .is_some_and(|name| !shim.containers().get(name).accounting_file().is_file()),
+        let file_gone = match &config.isolation {
+            Isolation::Shim(shim) => !self.accounting_file_present(shim, uid),
             Isolation::None => false,
         };
-        dir_gone || !config.specs.path(uid).exists()
+        file_gone || !config.specs.path(uid).exists()
     }
 
     /// A prepared claim's answer, its spec rewritten if it is missing.
@@ -610,7 +707,7 @@ impl PreparedClaims {
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         if self.files_missing(uid) {
             let inv = self.inner.inventory.borrow().clone();
-            self.make_files(uid, entry, &inv)?;
+            self.restore_files(uid, entry, &inv)?;
             info!(%uid, "made the missing files of a prepared claim again");
         }
         Ok(answer(entry))
@@ -839,9 +936,9 @@ impl crate::isolation::cleanup::Holders for PreparedClaims {
         remove: &mut dyn FnMut() -> std::io::Result<()>,
     ) -> Option<std::io::Result<()>> {
         let checkpoint = self.checkpoint();
-        let taken = name
-            .claim_uid()
-            .is_some_and(|uid| checkpoint.get(uid).is_some());
+        let taken = name.claim_uid().is_some_and(|uid| {
+            checkpoint.get(uid).is_some() || self.inner.config.specs.path(uid).exists()
+        });
         // The removal runs with the lock held.
         (!taken).then(remove)
     }

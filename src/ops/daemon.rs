@@ -532,12 +532,18 @@ pub async fn run_dra(
     );
     claims.recover(opened.interrupted, "interrupted while being prepared");
     claims.recover(opened.stale, "prepared before the node rebooted");
-    // A checkpoint that did not parse named claims whose pods may still
-    // run: kubelet reuses their CDI IDs at every container restart without
-    // preparing them again, so their specs stay; kubelet's Unprepare of
-    // each removes it (see `forget`).
-    if opened.corrupt.is_none() {
+    // A checkpoint that did not parse, or is not there while specs are,
+    // named claims whose pods may still run: kubelet reuses their CDI IDs
+    // at every container restart without preparing them again, so their
+    // specs stay (and their directories, see `live_dirs`); kubelet's
+    // Unprepare of each removes it (see `forget`).
+    if opened.corrupt.is_none() && opened.found {
         claims.remove_unrecorded_specs();
+    } else if !opened.found {
+        let kept = config.driver.specs.list();
+        if !kept.is_empty() {
+            warn!(checkpoint = %checkpoint.display(), specs = kept.len(), dir = %config.driver.specs.dir().display(), "no DRA checkpoint, but CDI specs of claims are there (was --state-dir changed or wiped?): kept until kubelet unprepares their claims");
+        }
     }
     if let Err(err) = std::fs::create_dir_all(config.driver.specs.dir()) {
         warn!(dir = %config.driver.specs.dir().display(), %err, "--cdi-spec-dir is not usable; claims are refused until it is");
