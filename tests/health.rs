@@ -351,3 +351,34 @@ async fn a_lost_gpu_is_unhealthy_at_once_an_unknown_failure_only_if_it_persists(
     assert!(p.reason(A).contains("needs a reset"), "{}", p.log());
     p.stop();
 }
+
+/// A GPU that cannot be read when the plugin starts (it fell off the bus
+/// while gpumem was down) costs the node only its own units: the others are
+/// advertised, and the log names it.
+#[tokio::test]
+async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let health = dir.path().join("health");
+    std::fs::write(&health, line(B, "lost") + "\n").unwrap();
+    let mut child = spawn(&dir, &health, &[], 0);
+    let list = kubelet
+        .wait_for_list(RESOURCE, WAIT, |list| health_of(list, A) == Some(HEALTHY))
+        .await;
+    let log = || std::fs::read_to_string(log_path(&dir, 0)).unwrap_or_default();
+    let _ = child.kill();
+    let _ = child.wait();
+    let list = list.unwrap_or_else(|| panic!("A's units never came; log:\n{}", log()));
+    assert_eq!(health_of(&list, B), None, "B has no units to advertise");
+    let lost: Vec<serde_json::Value> = log()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter(|l: &serde_json::Value| {
+            l["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("cannot read this GPU"))
+        })
+        .collect();
+    assert_eq!(lost.len(), 1, "{}", log());
+    assert_eq!(lost[0]["fields"]["gpu"], 1);
+}

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{json, Map, Value};
 use tracing::{info, warn};
 
@@ -107,11 +107,10 @@ fn awaiting_list(awaiting: &[Awaiting]) -> String {
 }
 
 /// Units of `resource` the pod's containers ask for (their limits, which
-/// kubelet requires equal to requests for extended resources).
+/// kubelet requires equal to requests for extended resources), init
+/// containers' too: kubelet calls Allocate for each of them as well.
 pub fn requested_units(pod: &Pod, resource: &str) -> u64 {
-    let Some(spec) = &pod.spec else { return 0 };
-    spec.containers
-        .iter()
+    containers(pod)
         .filter_map(|c| {
             let resources = c.resources.as_ref()?;
             let quantity = resources
@@ -122,6 +121,16 @@ pub fn requested_units(pod: &Pod, resource: &str) -> u64 {
             quantity.0.parse::<u64>().ok()
         })
         .sum()
+}
+
+/// The pod's init containers, then its containers.
+pub fn containers(pod: &Pod) -> impl Iterator<Item = &Container> {
+    let spec = pod.spec.as_ref();
+    let init = spec
+        .and_then(|s| s.init_containers.as_deref())
+        .unwrap_or_default();
+    let main = spec.map_or(&[][..], |s| &s.containers[..]);
+    init.iter().chain(main)
 }
 
 /// The pod, if the extender assumed it and the node has not placed it.
@@ -432,17 +441,20 @@ mod tests {
     }
 
     #[test]
-    fn units_sum_over_containers() {
+    fn units_sum_over_containers_and_init_containers() {
         let p: Pod = serde_json::from_value(json!({
             "metadata": {"name": "two"},
-            "spec": {"containers": [
-                {"name": "a", "resources": {"limits": {R: "3"}}},
-                {"name": "b", "resources": {"requests": {R: "2"}}},
-                {"name": "c"},
-            ]},
+            "spec": {
+                "initContainers": [{"name": "i", "resources": {"limits": {R: "4"}}}],
+                "containers": [
+                    {"name": "a", "resources": {"limits": {R: "3"}}},
+                    {"name": "b", "resources": {"requests": {R: "2"}}},
+                    {"name": "c"},
+                ],
+            },
         }))
         .unwrap();
-        assert_eq!(requested_units(&p, R), 5);
+        assert_eq!(requested_units(&p, R), 9);
     }
 
     #[test]

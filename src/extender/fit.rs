@@ -5,9 +5,9 @@
 //! pod), so a node fits when one healthy GPU has them free; the node's
 //! total does not matter.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod};
 
-use crate::cluster::gpushare::requested_units;
+use crate::cluster::gpushare::{containers, requested_units};
 use crate::cluster::node::GPUS_ANNOTATION;
 use crate::extender::api::{
     node_name, ExtenderArgs, ExtenderFilterResult, FailedNodes, HostPriority, HostPriorityList,
@@ -54,25 +54,32 @@ impl std::fmt::Display for Unfit {
 /// be). `Err` for a pod the node plugin cannot place: it follows gpushare's
 /// protocol, which matches one GPU container per pod.
 pub fn request(pod: &Pod, resource: &str) -> Result<u64, String> {
-    let asking = pod.spec.as_ref().map_or(0, |spec| {
-        spec.containers
-            .iter()
-            .filter(|c| {
-                c.resources.as_ref().is_some_and(|r| {
-                    [&r.limits, &r.requests].into_iter().any(|m| {
-                        m.as_ref()
-                            .and_then(|m| m.get(resource))
-                            .is_some_and(|q| q.0.trim() != "0")
-                    })
-                })
+    let asks = |c: &Container| {
+        c.resources.as_ref().is_some_and(|r| {
+            [&r.limits, &r.requests].into_iter().any(|m| {
+                m.as_ref()
+                    .and_then(|m| m.get(resource))
+                    .is_some_and(|q| q.0.trim() != "0")
             })
-            .count()
-    });
+        })
+    };
+    // Init containers get their own Allocate from kubelet too.
+    let asking = containers(pod).filter(|c| asks(c)).count();
     if asking > 1 {
+        let init = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.init_containers.as_ref())
+            .map_or(0, |init| init.iter().filter(|c| asks(c)).count());
+        let of_them = match init {
+            0 => String::new(),
+            1 => " (one of them an init container)".to_owned(),
+            n => format!(" ({n} of them init containers)"),
+        };
         return Err(format!(
-            "the pod asks for {resource} in {asking} containers; the node plugin places a pod's \
-             units on one GPU and matches them to one container (gpushare's protocol), so put \
-             them in one container"
+            "the pod asks for {resource} in {asking} containers{of_them}; the node plugin places \
+             a pod's units on one GPU and matches them to one container (gpushare's protocol), \
+             so put them in one container"
         ));
     }
     Ok(requested_units(pod, resource))
@@ -388,6 +395,23 @@ mod tests {
         assert_eq!(result.node_names, Some(vec![]));
         assert_eq!(result.failed_and_unresolvable_nodes.len(), 2);
         assert!(result.failed_and_unresolvable_nodes["a10"].contains("in 2 containers"));
+
+        // An init container's units are a container's too: kubelet asks
+        // the node plugin to place them on their own.
+        let mut init = asking(2);
+        let spec = init.spec.as_mut().unwrap();
+        spec.init_containers = Some(vec![spec.containers[0].clone()]);
+        let request = ExtenderArgs {
+            pod: Some(init),
+            ..args(0, &["v100", "a10"])
+        };
+        let result = filter(&cache(), request);
+        assert_eq!(result.node_names, Some(vec![]));
+        let reason = &result.failed_and_unresolvable_nodes["a10"];
+        assert!(
+            reason.contains("in 2 containers (one of them an init container)"),
+            "{reason}"
+        );
     }
 
     #[test]

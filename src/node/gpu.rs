@@ -320,19 +320,32 @@ impl GpuSource for NvmlGpus {
             return Err(GpuError::NoGpus);
         }
         let mut gpus = Vec::with_capacity(count as usize);
+        let mut failed = None;
         for index in 0..count {
-            let nvml_err =
-                |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(format!("GPU {index}: {e}"));
-            let device = nvml.device_by_index(index).map_err(nvml_err)?;
-            gpus.push(Gpu {
-                index,
-                uuid: device.uuid().map_err(nvml_err)?,
-                name: device.name().map_err(nvml_err)?,
-                memory_mib: device.memory_info().map_err(nvml_err)?.total / (1024 * 1024),
-                healthy: true,
-            });
+            let read = || -> Result<Gpu, nvml_wrapper::error::NvmlError> {
+                let device = nvml.device_by_index(index)?;
+                Ok(Gpu {
+                    index,
+                    uuid: device.uuid()?,
+                    name: device.name()?,
+                    memory_mib: device.memory_info()?.total / (1024 * 1024),
+                    healthy: true,
+                })
+            };
+            match read() {
+                Ok(gpu) => gpus.push(gpu),
+                // A GPU that fell off the bus must not keep the node's
+                // others from kubelet across a restart.
+                Err(err) => {
+                    tracing::error!(gpu = index, %err, "cannot read this GPU (lost, or needing a reset?): it is not advertised until gpumem restarts; the node's other GPUs are");
+                    failed.get_or_insert(GpuError::Nvml(format!("GPU {index}: {err}")));
+                }
+            }
         }
-        Ok(gpus)
+        match failed {
+            Some(err) if gpus.is_empty() => Err(err),
+            _ => Ok(gpus),
+        }
     }
 
     fn facts(&self) -> NodeFacts {
