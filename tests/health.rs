@@ -354,7 +354,7 @@ async fn a_lost_gpu_is_unhealthy_at_once_an_unknown_failure_only_if_it_persists(
 
 /// A GPU that cannot be read when the plugin starts (it fell off the bus
 /// while gpumem was down) costs the node only its own units: the others are
-/// advertised, and the log names it.
+/// advertised and watched, and the log names it.
 #[tokio::test]
 async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
     let dir = tempfile::tempdir().unwrap();
@@ -362,14 +362,29 @@ async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
     let health = dir.path().join("health");
     std::fs::write(&health, line(B, "lost") + "\n").unwrap();
     let mut child = spawn(&dir, &health, &[], 0);
+    let log = || std::fs::read_to_string(log_path(&dir, 0)).unwrap_or_default();
     let list = kubelet
         .wait_for_list(RESOURCE, WAIT, |list| health_of(list, A) == Some(HEALTHY))
+        .await
+        .unwrap_or_else(|| panic!("A's units never came; log:\n{}", log()));
+    assert_eq!(health_of(&list, B), None, "B has no units to advertise");
+    // A's health is watched: an XID that needs a reset marks it.
+    std::fs::write(
+        dir.path().join("health.new"),
+        [line(B, "lost"), line(A, "xid 48")].join("\n") + "\n",
+    )
+    .unwrap();
+    std::fs::rename(dir.path().join("health.new"), &health).unwrap();
+    let marked = kubelet
+        .wait_for_list(RESOURCE, WAIT, |list| health_of(list, A) == Some(UNHEALTHY))
         .await;
-    let log = || std::fs::read_to_string(log_path(&dir, 0)).unwrap_or_default();
     let _ = child.kill();
     let _ = child.wait();
-    let list = list.unwrap_or_else(|| panic!("A's units never came; log:\n{}", log()));
-    assert_eq!(health_of(&list, B), None, "B has no units to advertise");
+    assert!(
+        marked.is_some(),
+        "A never turned Unhealthy; log:\n{}",
+        log()
+    );
     let lost: Vec<serde_json::Value> = log()
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())

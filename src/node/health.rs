@@ -230,14 +230,14 @@ impl NvmlHealth {
         let nvml: &'static nvml_wrapper::Nvml =
             Box::leak(Box::new(nvml_wrapper::Nvml::init().map_err(nvml_err)?));
         let count = nvml.device_count().map_err(nvml_err)?;
-        let mut uuids = Vec::new();
-        for index in 0..count {
-            let device = nvml.device_by_index(index).map_err(nvml_err)?;
-            uuids.push(device.uuid().map_err(nvml_err)?);
-        }
+        // A GPU that cannot be read is not advertised (see `NvmlGpus`):
+        // the others are watched.
+        let (indices, uuids): (Vec<u32>, Vec<String>) = (0..count)
+            .filter_map(|index| Some((index, nvml.device_by_index(index).ok()?.uuid().ok()?)))
+            .unzip();
         Ok(NvmlHealth {
             nvml,
-            events: xid_events(nvml, count),
+            events: xid_events(nvml, &indices),
             gpus: uuids
                 .iter()
                 .map(|u| (u.clone(), GpuState::default()))
@@ -414,11 +414,13 @@ impl NvmlHealth {
 /// built again: one GPU must not cost every other its XIDs.
 fn xid_events(
     nvml: &'static nvml_wrapper::Nvml,
-    count: u32,
+    indices: &[u32],
 ) -> Option<nvml_wrapper::EventSet<'static>> {
     use nvml_wrapper::bitmasks::event::EventTypes;
     let xids = EventTypes::CRITICAL_XID_ERROR;
-    let mut gpus: Vec<u32> = (0..count)
+    let mut gpus: Vec<u32> = indices
+        .iter()
+        .copied()
         .filter(|&index| {
             let supported = nvml
                 .device_by_index(index)

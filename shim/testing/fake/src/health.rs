@@ -12,7 +12,7 @@
 //!   for `NVML_FI_DEV_REMAPPED_PENDING` / `_FAILURE`;
 //! - `retirement pending`: what `nvmlDeviceGetRetiredPagesPendingStatus` says;
 //! - `lost`, `reset-required`: device queries fail with `GPU_IS_LOST` /
-//!   `RESET_REQUIRED`;
+//!   `RESET_REQUIRED` (a lost device's UUID does not read either);
 //! - `unknown-error [N]`: device queries fail with `UNKNOWN`, the next N times
 //!   or (no N) every time;
 //! - `xid-events unsupported`: the device's supported event types lack
@@ -126,6 +126,12 @@ fn row_remapping() -> bool {
     static REMAP: OnceLock<bool> = OnceLock::new();
     *REMAP
         .get_or_init(|| std::env::var("FAKEGPU_MEMORY_REPAIR").map_or(true, |v| v != "retirement"))
+}
+
+/// Whether the file says `dev` is lost: then even its UUID does not read,
+/// as NVML documents for a GPU that fell off the bus.
+pub(crate) fn lost(dev: usize) -> bool {
+    read().devices.get(&dev).is_some_and(|d| d.lost)
 }
 
 /// How a query about `dev` fails, if the file says it does. Each `UNKNOWN`

@@ -114,6 +114,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     len: c_uint,
 ) -> NvmlReturn {
     match nvml_device(handle) {
+        Some(d) if health::lost(d) => NVML_GPU_IS_LOST,
         // SAFETY: the caller's buffer of `len` bytes, as NVML's contract has it.
         Some(d) => unsafe { copy_string(&config().uuids[d], buf, len) },
         None => NVML_INVALID_ARGUMENT,
