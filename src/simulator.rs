@@ -104,6 +104,8 @@ struct Endpoint {
     options: DevicePluginOptions,
     /// The last ListAndWatch list; emptied when the stream ends.
     devices: Vec<Device>,
+    /// The stream's first list: what kubelet could admit pods on first.
+    first: Option<Vec<Device>>,
     connected: bool,
     /// Tells this endpoint's stream reader from a later registration's.
     serial: u64,
@@ -421,6 +423,7 @@ impl Registration for RegistrationService {
                     client: client.clone(),
                     options,
                     devices: Vec::new(),
+                    first: None,
                     connected: true,
                     serial,
                     hang_up: hang_up.clone(),
@@ -464,6 +467,7 @@ async fn read_devices(
         let Ok(Some(list)) = message else { break };
         if let Some(ep) = shared.lock().endpoints.get_mut(&resource) {
             if ep.serial == serial {
+                ep.first.get_or_insert_with(|| list.devices.clone());
                 ep.devices = list.devices;
             }
         }
@@ -589,6 +593,11 @@ impl KubeletSim {
         let state = self.shared.lock();
         let ep = state.endpoints.get(resource)?;
         ep.connected.then(|| ep.devices.clone())
+    }
+
+    /// The first list the latest registration of `resource` sent.
+    pub fn first_devices(&self, resource: &str) -> Option<Vec<Device>> {
+        self.shared.lock().endpoints.get(resource)?.first.clone()
     }
 
     /// Pod-resources calls (answered, refused by the rate limit).

@@ -397,3 +397,24 @@ async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
     assert_eq!(lost.len(), 1, "{}", log());
     assert_eq!(lost[0]["fields"]["gpu"], 1);
 }
+
+/// A GPU whose row remap failed before the plugin started is Unhealthy in
+/// the very first list kubelet gets: kubelet admits the pods waiting for the
+/// node's units as soon as they are listed, before any later update.
+#[tokio::test]
+async fn a_gpu_with_a_failed_remap_at_start_is_never_listed_healthy() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let health = dir.path().join("health");
+    std::fs::write(&health, line(B, "remap failure") + "\n").unwrap();
+    let mut child = spawn(&dir, &health, &[], 0);
+    let listed = kubelet.wait_for_devices(RESOURCE, 1, WAIT).await;
+    let first = kubelet.first_devices(RESOURCE);
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(log_path(&dir, 0)).unwrap_or_default();
+    assert!(listed.is_some(), "plugin did not register; log:\n{log}");
+    let first = first.unwrap();
+    assert_eq!(health_of(&first, A), Some(HEALTHY), "{log}");
+    assert_eq!(health_of(&first, B), Some(UNHEALTHY), "{log}");
+}

@@ -577,24 +577,46 @@ pub async fn run(
         // Also ends when nobody reads the inventory any more (the daemon is gone).
         while !stop.is_cancelled() && !inventory.is_closed() {
             for change in watch.poll(TICK) {
-                if change.healthy {
-                    info!(uuid = %change.uuid, reason = %change.reason, "GPU healthy again");
-                } else {
-                    warn!(uuid = %change.uuid, reason = %change.reason, "GPU unhealthy: its units stop receiving pods");
-                }
-                inventory.send_if_modified(|inv| {
-                    match inv.with_health(&change.uuid, change.healthy) {
-                        Some(updated) => {
-                            *inv = Arc::new(updated);
-                            true
-                        }
-                        None => false,
+                inventory.send_if_modified(|inv| match applied(inv, &change) {
+                    Some(updated) => {
+                        *inv = Arc::new(updated);
+                        true
                     }
+                    None => false,
                 });
             }
         }
     });
     let _ = task.await;
+}
+
+/// `inventory` as the watch finds it now, before anything is advertised:
+/// a GPU with a remap pending or failed at start must never be offered,
+/// not even until the watch's first tick.
+pub fn first_look(
+    watch: Option<&mut (dyn HealthWatch + 'static)>,
+    inventory: Inventory,
+) -> Inventory {
+    let Some(watch) = watch else {
+        return inventory;
+    };
+    watch
+        .poll(Duration::ZERO)
+        .iter()
+        .fold(inventory, |inv, change| {
+            applied(&inv, change).unwrap_or(inv)
+        })
+}
+
+/// The inventory with `change` applied and logged; `None` if it changes
+/// nothing there.
+fn applied(inv: &Inventory, change: &HealthChange) -> Option<Inventory> {
+    if change.healthy {
+        info!(uuid = %change.uuid, reason = %change.reason, "GPU healthy again");
+    } else {
+        warn!(uuid = %change.uuid, reason = %change.reason, "GPU unhealthy: its units stop receiving pods");
+    }
+    inv.with_health(&change.uuid, change.healthy)
 }
 
 /// The health watch for a GPU source: the fake file, or NVML.

@@ -126,7 +126,7 @@ const ANNOTATE_EVERY: Duration = Duration::from_secs(2);
 pub async fn run(
     config: DaemonConfig,
     inventory: Inventory,
-    health: Option<Box<dyn HealthWatch>>,
+    mut health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     // With the shim, the state dir is ours: no other front end may hand out
@@ -136,6 +136,7 @@ pub async fn run(
         Isolation::None => None,
     };
     let mut common = config.common;
+    let inventory = health::first_look(health.as_deref_mut(), inventory);
     let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
     let isolation = Arc::new(config.plugin.isolation.clone());
     let cdi_specs = config.plugin.device_list.cdi_specs().cloned();
@@ -505,12 +506,13 @@ pub const CHECKPOINT: &str = "dra/checkpoint.json";
 pub async fn run_dra(
     config: DraDaemonConfig,
     inventory: Inventory,
-    health: Option<Box<dyn HealthWatch>>,
+    mut health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
     let mut common = config.common;
     let _lock = lock_front_end(&common.state_dir)?;
     let isolation = Arc::new(config.driver.isolation.clone());
+    let inventory = health::first_look(health.as_deref_mut(), inventory);
     let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
     let opened = Checkpoint::open(&common.state_dir.join(CHECKPOINT), &config.boot_id)?;
     if let Some(err) = &opened.corrupt {
