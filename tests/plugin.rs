@@ -315,6 +315,28 @@ async fn re_registers_after_kubelet_restarts() {
     node.stop().await;
 }
 
+/// After the plugin's socket went, a new one that cannot be bound for a
+/// while (here a directory in its place) is tried again, not the end of the
+/// plugin: the node's containers keep running and kubelet waits for it.
+#[tokio::test]
+async fn a_socket_that_cannot_be_bound_again_is_retried() {
+    let node = Node::start("t4", MemoryUnit::GiB, Policy::Binpack).await;
+    node.devices().await;
+    let socket = node.socket();
+    std::fs::remove_file(&socket).unwrap();
+    std::fs::create_dir(&socket).unwrap();
+    std::fs::write(socket.join("in-the-way"), "").unwrap();
+    // Long enough for a few tries.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!node.plugin.is_finished(), "the plugin stopped");
+    std::fs::remove_dir_all(&socket).unwrap();
+    node.kubelet()
+        .wait_for_devices(RESOURCE, 2, WAIT)
+        .await
+        .expect("registered again once the socket could be bound");
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn registers_again_when_kubelet_ends_list_and_watch() {
     let node = Node::start("t4", MemoryUnit::GiB, Policy::Binpack).await;

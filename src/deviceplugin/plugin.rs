@@ -166,10 +166,29 @@ impl Plugin {
             return Err(PluginError::SocketInUse { path: socket });
         }
         let mut hang_up_wait = HANG_UP_WAIT;
+        let mut bind_backoff = None;
         loop {
             let generation = shutdown.child_token();
             let hung_up = CancellationToken::new();
-            let (ours, server) = self.serve(&socket, &inventory, &generation, &hung_up)?;
+            let (ours, server) = match self.serve(&socket, &inventory, &generation, &hung_up) {
+                Ok(served) => served,
+                // The first socket fails the start, with the reason; a new
+                // one after kubelet restarted is tried again: the node's
+                // containers keep running, and kubelet waits for us.
+                Err(err) => {
+                    let Some(backoff) = bind_backoff else {
+                        return Err(err);
+                    };
+                    warn!(%err, retry_in = ?backoff, "cannot serve a new plugin socket; retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    bind_backoff = Some((backoff * 2).min(MAX_BACKOFF));
+                    continue;
+                }
+            };
+            bind_backoff = Some(POLL);
             let mut ended = Ended::Restart;
             if let Registration::Done(kubelet_id) = self.register(&socket, ours, &shutdown).await {
                 self.status.send_modify(|s| {
