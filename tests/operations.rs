@@ -1209,3 +1209,69 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
         "a process using 2000 of its 4308 MiB was killed"
     );
 }
+
+/// A change from GiB to MiB units while a container allocated in GiB still
+/// runs is said: kubelet now counts that container's 4 units as 4 MiB, so
+/// its GPU could be handed out past its memory until it ends.
+#[tokio::test]
+async fn a_change_of_memory_unit_under_a_running_container_is_said() {
+    let kubelet_dir = tempfile::tempdir().unwrap();
+    let (host, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    common::fake_installed_shim(host.path());
+    let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
+    let said = "a container allocated before --memory-unit changed still runs";
+    let start = |unit: &str, log: &Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
+            .env_remove("GPUMEM_METRICS_ADDR")
+            .args(["plugin", "--memory-unit", unit, "--fake-gpus"])
+            .arg(fixture("t4"))
+            .arg("--kubelet-dir")
+            .arg(kubelet_dir.path())
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .args(["--metrics-addr", "", "--reconcile-secs", "0"])
+            .args(["--state-grace-secs", "1", "--shim-host-dir"])
+            .arg(host.path())
+            .arg("--state-dir")
+            .arg(state.path())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    let logs = [
+        kubelet_dir.path().join("gib.log"),
+        kubelet_dir.path().join("mib.log"),
+    ];
+    let log = |n: usize| std::fs::read_to_string(&logs[n]).unwrap_or_default();
+
+    let mut gib = start("GiB", &logs[0]);
+    kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.unwrap();
+    kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
+    // Several clean-up sweeps (every 250 ms): nothing to say in one unit.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let _ = gib.kill();
+    let _ = gib.wait();
+    assert!(!log(0).contains(said), "{}", log(0));
+
+    let mut mib = start("MiB", &logs[1]);
+    let seen = async {
+        kubelet.wait_for_devices(RESOURCE, 2, WAIT).await?;
+        let deadline = std::time::Instant::now() + WAIT;
+        while !log(1).contains(said) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // More sweeps: said once.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        Some(log(1))
+    }
+    .await;
+    let _ = mib.kill();
+    let _ = mib.wait();
+    let text = seen.unwrap_or_else(|| panic!("no registration; log:\n{}", log(1)));
+    assert_eq!(text.matches(said).count(), 1, "said once:\n{text}");
+    assert!(
+        text.contains("allocated_in=GiB") && text.contains("counted_in=MiB"),
+        "{text}"
+    );
+}

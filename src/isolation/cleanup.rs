@@ -16,6 +16,7 @@ use crate::isolation::cdi::SpecDir;
 use crate::isolation::containers::{ContainerName, Containers};
 use crate::isolation::inject::{self, ShimConfig};
 use crate::node::inventory::Inventory;
+use crate::node::units::MemoryUnit;
 
 /// Since when each directory has been unused.
 type UnusedSince = HashMap<ContainerName, Instant>;
@@ -58,6 +59,7 @@ pub async fn run(
     let specs = specs.map(Arc::new);
     let holders = Arc::new(holders);
     let mut unused_since = UnusedSince::new();
+    let mut told = HashSet::new();
     let sync = |inv: Arc<Inventory>| {
         let (containers, specs, shim) = (containers.clone(), specs.clone(), shim.clone());
         async move {
@@ -92,6 +94,7 @@ pub async fn run(
                 continue;
             }
         };
+        warn_of_other_units(&live, &containers, inv.unit(), &mut told);
         // Reading and removing directories blocks: off the async workers.
         let (containers, specs, holders) = (containers.clone(), specs.clone(), holders.clone());
         match tokio::task::spawn_blocking(move || {
@@ -186,6 +189,40 @@ fn sweep(
         }
     }
     unused_since.retain(|name, _| present.contains(name.as_str()));
+}
+
+/// Says once for each container kubelet holds that was allocated in GiB
+/// units while the unit is now MiB: kubelet counts the device IDs it holds
+/// in the unit of today, so 4 units allocated in GiB count as 4 MiB, and
+/// the GPU can be handed out past its memory until the container ends. (The
+/// other way nothing is handed out twice: 4096 MiB units hold every GiB
+/// unit's ID.)
+fn warn_of_other_units(
+    live: &HashSet<ContainerName>,
+    containers: &Containers,
+    now: MemoryUnit,
+    told: &mut HashSet<ContainerName>,
+) {
+    if now != MemoryUnit::MiB {
+        return;
+    }
+    for name in live {
+        let then = MemoryUnit::GiB;
+        // `live` has every unit's name a holding may have: only a
+        // directory made in that unit is one.
+        if name.unit() == Some(then)
+            && !told.contains(name)
+            && containers.get(name.clone()).path.is_dir()
+        {
+            told.insert(name.clone());
+            warn!(
+                container = %name.as_str(),
+                allocated_in = %then,
+                counted_in = %now,
+                "a container allocated before --memory-unit changed still runs: kubelet now counts its units in the new unit, so its GPU can be handed out past its memory until it ends; drain the node's GPU pods before changing --memory-unit"
+            );
+        }
+    }
 }
 
 /// Gives every container directory present whose spec is missing the spec

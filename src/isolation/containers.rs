@@ -180,6 +180,12 @@ impl ContainerName {
         Some((key, units.parse().ok()?, unit))
     }
 
+    /// The unit the name records the units in; `None` for a directory not
+    /// named here, or named before names recorded it.
+    pub fn unit(&self) -> Option<MemoryUnit> {
+        self.parts().and_then(|(_, _, unit)| unit)
+    }
+
     /// The units the name records; `None` for a directory not named here.
     pub fn units(&self) -> Option<u32> {
         self.parts().map(|(_, units, _)| units)
