@@ -976,6 +976,37 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
         driver.log()
     );
     assert_eq!(std::fs::metadata(&accounting).unwrap().ino(), inode);
+
+    // A claim prepared without the shim keeps that under the shim too.
+    drop(driver);
+    let mut driver = Driver::start_custom(
+        &host,
+        &api,
+        &host.path("no-kubelet.sock"),
+        &fixture("t4"),
+        &["--reconcile-secs", "0", "--isolation", "none"],
+    )
+    .await;
+    let kubelet = kubelet_1_34(&host).await;
+    api.put(claim("bare", &uid(2), &[("gpu-0", Some("2Gi"), None)]));
+    let prepared = kubelet
+        .prepare(&[claim_ref("bare", &uid(2))])
+        .await
+        .unwrap();
+    prepared[&uid(2)].as_ref().unwrap();
+    let bare = std::fs::read_to_string(host.spec_file(&uid(2))).unwrap();
+    driver.kill();
+    let driver = Driver::start(&host, &api).await;
+    assert_eq!(
+        std::fs::read_to_string(host.spec_file(&uid(2))).unwrap(),
+        bare,
+        "{}",
+        driver.log()
+    );
+    let bare_dir = host
+        .path("state/containers")
+        .join(format!("claim-{}", uid(2)));
+    assert!(!bare_dir.join(gpumem_layout::FILE_NAME).exists());
 }
 
 #[tokio::test]
@@ -1062,8 +1093,17 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
     std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
     std::fs::create_dir_all(host.path("cdi")).unwrap();
     std::fs::write(host.spec_file(&uid(7)), b"{}").unwrap();
-    // And a spec no record names (its checkpoint was lost).
+    // And specs no record names: one written before the node booted (a
+    // roll-back cut off by the reboot), and one since (its record lost:
+    // its pods may still run).
     std::fs::write(host.spec_file(&uid(8)), b"{}").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(host.spec_file(&uid(8)))
+        .unwrap()
+        .set_modified(std::time::UNIX_EPOCH + Duration::from_secs(1))
+        .unwrap();
+    std::fs::write(host.spec_file(&uid(9)), b"{}").unwrap();
     // Not ours: left alone.
     std::fs::write(host.path("cdi/nvidia.yaml"), b"kind: nvidia.com/gpu\n").unwrap();
 
@@ -1076,6 +1116,7 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
     assert!(record["claims"].get(uid(7)).is_none(), "{record}");
     assert!(driver.log().contains("interrupted"), "{}", driver.log());
     assert!(!host.spec_file(&uid(8)).exists());
+    assert!(host.spec_file(&uid(9)).exists());
     assert!(host.path("cdi/nvidia.yaml").exists());
 
     // Prepared afresh when kubelet asks again.
@@ -1209,6 +1250,20 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
         "the directory the claim's spec mounts was removed\n{}",
         driver.log()
     );
+    // Restarted again (a rollout, say): the checkpoint it wrote names no
+    // claim, and the files stay all the same.
+    drop(kubelet);
+    let mut driver = driver;
+    driver.kill();
+    let driver = Driver::start(&host, &api).await;
+    let kubelet = kubelet_1_34(&host).await;
+    assert!(
+        host.spec_file(&uid(1)).exists(),
+        "the second start removed the spec\n{}",
+        driver.log()
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(dir.is_dir(), "{}", driver.log());
 
     let unprepared = kubelet
         .unprepare(&[claim_ref("nb", &uid(1))])

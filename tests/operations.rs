@@ -1219,7 +1219,7 @@ async fn a_change_of_memory_unit_under_a_running_container_is_said() {
     let (host, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     common::fake_installed_shim(host.path());
     let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
-    let said = "a container allocated before --memory-unit changed still runs";
+    let said = "kubelet still holds units of a container allocated before --memory-unit changed";
     let start = |unit: &str, log: &Path| {
         std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
             .env_remove("GPUMEM_METRICS_ADDR")

@@ -102,6 +102,19 @@ pub fn current_boot_id() -> io::Result<String> {
     Ok(id)
 }
 
+/// When this boot started (`btime` in /proc/stat); `None` if it cannot be
+/// read.
+pub fn boot_time() -> Option<std::time::SystemTime> {
+    let stat = fs::read_to_string("/proc/stat").ok()?;
+    let secs: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+}
+
 /// How far a claim's prepare got. Stored as a string; a state written by a
 /// newer version is kept as [`State::Other`] and written back unchanged.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

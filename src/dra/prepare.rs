@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
 
 use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 use kube::Api;
@@ -205,12 +206,16 @@ impl PreparedClaims {
         }
     }
 
-    /// Removes the specs of our kind that no prepared claim names: those of
-    /// another boot's claims whose roll-back was cut off. Call it at start,
-    /// before kubelet can prepare, and only with a checkpoint that parsed
-    /// (the claims of one that did not still run, and keep their specs).
-    /// A claim whose entry did not read keeps the spec named by its UID.
-    pub fn remove_unrecorded_specs(&self) {
+    /// Removes the specs of our kind that no prepared claim names and that
+    /// were written before `booted`, this boot's start: those of another
+    /// boot's claims whose roll-back was cut off (in a spec directory that
+    /// survives a reboot, `/etc/cdi`). A spec written since may be a live
+    /// claim's whose record was lost (a checkpoint that did not parse or
+    /// went missing, at this start or an earlier one of this boot): kubelet
+    /// restarts its containers from it, and its Unprepare removes it (see
+    /// `forget`). Call it at start, before kubelet can prepare. A claim
+    /// whose entry did not read keeps the spec named by its UID.
+    pub fn remove_unrecorded_specs(&self, booted: SystemTime) {
         let specs = &self.inner.config.specs;
         let checkpoint = self.checkpoint();
         for name in specs.list() {
@@ -219,9 +224,13 @@ impl PreparedClaims {
             {
                 continue;
             }
+            let written = std::fs::metadata(specs.path(&name)).and_then(|m| m.modified());
+            if written.is_ok_and(|at| at >= booted) {
+                continue;
+            }
             match specs.remove(&name) {
                 Ok(()) => {
-                    info!(spec = %specs.path(&name).display(), "removed the CDI spec of a claim no longer prepared")
+                    info!(spec = %specs.path(&name).display(), "removed the CDI spec of a claim no longer prepared, written before the node booted")
                 }
                 Err(err) => {
                     warn!(spec = %specs.path(&name).display(), %err, "cannot remove the CDI spec of a claim no longer prepared")
@@ -231,9 +240,9 @@ impl PreparedClaims {
     }
 
     /// The directories of prepared claims, and of claims with a spec here
-    /// (those of a checkpoint that did not parse or was missing, whose pods
-    /// may still run: their specs mount these directories): never removed
-    /// by clean-up.
+    /// (those whose record was lost, see `remove_unrecorded_specs`: their
+    /// pods may still run, and their specs mount these directories): never
+    /// removed by clean-up.
     pub fn live_dirs(&self) -> HashSet<ContainerName> {
         let specs = self.inner.config.specs.list();
         let checkpoint = self.checkpoint();
@@ -689,17 +698,23 @@ impl PreparedClaims {
             .is_some_and(|name| shim.containers().get(name).accounting_file().is_file())
     }
 
-    /// Whether the claim's spec or accounting file is gone.
+    /// Whether the claim's spec is gone, or the accounting file its spec
+    /// mounts (a claim prepared without the shim has none, and keeps none).
     fn files_missing(&self, uid: &str) -> bool {
         let config = &self.inner.config;
-        let file_gone = match &config.isolation {
-            Isolation::Shim(shim) => !self.accounting_file_present(shim, uid),
+        if !config.specs.path(uid).exists() {
+            return true;
+        }
+        match &config.isolation {
+            Isolation::Shim(shim) => {
+                !self.accounting_file_present(shim, uid) && self.mounts_its_dir(uid)
+            }
             Isolation::None => false,
-        };
-        file_gone || !config.specs.path(uid).exists()
+        }
     }
 
-    /// A prepared claim's answer, its spec rewritten if it is missing.
+    /// A prepared claim's answer, its files made again where they are
+    /// missing (see `restore_files`).
     fn restore_spec(
         &self,
         uid: &str,

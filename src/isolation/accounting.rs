@@ -54,8 +54,10 @@ fn specs(caps: &[Cap]) -> Result<Vec<DeviceSpec>, AccountingError> {
 }
 
 /// Makes `dir` hold an accounting file for `caps`. An existing file with the
-/// same caps is kept (its processes may be running: kubelet can call
-/// Allocate again for a live container); anything else is replaced
+/// same GPUs and caps is kept, whatever context charge it records (its
+/// processes may be running: kubelet can call Allocate again for a live
+/// container, and a DRA claim is prepared again; `--context-charge-mib`
+/// changing since must not empty a live file); anything else is replaced
 /// atomically, so no process ever maps a half-written file.
 pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
     prepare_with(dir, caps, Durability::Synced)
@@ -88,7 +90,12 @@ pub fn prepare_with(
     fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err)?;
     let path = dir.join(layout::FILE_NAME);
     if let Ok((_, existing)) = read_regular(&path, false) {
-        if layout::validate(&existing).is_ok_and(|g| layout::devices(&existing, g) == devices) {
+        let same = |found: Vec<DeviceSpec>| {
+            let caps =
+                |d: &[DeviceSpec]| -> Vec<_> { d.iter().map(|d| (d.uuid, d.cap_bytes)).collect() };
+            caps(&found) == caps(&devices)
+        };
+        if layout::validate(&existing).is_ok_and(|g| same(layout::devices(&existing, g))) {
             return Ok(path);
         }
     }
@@ -333,6 +340,10 @@ mod tests {
         let first = inode(&path);
         prepare(dir.path(), &t4(4308)).unwrap();
         assert_eq!(inode(&path), first, "same caps: the live file is kept");
+        let mut charged = t4(4308);
+        charged[0].context_charge_mib = 300;
+        prepare(dir.path(), &charged).unwrap();
+        assert_eq!(inode(&path), first, "another context charge: still kept");
         prepare(dir.path(), &t4(2154)).unwrap();
         assert_ne!(
             inode(&path),

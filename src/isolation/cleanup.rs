@@ -94,10 +94,10 @@ pub async fn run(
                 continue;
             }
         };
-        warn_of_other_units(&live, &containers, inv.unit(), &mut told);
         // Reading and removing directories blocks: off the async workers.
         let (containers, specs, holders) = (containers.clone(), specs.clone(), holders.clone());
         match tokio::task::spawn_blocking(move || {
+            warn_of_other_units(&live, &containers, inv.unit(), &mut told);
             sweep(
                 &containers,
                 specs.as_deref(),
@@ -106,11 +106,11 @@ pub async fn run(
                 grace,
                 &mut unused_since,
             );
-            unused_since
+            (unused_since, told)
         })
         .await
         {
-            Ok(kept) => unused_since = kept,
+            Ok(kept) => (unused_since, told) = kept,
             Err(err) => {
                 warn!(%err, "state clean-up stopped");
                 return;
@@ -191,12 +191,12 @@ fn sweep(
     unused_since.retain(|name, _| present.contains(name.as_str()));
 }
 
-/// Says once for each container kubelet holds that was allocated in GiB
-/// units while the unit is now MiB: kubelet counts the device IDs it holds
-/// in the unit of today, so 4 units allocated in GiB count as 4 MiB, and
-/// the GPU can be handed out past its memory until the container ends. (The
-/// other way nothing is handed out twice: 4096 MiB units hold every GiB
-/// unit's ID.)
+/// Says once for each container kubelet still holds units for that were
+/// allocated in GiB while the unit is now MiB: kubelet counts the device
+/// IDs it holds in the unit of today, so 4 units allocated in GiB count as
+/// 4 MiB, and the GPU can be handed out past its memory until the container
+/// ends. (The other way nothing is handed out twice: 4096 MiB units hold
+/// every GiB unit's ID.)
 fn warn_of_other_units(
     live: &HashSet<ContainerName>,
     containers: &Containers,
@@ -219,7 +219,7 @@ fn warn_of_other_units(
                 container = %name.as_str(),
                 allocated_in = %then,
                 counted_in = %now,
-                "a container allocated before --memory-unit changed still runs: kubelet now counts its units in the new unit, so its GPU can be handed out past its memory until it ends; drain the node's GPU pods before changing --memory-unit"
+                "kubelet still holds units of a container allocated before --memory-unit changed: it now counts them in the new unit, so their GPU can be handed out past its memory until the container ends; drain the node's GPU pods before changing --memory-unit"
             );
         }
     }

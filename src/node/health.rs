@@ -233,7 +233,16 @@ impl NvmlHealth {
         // A GPU that cannot be read is not advertised (see `NvmlGpus`):
         // the others are watched.
         let (indices, uuids): (Vec<u32>, Vec<String>) = (0..count)
-            .filter_map(|index| Some((index, nvml.device_by_index(index).ok()?.uuid().ok()?)))
+            .filter_map(|index| {
+                let uuid = nvml.device_by_index(index).and_then(|d| d.uuid());
+                match uuid {
+                    Ok(uuid) => Some((index, uuid)),
+                    Err(err) => {
+                        warn!(gpu = index, %err, "cannot read this GPU: its health is not watched");
+                        None
+                    }
+                }
+            })
             .unzip();
         Ok(NvmlHealth {
             nvml,

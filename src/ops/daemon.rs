@@ -19,7 +19,7 @@ use crate::cluster::pods::NodePods;
 use crate::deviceplugin::holders::KubeletHolders;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::deviceplugin::podresources::{Holding, PodResources};
-use crate::dra::checkpoint::Checkpoint;
+use crate::dra::checkpoint::{self, Checkpoint};
 use crate::dra::prepare::{DriverConfig, PreparedClaims};
 use crate::dra::registration::Registration;
 use crate::dra::service::{self, DraSockets};
@@ -537,11 +537,13 @@ pub async fn run_dra(
     // A checkpoint that did not parse, or is not there while specs are,
     // named claims whose pods may still run: kubelet reuses their CDI IDs
     // at every container restart without preparing them again, so their
-    // specs stay (and their directories, see `live_dirs`); kubelet's
-    // Unprepare of each removes it (see `forget`).
-    if opened.corrupt.is_none() && opened.found {
-        claims.remove_unrecorded_specs();
-    } else if !opened.found {
+    // specs stay, at this start and the next (and their directories, see
+    // `live_dirs`); kubelet's Unprepare of each removes it (see `forget`).
+    match checkpoint::boot_time() {
+        Some(booted) => claims.remove_unrecorded_specs(booted),
+        None => warn!("cannot read when the node booted (btime in /proc/stat): CDI specs of claims no longer prepared are left in place"),
+    }
+    if !opened.found {
         let kept = config.driver.specs.list();
         if !kept.is_empty() {
             warn!(checkpoint = %checkpoint.display(), specs = kept.len(), dir = %config.driver.specs.dir().display(), "no DRA checkpoint, but CDI specs of claims are there (was --state-dir changed or wiped?): kept until kubelet unprepares their claims");
