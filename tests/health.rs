@@ -391,7 +391,7 @@ async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
         .filter(|l: &serde_json::Value| {
             l["fields"]["message"]
                 .as_str()
-                .is_some_and(|m| m.starts_with("cannot read this GPU"))
+                .is_some_and(|m| m.starts_with("cannot read this GPU (lost"))
         })
         .collect();
     assert_eq!(lost.len(), 1, "{}", log());
