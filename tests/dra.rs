@@ -252,6 +252,16 @@ fn uid(n: u32) -> String {
     format!("0c5e1a7b-0000-4000-8000-{n:012}")
 }
 
+/// Has `kubelet` prepare `refs`, each of which must succeed.
+async fn prepare_all(kubelet: &FakeDraKubelet, driver: &Driver, refs: &[ClaimRef]) {
+    let prepared = kubelet.prepare(refs).await.unwrap();
+    for claim in refs {
+        prepared[&claim.uid]
+            .as_ref()
+            .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    }
+}
+
 /// A container's state directory as a runtime makes it from the claims'
 /// CDI specs (CDI replaces a mount at a container path taken already),
 /// with links standing in for the mounts.
@@ -669,12 +679,7 @@ async fn a_container_with_two_claims_is_held_to_each_on_its_gpu() {
     api.put(claim("train", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
     api.put(claim("scratch", &uid(2), &[("gpu-1", Some("2Gi"), None)]));
     let refs = [claim_ref("train", &uid(1)), claim_ref("scratch", &uid(2))];
-    let prepared = kubelet.prepare(&refs).await.unwrap();
-    for claim in &refs {
-        prepared[&claim.uid]
-            .as_ref()
-            .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
-    }
+    prepare_all(&kubelet, &driver, &refs).await;
 
     let state = container_state(&host, &refs);
     let (ok, lines, stderr) = common::run_lines(
@@ -742,12 +747,7 @@ async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() 
         &[("gpu-1", Some("2Gi"), None), ("gpu-0", Some("2Gi"), None)],
     ));
     let refs = [claim_ref("a", &uid(1)), claim_ref("b", &uid(2))];
-    let prepared = kubelet.prepare(&refs).await.unwrap();
-    for claim in &refs {
-        prepared[&claim.uid]
-            .as_ref()
-            .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
-    }
+    prepare_all(&kubelet, &driver, &refs).await;
     // A process of the container with a context on each GPU: a slot in A
     // (for X) and in B (for Y).
     let state = container_state(&host, &refs);

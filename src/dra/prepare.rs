@@ -575,6 +575,8 @@ impl PreparedClaims {
     }
 
     /// Writes the claim's CDI spec for its GPUs `gpus`; whether it changed.
+    /// With the shim checked first: a spec never names shim files that are
+    /// not there.
     fn write_spec(
         &self,
         uid: &str,
@@ -584,7 +586,10 @@ impl PreparedClaims {
     ) -> Result<bool, PrepareError> {
         let config = &self.inner.config;
         let dir = match &config.isolation {
-            Isolation::Shim(shim) => Some((shim, shim.containers().get(claim_dir(uid)?))),
+            Isolation::Shim(shim) => {
+                inject::check_shim(shim)?;
+                Some((shim, shim.containers().get(claim_dir(uid)?)))
+            }
             Isolation::None => None,
         };
         let spec = claim_spec(uid, entry, inv, gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
@@ -623,7 +628,7 @@ impl PreparedClaims {
                     false
                 })
             } else if self.mounts_its_dir(&uid) {
-                self.rewrite_spec(&uid, &entry, &inv, &gpus)
+                self.write_spec(&uid, &entry, &inv, &gpus)
             } else {
                 Ok(false)
             };
@@ -658,21 +663,6 @@ impl PreparedClaims {
         })
     }
 
-    /// `write_spec` with the shim checked first: a spec never names shim
-    /// files that are not there.
-    fn rewrite_spec(
-        &self,
-        uid: &str,
-        entry: &ClaimEntry,
-        inv: &Inventory,
-        gpus: &[ClaimGpu],
-    ) -> Result<bool, PrepareError> {
-        if let Isolation::Shim(shim) = &self.inner.config.isolation {
-            inject::check_shim(shim)?;
-        }
-        self.write_spec(uid, entry, inv, gpus)
-    }
-
     /// Makes again what of a prepared claim's files is gone: the
     /// accounting file only where there is none (one that is there is
     /// live, and stays as it is whatever the flags say now), and the spec.
@@ -687,7 +677,7 @@ impl PreparedClaims {
                 self.make_files(uid, entry, inv)
             }
             _ => {
-                self.rewrite_spec(uid, entry, inv, &claim_gpus(entry, inv))?;
+                self.write_spec(uid, entry, inv, &claim_gpus(entry, inv))?;
                 Ok(())
             }
         }
