@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::cdi::check_cdi_spec;
-use common::{fixture, RESOURCE, T4_UUID, WAIT};
+use common::{RESOURCE, T4_UUID, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::ContainerAllocateResponse;
 use gpumem::simulator::{Allocation, KubeletSim};
 use serde_json::Value;
@@ -68,20 +68,13 @@ impl Plugin {
             .map(|i| host.path(&format!("plugin-{i}.log")))
             .find(|p| !p.exists())
             .unwrap();
-        let mut cmd = gpumem();
-        cmd.arg("plugin")
-            .arg("--fake-gpus")
-            .arg(fixture("t4"))
-            .arg("--kubelet-dir")
-            .arg(kubelet_dir.path())
-            .arg("--pod-resources-socket")
-            .arg(kubelet.pod_resources_socket())
-            .args(["--metrics-addr", "", "--reconcile-secs", "0"])
-            .arg("--shim-host-dir")
-            .arg(host.path("shim"))
-            .arg("--state-dir")
-            .arg(host.path("state"))
-            .arg("--cdi-spec-dir")
+        let mut cmd = common::shim_plugin(
+            kubelet_dir.path(),
+            &kubelet,
+            &host.path("shim"),
+            &host.path("state"),
+        );
+        cmd.arg("--cdi-spec-dir")
             .arg(host.cdi_dir())
             .args(args)
             .stdout(Stdio::null())

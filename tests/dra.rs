@@ -64,7 +64,7 @@ struct Driver {
 
 impl Driver {
     async fn start(host: &Host, api: &FakeApiServer) -> Driver {
-        Driver::start_with(host, api, &host.path("no-kubelet.sock")).await
+        Driver::start_on(host, api, "t4", &[]).await
     }
 
     async fn start_with(host: &Host, api: &FakeApiServer, pod_resources: &Path) -> Driver {
@@ -76,6 +76,38 @@ impl Driver {
             &["--reconcile-secs", "0"],
         )
         .await
+    }
+
+    /// On fixture `gpus`, without kubelet's pod-resources, not reconciling,
+    /// with `extra` flags.
+    async fn start_on(host: &Host, api: &FakeApiServer, gpus: &str, extra: &[&str]) -> Driver {
+        let flags = [&["--reconcile-secs", "0"], extra].concat();
+        let sock = host.path("no-kubelet.sock");
+        Driver::start_custom(host, api, &sock, &fixture(gpus), &flags).await
+    }
+
+    /// On a copy of fixture `name`, returned (tests list GPU processes
+    /// there), reconciling every second and killing the processes of a
+    /// claim over its cap for longer than `grace` seconds.
+    async fn start_killing(
+        host: &Host,
+        api: &FakeApiServer,
+        pod_resources: &Path,
+        name: &str,
+        grace: &str,
+    ) -> (Driver, PathBuf) {
+        let gpus = host.path("node.toml");
+        std::fs::copy(fixture(name), &gpus).unwrap();
+        let flags = [
+            "--reconcile-secs",
+            "1",
+            "--over-cap-action",
+            "kill",
+            "--over-cap-grace-secs",
+            grace,
+        ];
+        let driver = Driver::start_custom(host, api, pod_resources, &gpus, &flags).await;
+        (driver, gpus)
     }
 
     /// On the node file `gpus`, with `extra` flags.
@@ -586,23 +618,8 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     }));
     std::fs::create_dir_all(host.path("kubelet")).unwrap();
     let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
-    let gpus = host.path("node.toml");
-    std::fs::copy(fixture("t4"), &gpus).unwrap();
-    let driver = Driver::start_custom(
-        &host,
-        &api,
-        &pod_resources.pod_resources_socket(),
-        &gpus,
-        &[
-            "--reconcile-secs",
-            "1",
-            "--over-cap-action",
-            "kill",
-            "--over-cap-grace-secs",
-            "1",
-        ],
-    )
-    .await;
+    let socket = pod_resources.pod_resources_socket();
+    let (driver, gpus) = Driver::start_killing(&host, &api, &socket, "t4", "1").await;
     let kubelet = kubelet_1_34(&host).await;
     let uid = uid(7);
     api.put(claim("notebook", &uid, &[("gpu-0", Some("4Gi"), None)]));
@@ -667,14 +684,7 @@ async fn a_container_with_two_claims_is_held_to_each_on_its_gpu() {
     ];
     let host = Host::new();
     let api = api().await;
-    let driver = Driver::start_custom(
-        &host,
-        &api,
-        &host.path("no-kubelet.sock"),
-        &fixture("v100x2"),
-        &["--reconcile-secs", "0"],
-    )
-    .await;
+    let driver = Driver::start_on(&host, &api, "v100x2", &[]).await;
     let kubelet = kubelet_1_34(&host).await;
     api.put(claim("train", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
     api.put(claim("scratch", &uid(2), &[("gpu-1", Some("2Gi"), None)]));
@@ -722,23 +732,8 @@ async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() 
     const Y: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
     let host = Host::new();
     let api = api().await;
-    let gpus = host.path("node.toml");
-    std::fs::copy(fixture("v100x2"), &gpus).unwrap();
-    let driver = Driver::start_custom(
-        &host,
-        &api,
-        &host.path("no-kubelet.sock"),
-        &gpus,
-        &[
-            "--reconcile-secs",
-            "1",
-            "--over-cap-action",
-            "kill",
-            "--over-cap-grace-secs",
-            "0",
-        ],
-    )
-    .await;
+    let socket = host.path("no-kubelet.sock");
+    let (driver, gpus) = Driver::start_killing(&host, &api, &socket, "v100x2", "0").await;
     let kubelet = kubelet_1_34(&host).await;
     api.put(claim("a", &uid(1), &[("gpu-1", Some("4Gi"), None)]));
     api.put(claim(
@@ -916,14 +911,7 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
     // Restarted on a node that no longer lists the claim's GPU: kept.
     driver.kill();
     std::fs::write(&spec_file, &old).unwrap();
-    let mut driver = Driver::start_custom(
-        &host,
-        &api,
-        &host.path("no-kubelet.sock"),
-        &fixture("v100x2"),
-        &["--reconcile-secs", "0"],
-    )
-    .await;
+    let mut driver = Driver::start_on(&host, &api, "v100x2", &[]).await;
     assert_eq!(std::fs::read_to_string(&spec_file).unwrap(), old);
     assert!(
         driver.log().contains("is not on the node any more"),
@@ -934,14 +922,7 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
     // Restarted without the shim: the claim keeps the isolation it was
     // prepared with.
     driver.kill();
-    let mut driver = Driver::start_custom(
-        &host,
-        &api,
-        &host.path("no-kubelet.sock"),
-        &fixture("t4"),
-        &["--reconcile-secs", "0", "--isolation", "none"],
-    )
-    .await;
+    let mut driver = Driver::start_on(&host, &api, "t4", &["--isolation", "none"]).await;
     assert_eq!(std::fs::read_to_string(&spec_file).unwrap(), old);
 
     driver.kill();
@@ -961,14 +942,7 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
     // not replaced by one with nothing charged.
     driver.kill();
     std::fs::remove_file(&spec_file).unwrap();
-    let driver = Driver::start_custom(
-        &host,
-        &api,
-        &host.path("no-kubelet.sock"),
-        &fixture("t4"),
-        &["--reconcile-secs", "0", "--context-charge-mib", "300"],
-    )
-    .await;
+    let driver = Driver::start_on(&host, &api, "t4", &["--context-charge-mib", "300"]).await;
     assert_eq!(
         std::fs::read_to_string(&spec_file).unwrap(),
         current,
@@ -979,14 +953,7 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
 
     // A claim prepared without the shim keeps that under the shim too.
     drop(driver);
-    let mut driver = Driver::start_custom(
-        &host,
-        &api,
-        &host.path("no-kubelet.sock"),
-        &fixture("t4"),
-        &["--reconcile-secs", "0", "--isolation", "none"],
-    )
-    .await;
+    let mut driver = Driver::start_on(&host, &api, "t4", &["--isolation", "none"]).await;
     let kubelet = kubelet_1_34(&host).await;
     api.put(claim("bare", &uid(2), &[("gpu-0", Some("2Gi"), None)]));
     let prepared = kubelet

@@ -1221,19 +1221,8 @@ async fn a_change_of_memory_unit_under_a_running_container_is_said() {
     let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
     let said = "kubelet still holds units of a container allocated before --memory-unit changed";
     let start = |unit: &str, log: &Path| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .env_remove("GPUMEM_METRICS_ADDR")
-            .args(["plugin", "--memory-unit", unit, "--fake-gpus"])
-            .arg(fixture("t4"))
-            .arg("--kubelet-dir")
-            .arg(kubelet_dir.path())
-            .arg("--pod-resources-socket")
-            .arg(kubelet.pod_resources_socket())
-            .args(["--metrics-addr", "", "--reconcile-secs", "0"])
-            .args(["--state-grace-secs", "1", "--shim-host-dir"])
-            .arg(host.path())
-            .arg("--state-dir")
-            .arg(state.path())
+        common::shim_plugin(kubelet_dir.path(), &kubelet, host.path(), state.path())
+            .args(["--memory-unit", unit, "--state-grace-secs", "1"])
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(log).unwrap())
             .spawn()

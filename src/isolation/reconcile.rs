@@ -744,6 +744,19 @@ mod tests {
         }
     }
 
+    /// A device of an accounting file: its cap and what its slots charged.
+    fn usage(uuid: &str, cap_mib: u64, used_mib: u64) -> Usage {
+        Usage {
+            uuid: uuid.into(),
+            cap_bytes: cap_mib * MIB,
+            context_charge_bytes: 0,
+            used_bytes: used_mib * MIB,
+            untracked_bytes: 0,
+            peak_bytes: 0,
+            refusals: 0,
+        }
+    }
+
     #[test]
     fn overhead_is_the_median_of_recent_processes_largest_samples() {
         let mut f = Footprints::default();
@@ -765,15 +778,7 @@ mod tests {
     #[test]
     fn untracked_is_per_process_excess_on_the_files_gpu() {
         let processes = Processes {
-            devices: vec![Usage {
-                uuid: T4.into(),
-                cap_bytes: 4308 * MIB,
-                context_charge_bytes: 0,
-                used_bytes: 1500 * MIB,
-                untracked_bytes: 0,
-                peak_bytes: 0,
-                refusals: 0,
-            }],
+            devices: vec![usage(T4, 4308, 1500)],
             live: vec![
                 // A context of 300 MiB beside 1000 MiB charged.
                 live(Some(10), 1000),
@@ -816,15 +821,7 @@ mod tests {
         const OTHER: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
         let file = |name: &str, holder: u32| {
             let processes = Processes {
-                devices: vec![Usage {
-                    uuid: T4.into(),
-                    cap_bytes: 4308 * MIB,
-                    context_charge_bytes: 0,
-                    used_bytes: 1000 * MIB,
-                    untracked_bytes: 0,
-                    peak_bytes: 0,
-                    refusals: 0,
-                }],
+                devices: vec![usage(T4, 4308, 1000)],
                 live: vec![live(Some(holder), 1000)],
             };
             let path = PathBuf::from(format!("/s/containers/{name}/accounting"));
@@ -967,15 +964,7 @@ mod tests {
         const OTHER: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
         let file = |name: &str, uuid: &str, holders: Vec<LiveProcess>| {
             let processes = Processes {
-                devices: vec![Usage {
-                    uuid: uuid.into(),
-                    cap_bytes: 4308 * MIB,
-                    context_charge_bytes: 0,
-                    used_bytes: 0,
-                    untracked_bytes: 0,
-                    peak_bytes: 0,
-                    refusals: 0,
-                }],
+                devices: vec![usage(uuid, 4308, 0)],
                 live: holders,
             };
             let path = PathBuf::from(format!("/s/containers/{name}/accounting"));
@@ -1029,15 +1018,7 @@ mod tests {
     fn a_shimless_process_counts_against_the_first_of_its_containers_files() {
         let file = |name: &str, holder: u32| {
             let processes = Processes {
-                devices: vec![Usage {
-                    uuid: T4.into(),
-                    cap_bytes: 2000 * MIB,
-                    context_charge_bytes: 0,
-                    used_bytes: 0,
-                    untracked_bytes: 0,
-                    peak_bytes: 0,
-                    refusals: 0,
-                }],
+                devices: vec![usage(T4, 2000, 0)],
                 live: vec![live(Some(holder), 0)],
             };
             (
@@ -1077,15 +1058,7 @@ mod tests {
     #[test]
     fn a_gpu_two_claims_cap_is_counted_in_the_first_only() {
         const Y: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
-        let device = |uuid: &str| Usage {
-            uuid: uuid.into(),
-            cap_bytes: 1000 * MIB,
-            context_charge_bytes: 0,
-            used_bytes: 0,
-            untracked_bytes: 0,
-            peak_bytes: 0,
-            refusals: 0,
-        };
+        let device = |uuid: &str| usage(uuid, 1000, 0);
         let holder = LiveProcess {
             pid: Some(10),
             start_time: 10,

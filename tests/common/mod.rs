@@ -396,3 +396,34 @@ pub fn mountinfo_with_claims(dirs: &[&Path]) -> String {
     }
     text
 }
+
+/// `gpumem plugin` (the binary) on the fake T4 with shim isolation, as a
+/// node runs it: kubelet's directory and its pod-resources socket, the shim
+/// installed in `shim_dir`, the accounting state in `state`; no metrics,
+/// no reconciliation, and none of the test's own `GPUMEM_*` settings.
+pub fn shim_plugin(
+    kubelet_dir: &Path,
+    kubelet: &KubeletSim,
+    shim_dir: &Path,
+    state: &Path,
+) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("GPUMEM_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.arg("plugin")
+        .arg("--fake-gpus")
+        .arg(fixture("t4"))
+        .arg("--kubelet-dir")
+        .arg(kubelet_dir)
+        .arg("--pod-resources-socket")
+        .arg(kubelet.pod_resources_socket())
+        .args(["--metrics-addr", "", "--reconcile-secs", "0"])
+        .arg("--shim-host-dir")
+        .arg(shim_dir)
+        .arg("--state-dir")
+        .arg(state);
+    cmd
+}
