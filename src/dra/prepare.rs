@@ -553,9 +553,8 @@ impl PreparedClaims {
         entry: &ClaimEntry,
         inv: &Inventory,
     ) -> Result<(), PrepareError> {
-        let config = &self.inner.config;
-        if let Isolation::Shim(shim) = &config.isolation {
-            inject::check_shim(shim)?;
+        let dir = self.shim_dir(uid)?;
+        if let Some((shim, dir)) = &dir {
             let caps: Vec<Cap> = caps_by_gpu(&entry.devices)
                 .into_iter()
                 .map(|(uuid, cap_mib)| Cap {
@@ -565,18 +564,27 @@ impl PreparedClaims {
                 })
                 .collect();
             if !caps.is_empty() {
-                let dir = shim.containers().get(claim_dir(uid)?);
                 // After a reboot kubelet prepares the claim again.
                 accounting::prepare_with(&dir.path, &caps, Durability::Unsynced)?;
             }
         }
-        self.write_spec(uid, entry, inv, &claim_gpus(entry, inv))?;
+        self.write_spec_with(uid, entry, inv, &claim_gpus(entry, inv), dir.as_ref())?;
         Ok(())
     }
 
+    /// With the shim, the claim's accounting directory, the shim checked
+    /// first: a spec never names shim files that are not there.
+    fn shim_dir(&self, uid: &str) -> Result<Option<(&ShimConfig, ContainerDir)>, PrepareError> {
+        match &self.inner.config.isolation {
+            Isolation::Shim(shim) => {
+                inject::check_shim(shim)?;
+                Ok(Some((shim, shim.containers().get(claim_dir(uid)?))))
+            }
+            Isolation::None => Ok(None),
+        }
+    }
+
     /// Writes the claim's CDI spec for its GPUs `gpus`; whether it changed.
-    /// With the shim checked first: a spec never names shim files that are
-    /// not there.
     fn write_spec(
         &self,
         uid: &str,
@@ -584,16 +592,21 @@ impl PreparedClaims {
         inv: &Inventory,
         gpus: &[ClaimGpu],
     ) -> Result<bool, PrepareError> {
-        let config = &self.inner.config;
-        let dir = match &config.isolation {
-            Isolation::Shim(shim) => {
-                inject::check_shim(shim)?;
-                Some((shim, shim.containers().get(claim_dir(uid)?)))
-            }
-            Isolation::None => None,
-        };
-        let spec = claim_spec(uid, entry, inv, gpus, dir.as_ref().map(|(s, d)| (*s, d)))?;
-        Ok(config.specs.write(&spec)?)
+        let dir = self.shim_dir(uid)?;
+        self.write_spec_with(uid, entry, inv, gpus, dir.as_ref())
+    }
+
+    /// `write_spec` with the shim's directory found already.
+    fn write_spec_with(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        inv: &Inventory,
+        gpus: &[ClaimGpu],
+        dir: Option<&(&ShimConfig, ContainerDir)>,
+    ) -> Result<bool, PrepareError> {
+        let spec = claim_spec(uid, entry, inv, gpus, dir.map(|(s, d)| (*s, d)))?;
+        Ok(self.inner.config.specs.write(&spec)?)
     }
 
     /// Brings prepared claims' specs to what this version makes, at start,

@@ -203,11 +203,11 @@ fn warn_of_other_units(
     now: MemoryUnit,
     told: &mut HashSet<ContainerName>,
 ) {
+    let then = MemoryUnit::GiB;
     if now != MemoryUnit::MiB {
         return;
     }
     for name in live {
-        let then = MemoryUnit::GiB;
         // `live` has every unit's name a holding may have: only a
         // directory made in that unit is one.
         if name.unit() == Some(then)
