@@ -20,6 +20,9 @@ const HEALTHY: &str = "Healthy";
 const UNHEALTHY: &str = "Unhealthy";
 /// What the log says when a GPU turns Unhealthy.
 const UNHEALTHY_LOG: &str = "GPU unhealthy: its units stop receiving pods";
+/// What it says of a GPU it cannot read at start.
+const LOST_LOG: &str = "cannot read this GPU (lost, or needing a reset?): it is not advertised \
+                        until gpumem restarts; the node's other GPUs are";
 /// What it says when an Unhealthy GPU shows another problem.
 const ANOTHER_LOG: &str = "GPU still unhealthy, now for another reason";
 
@@ -42,6 +45,14 @@ impl Plugin {
 
     /// Starts with these lines already in the health file.
     async fn start_reporting(env: &[(&str, &str)], lines: &[String]) -> Plugin {
+        let mut plugin = Plugin::spawn_reporting(env, lines);
+        plugin.registered().await;
+        plugin
+    }
+
+    /// Spawns it with these lines in the health file, without waiting for
+    /// it to register.
+    fn spawn_reporting(env: &[(&str, &str)], lines: &[String]) -> Plugin {
         let dir = tempfile::tempdir().unwrap();
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         let health = dir.path().join("health");
@@ -51,16 +62,14 @@ impl Plugin {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         let child = spawn(&dir, &health, &env, 0);
-        let mut plugin = Plugin {
+        Plugin {
             dir,
             kubelet,
             child,
             health,
             starts: 0,
             env,
-        };
-        plugin.registered().await;
-        plugin
+        }
     }
 
     /// Waits for the latest start's registration, all Healthy.
@@ -357,45 +366,28 @@ async fn a_lost_gpu_is_unhealthy_at_once_an_unknown_failure_only_if_it_persists(
 /// advertised and watched, and the log names it.
 #[tokio::test]
 async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
-    let dir = tempfile::tempdir().unwrap();
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let health = dir.path().join("health");
-    std::fs::write(&health, line(B, "lost") + "\n").unwrap();
-    let mut child = spawn(&dir, &health, &[], 0);
-    let log = || std::fs::read_to_string(log_path(&dir, 0)).unwrap_or_default();
-    let list = kubelet
+    let mut p = Plugin::spawn_reporting(&[], &[line(B, "lost")]);
+    let list = p
+        .kubelet
         .wait_for_list(RESOURCE, WAIT, |list| health_of(list, A) == Some(HEALTHY))
         .await
-        .unwrap_or_else(|| panic!("A's units never came; log:\n{}", log()));
+        .unwrap_or_else(|| panic!("A's units never came; log:\n{}", p.log()));
     assert_eq!(health_of(&list, B), None, "B has no units to advertise");
     // A's health is watched: an XID that needs a reset marks it.
-    std::fs::write(
-        dir.path().join("health.new"),
-        [line(B, "lost"), line(A, "xid 48")].join("\n") + "\n",
-    )
-    .unwrap();
-    std::fs::rename(dir.path().join("health.new"), &health).unwrap();
-    let marked = kubelet
+    p.report(&[line(B, "lost"), line(A, "xid 48")]);
+    let marked = p
+        .kubelet
         .wait_for_list(RESOURCE, WAIT, |list| health_of(list, A) == Some(UNHEALTHY))
         .await;
-    let _ = child.kill();
-    let _ = child.wait();
     assert!(
         marked.is_some(),
         "A never turned Unhealthy; log:\n{}",
-        log()
+        p.log()
     );
-    let lost: Vec<serde_json::Value> = log()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .filter(|l: &serde_json::Value| {
-            l["fields"]["message"]
-                .as_str()
-                .is_some_and(|m| m.starts_with("cannot read this GPU (lost"))
-        })
-        .collect();
-    assert_eq!(lost.len(), 1, "{}", log());
+    let lost = p.logged_anywhere(LOST_LOG);
+    assert_eq!(lost.len(), 1, "{}", p.log());
     assert_eq!(lost[0]["fields"]["gpu"], 1);
+    p.stop();
 }
 
 /// A GPU whose row remap failed before the plugin started is Unhealthy in
@@ -403,18 +395,15 @@ async fn a_gpu_lost_before_the_start_costs_only_its_own_units() {
 /// node's units as soon as they are listed, before any later update.
 #[tokio::test]
 async fn a_gpu_with_a_failed_remap_at_start_is_never_listed_healthy() {
-    let dir = tempfile::tempdir().unwrap();
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let health = dir.path().join("health");
-    std::fs::write(&health, line(B, "remap failure") + "\n").unwrap();
-    let mut child = spawn(&dir, &health, &[], 0);
-    let listed = kubelet.wait_for_devices(RESOURCE, 1, WAIT).await;
-    let first = kubelet.first_devices(RESOURCE);
-    let _ = child.kill();
-    let _ = child.wait();
-    let log = std::fs::read_to_string(log_path(&dir, 0)).unwrap_or_default();
-    assert!(listed.is_some(), "plugin did not register; log:\n{log}");
-    let first = first.unwrap();
-    assert_eq!(health_of(&first, A), Some(HEALTHY), "{log}");
-    assert_eq!(health_of(&first, B), Some(UNHEALTHY), "{log}");
+    let mut p = Plugin::spawn_reporting(&[], &[line(B, "remap failure")]);
+    let listed = p.kubelet.wait_for_devices(RESOURCE, 1, WAIT).await;
+    assert!(
+        listed.is_some(),
+        "plugin did not register; log:\n{}",
+        p.log()
+    );
+    let first = p.kubelet.first_devices(RESOURCE).unwrap();
+    assert_eq!(health_of(&first, A), Some(HEALTHY), "{}", p.log());
+    assert_eq!(health_of(&first, B), Some(UNHEALTHY), "{}", p.log());
+    p.stop();
 }
