@@ -183,6 +183,54 @@ fn a_slot_is_only_ever_claimed_under_its_lock() {
     holder.wait().unwrap();
 }
 
+/// A reaper killed between taking a dead process's slot and freeing it
+/// left it REAPING with 3000 MiB still counted: while a process holds the
+/// slot's lock (a reaper at work) it stays counted; once none does, the
+/// next memory query finishes it.
+#[test]
+fn a_slot_whose_reaper_died_is_finished_by_the_next() {
+    use gpumem_layout::{header, slot, slot_offset, state, FILE_NAME};
+    use std::os::unix::fs::FileExt;
+    let dir = capped_dir(4308);
+    let path = dir.path().join(FILE_NAME);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .unwrap();
+    let at = slot_offset(1, 2);
+    let put = |offset: usize, value: u64| {
+        file.write_all_at(&value.to_le_bytes(), offset as u64)
+            .unwrap()
+    };
+    put(at + slot::USED, 3000 * MIB);
+    put(at + slot::PID, 999_999);
+    put(at + slot::STATE, 1 << 8 | state::REAPING);
+    file.write_all_at(&3u32.to_le_bytes(), header::SLOT_HWM as u64)
+        .unwrap();
+    let slot_now = || {
+        let bytes = std::fs::read(&path).unwrap();
+        (
+            gpumem_layout::get_u64(&bytes, at + slot::STATE),
+            gpumem_layout::get_u64(&bytes, at + slot::USED),
+        )
+    };
+
+    let mut reaper = common::hold_record_lock(&path, at);
+    let lines = probe(dir.path(), &["info"]);
+    assert_eq!(
+        field(line(&lines, "info 0"), "free"),
+        CAP - CONTEXT - 3000 * MIB
+    );
+    assert_eq!(slot_now(), (1 << 8 | state::REAPING, 3000 * MIB));
+
+    reaper.kill().unwrap();
+    reaper.wait().unwrap();
+    let lines = probe(dir.path(), &["info"]);
+    assert_eq!(field(line(&lines, "info 0"), "free"), CAP - CONTEXT);
+    assert_eq!(slot_now(), (1 << 8 | state::FREE, 0));
+}
+
 #[test]
 fn the_drivers_answers_are_matched_to_its_exports_by_identity() {
     let dir = capped_dir(4308);

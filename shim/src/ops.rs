@@ -170,6 +170,7 @@ pub fn forget_after_fork() {
     if let Some(Some(shim)) = SHIM.get() {
         for file in &shim.files {
             file.slot.store(NO_SLOT, SeqCst);
+            file.region.forget_turn();
         }
         for device in &shim.devices {
             device.overflow.store(0, SeqCst);

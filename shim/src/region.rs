@@ -5,7 +5,7 @@
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -52,6 +52,12 @@ pub struct Region {
     devices: Vec<DeviceSpec>,
     /// The file's device and inode, to find it in other processes' maps.
     ident: (u64, u64),
+    /// Held by the thread claiming or reaping slots. Record locks are the
+    /// process's, not a thread's: another thread's lock of the same slot
+    /// byte would succeed, and its unlock drop ours. A flag, not a mutex,
+    /// so that a forked child can let go of one its parent's other thread
+    /// held (see `forget_turn`).
+    slot_turn: AtomicBool,
 }
 
 /// The file's words in the shared mapping, which is never unmapped.
@@ -162,6 +168,7 @@ impl Region {
                 fd,
                 devices,
                 ident: (st.st_dev, st.st_ino),
+                slot_turn: AtomicBool::new(false),
             }),
             Err(err) => {
                 crate::sigbus::forget(base);
@@ -210,6 +217,7 @@ impl Region {
             pid: u64::from(pid),
             start_time,
         };
+        let _turn = self.slot_turn(true)?;
         self.file
             .claim(owner, |index| self.lock(index), |index| self.unlock(index))
     }
@@ -217,11 +225,44 @@ impl Region {
     /// Frees the slots of processes that died without cleaning up (SIGKILL,
     /// OOM kill) or exec'd (the descriptor is close-on-exec, so the lock
     /// went, but the pid lives on). Returns how many were reaped.
-    /// `own` is the slot this process holds, skipped without a look.
+    /// `own` is the slot this process holds, skipped without a look. A
+    /// running process's reap is skipped while another of its threads
+    /// reaps or claims here: that one frees what there is to free.
     pub fn reap(&self, by: Reaper, own: Option<usize>) -> usize {
-        self.file.reap(own, |index, owner| {
-            matches!(self.holder(index), Holder::Gone) && self.abandoned(owner, by)
-        })
+        let Some(_turn) = self.slot_turn(by == Reaper::Claiming) else {
+            return 0;
+        };
+        self.file.reap(
+            own,
+            |index| self.lock(index),
+            |index| self.unlock(index),
+            |index, owner| matches!(self.holder(index), Holder::Gone) && self.abandoned(owner, by),
+        )
+    }
+
+    /// This thread's turn at the slots' record locks; `None` where another
+    /// thread has it and `wait` is false.
+    fn slot_turn(&self, wait: bool) -> Option<SlotTurn<'_>> {
+        // A turn lasts a few fcntl calls and /proc reads per slot.
+        const PAUSE: Duration = Duration::from_micros(50);
+        while self
+            .slot_turn
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            if !wait {
+                return None;
+            }
+            std::thread::sleep(PAUSE);
+        }
+        Some(SlotTurn(&self.slot_turn))
+    }
+
+    /// In a forked child: the only thread, so a turn its parent's other
+    /// thread held at the fork is nobody's. Its record locks were not
+    /// inherited either.
+    pub fn forget_turn(&self) {
+        self.slot_turn.store(false, Ordering::Release);
     }
 
     /// Whether the process of a slot whose lock is gone left it behind: it
@@ -330,6 +371,15 @@ impl Region {
     }
 }
 
+/// A thread's turn at the slots' record locks; given back on drop.
+struct SlotTurn<'a>(&'a AtomicBool);
+
+impl Drop for SlotTurn<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 /// Held while a charge retries near the cap; released on drop.
 pub struct ChargeLock<'a> {
     region: &'a Region,
@@ -383,6 +433,20 @@ mod tests {
 
     use super::*;
 
+    impl Region {
+        /// Stores `value` at `offset` of the file, as another process
+        /// would: through the file, not the mapping.
+        fn write_for_test(&self, offset: usize, value: u64) {
+            use std::os::fd::FromRawFd;
+            use std::os::unix::fs::FileExt;
+            // SAFETY: the descriptor is open for the region's life; the
+            // File is never dropped, so it is not closed here.
+            let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(self.fd) });
+            file.write_all_at(&value.to_le_bytes(), offset as u64)
+                .unwrap();
+        }
+    }
+
     /// A slot this process has claimed but not yet recorded as its own
     /// looks dead to it (F_GETLK never reports the caller's own locks): a
     /// running process's reap must leave it, only a claimer may free it.
@@ -411,5 +475,43 @@ mod tests {
         assert_eq!(region.reap(Reaper::Running, None), 0);
         assert_eq!(region.file().state(unknown).state(), state::ALIVE);
         assert_eq!(region.reap(Reaper::Claiming, None), 1);
+    }
+
+    /// Record locks are the process's: while one thread claims or reaps in
+    /// a file, another's reap there is skipped (its locks and unlocks of
+    /// the same bytes would undo the first's); a claim waits its turn. A
+    /// forked child lets go of a turn its parent's other thread held.
+    #[test]
+    fn one_thread_at_a_time_locks_slots() {
+        let region = Region::for_test(1 << 30);
+        let me = std::process::id();
+        let slot = region.claim(me, start_time_of(me).unwrap()).unwrap();
+        let file = region.file();
+        file.used_counter(slot, 0)
+            .store(1 << 20, std::sync::atomic::Ordering::SeqCst);
+        // Left half-reaped by a reaper that died.
+        let reaping = file.state(slot).reaping();
+        region.write_for_test(
+            layout::slot_offset(1, slot) + layout::slot::STATE,
+            reaping.0,
+        );
+
+        let turn = region.slot_turn(true).unwrap();
+        assert_eq!(region.reap(Reaper::Running, None), 0);
+        std::thread::scope(|s| {
+            let claiming = s.spawn(|| region.claim(me, start_time_of(me).unwrap()));
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(!claiming.is_finished(), "a claim waits for the turn");
+            drop(turn);
+            assert!(claiming.join().unwrap().is_some());
+        });
+        assert_eq!(file.state(slot), reaping);
+
+        std::mem::forget(region.slot_turn(true).unwrap());
+        assert_eq!(region.reap(Reaper::Running, None), 0);
+        region.forget_turn();
+        assert_eq!(region.reap(Reaper::Running, None), 1);
+        assert_eq!(file.state(slot), reaping.freed());
+        assert_eq!(file.used(0), 0);
     }
 }

@@ -238,13 +238,12 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
         if slot.state != layout::state::ALIVE {
             continue;
         }
-        let mut probe = write_lock(protocol::slot_lock_offset(geometry, slot.index));
-        fcntl(file.as_fd(), FcntlArg::F_GETLK(&mut probe)).map_err(io::Error::from)?;
-        if probe.l_type == libc::F_UNLCK as libc::c_short {
+        let Some(holder) = owner_holding(&file, geometry, slot.index, snapshot.state(slot.index))?
+        else {
             continue;
-        }
+        };
         live.push(LiveProcess {
-            pid: u32::try_from(probe.l_pid).ok().filter(|&p| p > 0),
+            pid: u32::try_from(holder).ok().filter(|&p| p > 0),
             start_time: snapshot.owner(slot.index).start_time,
             used: slot.used,
         });
@@ -269,6 +268,28 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
         })
         .collect();
     Ok(Processes { devices, live })
+}
+
+/// The PID holding slot `index`'s record lock as the owner of the slot the
+/// copy read with state word `word`; `None` if nobody holds it as such.
+/// A reaper locks an ALIVE slot only after moving its word on to REAPING,
+/// and a new owner's claim moves it on too: a lock held while the word in
+/// the file is no longer `word` is not the owner's the copy describes.
+fn owner_holding(
+    file: &fs::File,
+    geometry: layout::Geometry,
+    index: usize,
+    word: protocol::StateWord,
+) -> io::Result<Option<libc::pid_t>> {
+    let mut probe = write_lock(protocol::slot_lock_offset(geometry, index));
+    fcntl(file.as_fd(), FcntlArg::F_GETLK(&mut probe)).map_err(io::Error::from)?;
+    if probe.l_type == libc::F_UNLCK as libc::c_short {
+        return Ok(None);
+    }
+    let mut now = [0u8; 8];
+    let at = layout::slot_offset(geometry.devices, index) + layout::slot::STATE;
+    file.read_exact_at(&mut now, at as u64)?;
+    Ok((u64::from_le_bytes(now) == word.0).then_some(probe.l_pid))
 }
 
 /// Whether a live process still has a slot in the accounting file.
@@ -400,6 +421,52 @@ mod tests {
         let err = publish_untracked(&path, 1, MIB).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
         assert!(processes(&path).unwrap().live.is_empty());
+    }
+
+    /// A slot's lock held by a reaper finishing it (the word moved on to
+    /// REAPING before it locked) is not its owner's.
+    #[test]
+    fn a_slot_locked_under_another_state_word_is_not_its_owners() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = prepare(dir.path(), &t4(4308)).unwrap();
+        let geometry = AccountingFile::snapshot(&fs::read(&path).unwrap())
+            .unwrap()
+            .geometry();
+        let lock_at = protocol::slot_lock_offset(geometry, 0);
+        let mut holder = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import fcntl, time\nf = open({path:?}, 'r+')\n\
+                 fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {lock_at}, 0)\n\
+                 print('locked', flush=True)\ntime.sleep(60)"
+            ))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut said = String::new();
+        io::BufRead::read_line(
+            &mut io::BufReader::new(holder.stdout.take().unwrap()),
+            &mut said,
+        )
+        .unwrap();
+        assert_eq!(said.trim(), "locked");
+
+        let alive = protocol::StateWord(1 << 8 | layout::state::ALIVE);
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let word_at = (layout::slot_offset(geometry.devices, 0) + layout::slot::STATE) as u64;
+        file.write_all_at(&alive.0.to_le_bytes(), word_at).unwrap();
+        let held = owner_holding(&file, geometry, 0, alive).unwrap();
+        file.write_all_at(&alive.reaping().0.to_le_bytes(), word_at)
+            .unwrap();
+        let reaping = owner_holding(&file, geometry, 0, alive).unwrap();
+        holder.kill().unwrap();
+        holder.wait().unwrap();
+        assert_eq!(held, Some(holder.id() as libc::pid_t));
+        assert_eq!(reaping, None);
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //! (`generation << 8 | state`):
 //!
 //! ```text
-//!   FREE ──claim──▶ ALIVE ──reap──▶ REAPING ──▶ FREE
-//!    ▲                                  (counters := 0, same generation)
+//!   FREE ──claim──▶ ALIVE ──reap──▶ REAPING ──finish──▶ FREE
+//!    ▲                                  (under the slot's lock: counters
+//!    │                                   := 0, same generation)
 //!    └─ a claimer that dies before its CAS leaves the slot FREE: the kernel
 //!       drops its lock, and nothing else was published
 //! ```
@@ -21,9 +22,13 @@
 //!   ever left its first value (zero) lies below the mark.
 //! - reap (any shim of the container): an ALIVE slot whose lock is gone and
 //!   whose process the caller finds dead, reused or exec'd; CAS ALIVE →
-//!   REAPING, counters := 0, store FREE.
-//! - `used[dev]` of a slot: written only by its owner, zeroed by a claimer
-//!   or a reaper. Peak and refusals: atomic max / add by any shim.
+//!   REAPING, then finish it: take the slot's record lock, and if the state
+//!   word is still that REAPING one, counters := 0, store FREE, unlock. A
+//!   REAPING slot whose lock can be taken is finished alike by whoever finds
+//!   it: its reaper died between the CAS and the store (or has not locked
+//!   it yet, and then finds it FREE and leaves it).
+//! - `used[dev]` of a slot: written only by its owner, zeroed under the
+//!   slot's lock by a claimer or a reaper. Peak and refusals: atomic max / add by any shim.
 //! - observed extra: the daemon only, with file writes under the device's
 //!   sequence word (odd, value, even), publishers taking turns on the lock
 //!   byte past the end of the file; read as a seqlock.
@@ -117,7 +122,8 @@ impl StateWord {
         StateWord((self.generation().wrapping_add(1) << 8) | state::ALIVE)
     }
 
-    /// What a reaper of this ALIVE slot publishes first: same generation.
+    /// What a reaper of this ALIVE slot publishes first, before it takes
+    /// the slot's lock: same generation.
     #[inline]
     pub fn reaping(self) -> StateWord {
         StateWord((self.0 & !0xff) | state::REAPING)
@@ -282,9 +288,12 @@ impl<W: Words> AccountingFile<W> {
     /// without waiting (false if another holds it), `unlock` gives it back.
     /// Lock first, so a claimer killed at any step leaves either a FREE slot
     /// (the kernel drops the lock) or an ALIVE slot without a lock, which
-    /// reaping frees. Only the lock holder writes a FREE slot, and reapers
-    /// touch only ALIVE ones, so pid, start time and counters are set before
-    /// ALIVE is published. On success the caller keeps the lock.
+    /// reaping frees. Only the lock holder writes a FREE slot (a reaper
+    /// stores FREE under the lock too), so pid, start time and counters are
+    /// set before ALIVE is published. On success the caller keeps the lock.
+    ///
+    /// Record locks belong to the process, not the thread: the caller keeps
+    /// its other threads from claiming or reaping in the same file at once.
     pub fn claim(
         &self,
         owner: Owner,
@@ -325,10 +334,15 @@ impl<W: Words> AccountingFile<W> {
 
     /// Frees the ALIVE slots (but `own`) that `abandoned` says their owner
     /// left behind: the caller's verdict, from the slot's lock being gone
-    /// and the owner being dead, reused or exec'd. Returns how many.
+    /// and the owner being dead, reused or exec'd. Also finishes the
+    /// REAPING slots whose lock is free: a reaper killed midway left them,
+    /// with counters still counted. `lock` and `unlock` as for a claim.
+    /// Returns how many slots it freed.
     pub fn reap(
         &self,
         own: Option<usize>,
+        mut lock: impl FnMut(usize) -> bool,
+        mut unlock: impl FnMut(usize),
         mut abandoned: impl FnMut(usize, Owner) -> bool,
     ) -> usize {
         let mut reaped = 0;
@@ -337,24 +351,56 @@ impl<W: Words> AccountingFile<W> {
                 continue;
             }
             let current = self.state(index);
-            if current.state() != state::ALIVE || !abandoned(index, self.owner(index)) {
-                continue;
+            let reaping = match current.state() {
+                state::ALIVE if abandoned(index, self.owner(index)) => {
+                    // A reclaimed slot has a new generation: the CAS fails.
+                    let reaping = current.reaping();
+                    if self
+                        .state_word(index)
+                        .compare_exchange(current.0, reaping.0, SeqCst, SeqCst)
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    reaping
+                }
+                state::REAPING => current,
+                _ => continue,
+            };
+            if self.finish_reaping(index, reaping, &mut lock, &mut unlock) {
+                reaped += 1;
             }
-            let word = self.state_word(index);
-            // A reclaimed slot has a new generation: the CAS fails.
-            if word
-                .compare_exchange(current.0, current.reaping().0, SeqCst, SeqCst)
-                .is_err()
-            {
-                continue;
-            }
+        }
+        reaped
+    }
+
+    /// Zeroes a REAPING slot's counters and frees it, under its lock: a
+    /// reaper that holds the lock is alive and finishing it, and once the
+    /// lock is ours the state word can only change under it. The CAS came
+    /// before the lock, so the daemon, which takes a locked ALIVE slot for
+    /// its owner's, can tell a reaper's lock from the owner's: with the lock
+    /// held the state word is no longer that ALIVE one.
+    fn finish_reaping(
+        &self,
+        index: usize,
+        reaping: StateWord,
+        lock: &mut impl FnMut(usize) -> bool,
+        unlock: &mut impl FnMut(usize),
+    ) -> bool {
+        if !lock(index) {
+            return false;
+        }
+        // Finished by another meanwhile (and perhaps claimed again): a
+        // different word, and nothing of ours to do.
+        let ours = self.state(index) == reaping;
+        if ours {
             for dev in 0..self.geometry.devices {
                 self.used_counter(index, dev).store(0, SeqCst);
             }
-            word.store(current.freed().0, SeqCst);
-            reaped += 1;
+            self.state_word(index).store(reaping.freed().0, SeqCst);
         }
-        reaped
+        unlock(index);
+        ours
     }
 
     /// The slots ever claimed (up to the high-water mark), as they read now.
@@ -547,10 +593,15 @@ mod tests {
         }
         assert_eq!(f.used(0), (10 + 11 + 12) << 20);
         let mut asked = Vec::new();
-        let reaped = f.reap(Some(0), |i, o| {
-            asked.push((i, o));
-            o.pid == 11 || o.pid == 10
-        });
+        let reaped = f.reap(
+            Some(0),
+            |_| true,
+            |_| {},
+            |i, o| {
+                asked.push((i, o));
+                o.pid == 11 || o.pid == 10
+            },
+        );
         assert_eq!(reaped, 1, "own slot 0 is never reaped");
         assert_eq!(asked, [(1, owner(11)), (2, owner(12))]);
         assert_eq!(f.state(1), StateWord(1 << 8 | state::FREE));
@@ -558,9 +609,91 @@ mod tests {
         assert_eq!(f.used(0), (10 + 12) << 20);
         // Freed slots are not asked about again; claiming one moves on a
         // generation.
-        assert_eq!(f.reap(None, |i, _| i == 1), 0);
+        assert_eq!(f.reap(None, |_| true, |_| {}, |i, _| i == 1), 0);
         assert_eq!(f.claim(owner(13), |_| true, |_| {}), Some(1));
         assert_eq!(f.state(1), StateWord(2 << 8 | state::ALIVE));
+    }
+
+    /// A reaper killed between its CAS and its store left a slot REAPING
+    /// with counters still counted: the next reaper that can take the
+    /// slot's lock finishes it; while a live reaper holds the lock, or once
+    /// the slot moved on, it is left alone.
+    #[test]
+    fn a_half_reaped_slot_is_finished_under_its_lock() {
+        let f = file(1, 4);
+        for pid in [10, 11] {
+            let i = f.claim(owner(pid), |_| true, |_| {}).unwrap();
+            f.used_counter(i, 0).store(pid << 20, SeqCst);
+        }
+        let dead = f.state(1).reaping();
+        f.state_word(1).store(dead.0, SeqCst);
+        let never_abandoned = |_: usize, _: Owner| false;
+
+        // Its reaper lives (holds the lock): left, still counted.
+        let mut unlocked = Vec::new();
+        assert_eq!(
+            f.reap(None, |i| i != 1, |i| unlocked.push(i), never_abandoned),
+            0
+        );
+        assert_eq!((f.state(1), f.used(0)), (dead, 21 << 20));
+        assert!(unlocked.is_empty());
+
+        // Finished by another under the lock just taken: nothing to do.
+        let finished = dead.freed();
+        let reaped = f.reap(
+            None,
+            |i| {
+                f.state_word(i).store(finished.0, SeqCst);
+                true
+            },
+            |i| unlocked.push(i),
+            never_abandoned,
+        );
+        assert_eq!((reaped, f.state(1)), (0, finished));
+        assert_eq!(unlocked, [1], "the lock is given back");
+        assert_eq!(f.used(0), 21 << 20, "the finisher zeroes, not this one");
+
+        // Its reaper died: finished, counters zero, lock given back.
+        f.state_word(1).store(dead.0, SeqCst);
+        unlocked.clear();
+        let mut locked = Vec::new();
+        let reaped = f.reap(
+            None,
+            |i| {
+                locked.push(i);
+                true
+            },
+            |i| unlocked.push(i),
+            never_abandoned,
+        );
+        assert_eq!(reaped, 1);
+        assert_eq!((locked, unlocked), (vec![1], vec![1]));
+        assert_eq!((f.state(1), f.used(0)), (finished, 10 << 20));
+    }
+
+    /// An ALIVE slot is taken for reaping before its lock is: a reaper
+    /// that then cannot lock it leaves it REAPING for the next one.
+    #[test]
+    fn a_reaper_that_cannot_lock_leaves_the_slot_reaping() {
+        let f = file(1, 4);
+        let i = f.claim(owner(10), |_| true, |_| {}).unwrap();
+        f.used_counter(i, 0).store(5, SeqCst);
+        let alive = f.state(i);
+        let mut states = Vec::new();
+        let reaped = f.reap(
+            None,
+            |index| {
+                states.push(f.state(index));
+                false
+            },
+            |_| panic!("nothing was locked"),
+            |_, _| true,
+        );
+        assert_eq!(reaped, 0);
+        assert_eq!(states, [alive.reaping()], "the CAS came first");
+        assert_eq!((f.state(i), f.used(0)), (alive.reaping(), 5));
+        assert_eq!(f.reap(None, |_| true, |_| {}, |_, _| false), 1);
+        assert_eq!((f.state(i), f.used(0)), (alive.reaping().freed(), 0));
     }
 
     #[test]
@@ -623,7 +756,7 @@ mod tests {
         assert_eq!(mapped.claim(owner(12), |i| i != 1, |_| {}), Some(2));
         mapped.used_counter(2, 0).store(7 << 20, SeqCst);
         assert_eq!(mapped.claim(owner(13), |i| i >= 3, |_| {}), Some(3));
-        assert_eq!(mapped.reap(Some(2), |i, _| i == 3), 1);
+        assert_eq!(mapped.reap(Some(2), |_| true, |_| {}, |i, _| i == 3), 1);
         let mut torn = bytes_of(&mapped);
         torn[..HEADER_LEN].copy_from_slice(&header_then);
         assert_eq!(get_u32(&torn, header::SLOT_HWM), 1);
