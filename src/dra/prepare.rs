@@ -497,8 +497,17 @@ impl PreparedClaims {
         }
         // The files without the lock: other claims' prepares go on
         // meanwhile. A concurrent prepare of this claim makes the same
-        // files (each write is atomic) and records the same devices.
-        let made = self.make_files(&claim.uid, &entry, inv);
+        // files (each write is atomic) and records the same devices. A
+        // panic is a failure like any other: the count and the entry are
+        // settled below, not left to the next start.
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.make_files(&claim.uid, &entry, inv)
+        }))
+        .unwrap_or_else(|_| {
+            Err(PrepareError::Internal(
+                "making the claim's files panicked".into(),
+            ))
+        });
         let mut checkpoint = self.checkpoint();
         let others = {
             let mut in_flight = self.in_flight();
