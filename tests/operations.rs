@@ -1210,6 +1210,23 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
     );
 }
 
+/// Waits until a plugin's clean-up (run with `--state-grace-secs 1`) has
+/// swept `state` past its grace: a directory `name` made now, which no
+/// container holds, is removed.
+async fn swept_past_the_grace(state: &Path, name: &str) {
+    let stray = state.join("containers").join(name);
+    std::fs::create_dir_all(&stray).unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while stray.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} was never cleaned up",
+            stray.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A change from GiB to MiB units while a container allocated in GiB still
 /// runs is said: kubelet now counts that container's 4 units as 4 MiB, so
 /// its GPU could be handed out past its memory until it ends.
@@ -1237,8 +1254,9 @@ async fn a_change_of_memory_unit_under_a_running_container_is_said() {
     let mut gib = start("GiB", &logs[0]);
     kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.unwrap();
     kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
-    // Several clean-up sweeps (every 250 ms): nothing to say in one unit.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // A clean-up sweep past its grace, which looks at the units first:
+    // nothing to say in one unit.
+    swept_past_the_grace(state.path(), "stray-1").await;
     let _ = gib.kill();
     let _ = gib.wait();
     assert!(!log(0).contains(said), "{}", log(0));
@@ -1251,7 +1269,7 @@ async fn a_change_of_memory_unit_under_a_running_container_is_said() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         // More sweeps: said once.
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        swept_past_the_grace(state.path(), "stray-2").await;
         Some(log(1))
     }
     .await;

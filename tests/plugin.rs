@@ -320,21 +320,53 @@ async fn re_registers_after_kubelet_restarts() {
 /// plugin: the node's containers keep running and kubelet waits for it.
 #[tokio::test]
 async fn a_socket_that_cannot_be_bound_again_is_retried() {
-    let node = Node::start("t4", MemoryUnit::GiB, Policy::Binpack).await;
-    node.devices().await;
-    let socket = node.socket();
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let log = dir.path().join("plugin.log");
+    let mut plugin = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+        .arg("--fake-gpus")
+        .arg(common::fixture("t4"))
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--pod-resources-socket")
+        .arg(kubelet.pod_resources_socket())
+        .env_remove("RUST_LOG")
+        .env_remove("GPUMEM_LOG_FORMAT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.unwrap();
+    let socket = dir.path().join(SOCKET_NAME);
     std::fs::remove_file(&socket).unwrap();
     std::fs::create_dir(&socket).unwrap();
     std::fs::write(socket.join("in-the-way"), "").unwrap();
-    // Long enough for a few tries.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert!(!node.plugin.is_finished(), "the plugin stopped");
+
+    let deadline = std::time::Instant::now() + WAIT;
+    while read_log()
+        .matches("cannot serve a new plugin socket; retrying")
+        .count()
+        < 2
+    {
+        assert!(
+            std::time::Instant::now() < deadline && plugin.try_wait().unwrap().is_none(),
+            "no second try, or the plugin stopped; log:\n{}",
+            read_log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     std::fs::remove_dir_all(&socket).unwrap();
-    node.kubelet()
-        .wait_for_devices(RESOURCE, 2, WAIT)
-        .await
-        .expect("registered again once the socket could be bound");
-    node.stop().await;
+    let again = kubelet.wait_for_devices(RESOURCE, 2, WAIT).await;
+    let _ = plugin.kill();
+    let _ = plugin.wait();
+    again.unwrap_or_else(|| {
+        panic!(
+            "not registered again once the socket could be bound; log:\n{}",
+            read_log()
+        )
+    });
 }
 
 #[tokio::test]
