@@ -151,11 +151,18 @@ impl Region {
         // From here on, a file shrunk by someone else reads as zeroes
         // instead of killing the process.
         crate::sigbus::protect(base, len, path);
-        // SAFETY: the mapping is `len` bytes long and readable. The header
-        // and device records are written once by the plugin before any
-        // process maps the file, so reading them as bytes is sound.
-        let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
-        let checked = layout::validate(bytes).map(|g| (g, layout::devices(bytes, g)));
+        // Validated on a copy: other processes write the slots (and the
+        // device records' counters) while this one reads, so the mapping
+        // is read only through atomics, never as plain bytes.
+        let bytes: Vec<u8> = (0..len / 8)
+            .flat_map(|word| {
+                // SAFETY: word * 8 + 8 <= len: inside the mapping, and
+                // 8-aligned (mmap returns a page-aligned address).
+                let at = unsafe { &*base.cast::<u8>().add(word * 8).cast::<AtomicU64>() };
+                at.load(Ordering::Relaxed).to_ne_bytes()
+            })
+            .collect();
+        let checked = layout::validate(&bytes).map(|g| (g, layout::devices(&bytes, g)));
         match checked {
             Ok((geometry, devices)) => Ok(Region {
                 file: AccountingFile::new(
