@@ -876,6 +876,58 @@ async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts(
     a.d.stop().await;
 }
 
+/// The accounting file is mounted writable: a process of the container
+/// that `tamper`s with it (the shims then cap nothing) is still found by
+/// its mounts, counted whole against the cap Allocate gave, and killed.
+async fn a_tampered_file_does_not_hide_its_container(tamper: impl FnOnce(&Path)) {
+    use std::os::unix::process::ExitStatusExt;
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let (d, dir) = (&a.d, &a.dir);
+    tamper(&dir.join(gpumem_layout::FILE_NAME));
+    let mut rogue = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let mountinfo = common::mountinfo_with_state_dir(dir);
+    d.list_process(rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
+    let deadline = std::time::Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = rogue.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = rogue.kill();
+            panic!("not killed; status: {:?}", d.status().await.gpus[0]);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.signal(), Some(9));
+    assert_eq!(d.status().await.gpus[0].unmanaged_mib, Some(0));
+    a.d.stop().await;
+}
+
+#[tokio::test]
+async fn a_container_that_removed_its_accounting_file_is_held_to_its_cap() {
+    a_tampered_file_does_not_hide_its_container(|file| std::fs::remove_file(file).unwrap()).await;
+}
+
+#[tokio::test]
+async fn a_container_that_overwrote_its_accounting_file_is_held_to_its_cap() {
+    a_tampered_file_does_not_hide_its_container(|file| std::fs::write(file, b"junk").unwrap())
+        .await;
+}
+
+#[tokio::test]
+async fn a_container_that_renamed_the_gpu_in_its_accounting_file_is_held_to_its_cap() {
+    use std::os::unix::fs::FileExt;
+    a_tampered_file_does_not_hide_its_container(|file| {
+        let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+        f.write_all_at(&[0xee; 16], gpumem_layout::device_offset(0) as u64)
+            .unwrap();
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn with_report_a_container_over_its_cap_is_only_reported() {
     let (_, metrics) = over_cap(OverCapAction::Report).await;

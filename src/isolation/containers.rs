@@ -76,13 +76,14 @@ impl Containers {
         dirs
     }
 
-    /// The accounting files present, for reconciliation.
+    /// Every directory's accounting file, for reconciliation: also where it
+    /// is missing, or a link or something else a container put in its
+    /// place (reading refuses those), so that such a container is still
+    /// held to its grant.
     pub fn accounting_files(&self) -> Vec<PathBuf> {
         self.list()
             .into_iter()
             .map(|dir| dir.accounting_file())
-            // Not through a link a container put there.
-            .filter(|file| file.symlink_metadata().is_ok_and(|m| m.is_file()))
             .collect()
     }
 }

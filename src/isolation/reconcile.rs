@@ -418,6 +418,8 @@ pub struct Reconciler {
     unmanaged: Unmanaged,
     /// Unmanaged processes already logged, so each is said once.
     reported: HashSet<(String, u32)>,
+    /// Files stood in for by their grant (see `load`) already logged.
+    stood_in: HashSet<PathBuf>,
     /// The over-cap action, where it is on.
     enforcer: Option<Enforcer>,
     /// The cap Allocate gave a container (accounting file, GPU UUID) in
@@ -444,6 +446,7 @@ impl Reconciler {
             overheads: Overheads::default(),
             unmanaged: Unmanaged::default(),
             reported: HashSet::new(),
+            stood_in: HashSet::new(),
             enforcer: None,
             granted: None,
             identities: attribution::Identities::default(),
@@ -503,17 +506,7 @@ impl Reconciler {
                 return;
             }
         };
-        let loaded: Vec<(PathBuf, Processes)> = files
-            .iter()
-            .filter_map(|file| match accounting::processes(file) {
-                Ok(p) => Some((file.clone(), p)),
-                // Removed meanwhile, or being replaced: next tick.
-                Err(err) => {
-                    debug!(file = %file.display(), %err, "skipping accounting file");
-                    None
-                }
-            })
-            .collect();
+        let (loaded, stood_in) = self.load(files, &memory);
         // Processes that start after this instant are not the ones NVML
         // listed: the over-cap action never kills them.
         let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
@@ -527,11 +520,19 @@ impl Reconciler {
             (attributed, charged_elsewhere(&loaded, &held, &mut who))
         };
         self.report_unmanaged(&attributed);
+        self.warn_of_stand_ins(&loaded, &stood_in, &attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
         let mut seen = HashSet::new();
-        for (((file, processes), unslotted), elsewhere) in
-            loaded.iter().zip(&attributed.unslotted).zip(&elsewhere)
+        for ((((file, processes), unslotted), elsewhere), stood_in) in loaded
+            .iter()
+            .zip(&attributed.unslotted)
+            .zip(&elsewhere)
+            .zip(&stood_in)
         {
+            if stood_in.is_some() {
+                // Nothing to publish into, or nothing the shims read right.
+                continue;
+            }
             self.warn_if_hidden(file, processes);
             self.note_footprints(processes, &memory, elsewhere);
             let samples = untracked(processes, &memory, elsewhere);
@@ -569,6 +570,117 @@ impl Reconciler {
         }
         self.previous.retain(|key, _| seen.contains(key));
         self.publish_overheads();
+    }
+
+    /// Reads each file. One that cannot be read, or that does not cap the
+    /// GPUs its directory was granted, is replaced by the grant with no
+    /// slot holders: the file is mounted writable, and a container process
+    /// that removed or rewrote it must not leave its container unseen. Its
+    /// processes are then found by their mounts, counted whole and held to
+    /// the granted cap. Beside each file, why it was stood in for.
+    fn load(
+        &self,
+        files: &[PathBuf],
+        memory: &ProcessMemory,
+    ) -> (Vec<(PathBuf, Processes)>, Vec<Option<String>>) {
+        let mut loaded = Vec::new();
+        let mut stood_in = Vec::new();
+        for file in files {
+            let (processes, why) = match accounting::processes(file) {
+                Ok(processes) => {
+                    let replaced = self.ungranted(file, &processes, memory).and_then(|uuid| {
+                        let why = format!("it caps {uuid}, which its directory was not granted");
+                        Some((self.grant(file, memory)?, Some(why)))
+                    });
+                    replaced.unwrap_or((processes, None))
+                }
+                Err(err) => match self.grant(file, memory) {
+                    Some(grant) => (grant, Some(err.to_string())),
+                    // No grant known (a directory being removed, a file of
+                    // `gpumem exec`): removed meanwhile, or being replaced.
+                    None => {
+                        debug!(file = %file.display(), %err, "skipping accounting file");
+                        continue;
+                    }
+                },
+            };
+            loaded.push((file.clone(), processes));
+            stood_in.push(why);
+        }
+        (loaded, stood_in)
+    }
+
+    /// A GPU the file caps that its directory was not granted, where the
+    /// directory was granted one this sample lists.
+    fn ungranted<'a>(
+        &self,
+        file: &Path,
+        processes: &'a Processes,
+        memory: &ProcessMemory,
+    ) -> Option<&'a str> {
+        let granted = self.granted.as_ref()?;
+        let stray = processes
+            .devices
+            .iter()
+            .find(|d| granted(file, &d.uuid).is_none())?;
+        memory
+            .keys()
+            .any(|uuid| granted(file, uuid).is_some())
+            .then_some(stray.uuid.as_str())
+    }
+
+    /// The GPUs and caps `file`'s directory was granted, among those this
+    /// sample lists, with no slot holders.
+    fn grant(&self, file: &Path, memory: &ProcessMemory) -> Option<Processes> {
+        let granted = self.granted.as_ref()?;
+        let mut devices: Vec<accounting::Usage> = memory
+            .keys()
+            .filter_map(|uuid| {
+                Some(accounting::Usage {
+                    uuid: uuid.clone(),
+                    cap_bytes: granted(file, uuid)?,
+                    context_charge_bytes: 0,
+                    used_bytes: 0,
+                    untracked_bytes: 0,
+                    peak_bytes: 0,
+                    refusals: 0,
+                })
+            })
+            .collect();
+        devices.sort_by(|a, b| a.uuid.cmp(&b.uuid));
+        (!devices.is_empty()).then_some(Processes {
+            devices,
+            live: Vec::new(),
+        })
+    }
+
+    /// Says once, per file, that a container runs without a file the shim
+    /// can use: only where processes of it were found, so a directory made
+    /// a moment before its file, or one being removed, is not mistaken.
+    fn warn_of_stand_ins(
+        &mut self,
+        loaded: &[(PathBuf, Processes)],
+        stood_in: &[Option<String>],
+        attributed: &Attributed,
+    ) {
+        let mut now = HashSet::new();
+        for (((file, _), why), unslotted) in loaded.iter().zip(stood_in).zip(&attributed.unslotted)
+        {
+            let (Some(why), true) = (why, unslotted.iter().any(|dev| !dev.is_empty())) else {
+                continue;
+            };
+            if !self.stood_in.contains(file) {
+                warn!(
+                    file = %file.display(),
+                    reason = %why,
+                    "a container runs without a usable accounting file (a process of it may have \
+                     removed or rewritten it): its shims do not cap it; its processes are counted \
+                     whole against the cap its directory was granted"
+                );
+            }
+            now.insert(file.clone());
+        }
+        self.stood_in = now;
     }
 
     /// Each container's footprint on each GPU as NVML counts it: its slot
