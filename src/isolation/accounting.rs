@@ -297,6 +297,11 @@ pub fn has_live_process(path: &Path) -> io::Result<bool> {
     Ok(!processes(path)?.live.is_empty())
 }
 
+/// How long a publisher waits its turn: another publisher (a second
+/// `gpumem exec` sharing the directory) holds it for three writes.
+const PUBLISH_TRIES: u32 = 20;
+const PUBLISH_PAUSE: std::time::Duration = std::time::Duration::from_millis(5);
+
 /// Publishes the untracked usage of device `dev` for the shims to fold into
 /// their checks. The daemon has no atomics on the shared page, only file
 /// writes: the protocol's publishing writes, in order, under the
@@ -311,9 +316,28 @@ pub fn publish_untracked(path: &Path, dev: usize, bytes: u64) -> io::Result<()> 
         ));
     }
     // Held until `file` closes; this process holds no slot lock that the
-    // close could drop.
-    let turn = write_lock(protocol::publisher_lock_offset(geometry));
-    fcntl(file.as_fd(), FcntlArg::F_SETLKW(&turn)).map_err(io::Error::from)?;
+    // close could drop. Never waited for without bound: the file is
+    // mounted writable, and a container process that holds this byte must
+    // not stop the daemon's sweep of every container.
+    let at = protocol::publisher_lock_offset(geometry);
+    let turn = write_lock(at);
+    let mut tries = 0;
+    while let Err(err) = fcntl(file.as_fd(), FcntlArg::F_SETLK(&turn)) {
+        if !matches!(err, nix::errno::Errno::EAGAIN | nix::errno::Errno::EACCES) {
+            return Err(err.into());
+        }
+        tries += 1;
+        if tries == PUBLISH_TRIES {
+            return Err(io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!(
+                    "another process holds the publishers' lock (byte {at}) of {}",
+                    path.display()
+                ),
+            ));
+        }
+        std::thread::sleep(PUBLISH_PAUSE);
+    }
     // Read again under the lock: the snapshot may predate another
     // publisher's turn.
     let mut seq = [0u8; 8];
@@ -345,6 +369,28 @@ mod tests {
             cap_mib,
             context_charge_mib: 0,
         }]
+    }
+
+    /// Another process holding the write lock of the byte at `offset`.
+    fn hold_lock(path: &Path, offset: usize) -> std::process::Child {
+        let mut holder = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import fcntl, time\nf = open({path:?}, 'r+')\n\
+                 fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {offset}, 0)\n\
+                 print('locked', flush=True)\ntime.sleep(60)"
+            ))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut said = String::new();
+        io::BufRead::read_line(
+            &mut io::BufReader::new(holder.stdout.take().unwrap()),
+            &mut said,
+        )
+        .unwrap();
+        assert_eq!(said.trim(), "locked");
+        holder
     }
 
     #[test]
@@ -432,24 +478,7 @@ mod tests {
         let geometry = AccountingFile::snapshot(&fs::read(&path).unwrap())
             .unwrap()
             .geometry();
-        let lock_at = protocol::slot_lock_offset(geometry, 0);
-        let mut holder = std::process::Command::new("python3")
-            .arg("-c")
-            .arg(format!(
-                "import fcntl, time\nf = open({path:?}, 'r+')\n\
-                 fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {lock_at}, 0)\n\
-                 print('locked', flush=True)\ntime.sleep(60)"
-            ))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut said = String::new();
-        io::BufRead::read_line(
-            &mut io::BufReader::new(holder.stdout.take().unwrap()),
-            &mut said,
-        )
-        .unwrap();
-        assert_eq!(said.trim(), "locked");
+        let mut holder = hold_lock(&path, protocol::slot_lock_offset(geometry, 0));
 
         let alive = protocol::StateWord(1 << 8 | layout::state::ALIVE);
         let file = fs::OpenOptions::new()
@@ -467,6 +496,31 @@ mod tests {
         holder.wait().unwrap();
         assert_eq!(held, Some(holder.id() as libc::pid_t));
         assert_eq!(reaping, None);
+    }
+
+    /// A process of the container holding the publishers' lock byte costs
+    /// only this publish, not a daemon stuck on it.
+    #[test]
+    fn a_publisher_lock_held_for_good_is_given_up_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = prepare(dir.path(), &t4(4308)).unwrap();
+        let geometry = AccountingFile::snapshot(&fs::read(&path).unwrap())
+            .unwrap()
+            .geometry();
+        let mut holder = hold_lock(&path, protocol::publisher_lock_offset(geometry));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let publishing = path.clone();
+        std::thread::spawn(move || tx.send(publish_untracked(&publishing, 0, 600 * MIB)));
+        let answer = rx.recv_timeout(std::time::Duration::from_secs(10));
+        holder.kill().unwrap();
+        holder.wait().unwrap();
+        let err = answer.expect("still waiting for the lock").unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::WouldBlock);
+        assert!(err.to_string().contains("publishers' lock"), "{err}");
+        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 0);
+        // Once it is let go, publishing works again.
+        publish_untracked(&path, 0, 600 * MIB).unwrap();
+        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 600 * MIB);
     }
 
     #[test]
