@@ -43,6 +43,17 @@ fn together(dir: &std::path::Path, step: &str, n: usize) -> Vec<std::process::Ou
 /// Compiles C `source` in `dir` into a shared library (`lib<name>.so`) or a
 /// program (`<name>`), and returns its path.
 fn compile_c(dir: &std::path::Path, name: &str, source: &str, shared: bool) -> std::path::PathBuf {
+    compile_c_with(dir, name, source, shared, &[])
+}
+
+/// As `compile_c`, with further arguments for the linker (`-l…`).
+fn compile_c_with(
+    dir: &std::path::Path,
+    name: &str,
+    source: &str,
+    shared: bool,
+    link: &[&std::ffi::OsStr],
+) -> std::path::PathBuf {
     let src = dir.join(format!("{name}.c"));
     std::fs::write(&src, source).unwrap();
     let out = dir.join(if shared {
@@ -58,6 +69,7 @@ fn compile_c(dir: &std::path::Path, name: &str, source: &str, shared: bool) -> s
         .arg("-o")
         .arg(&out)
         .arg(&src)
+        .args(link)
         .arg("-ldl")
         .status()
         .expect("a C compiler (cc) is needed");
@@ -874,6 +886,194 @@ int main(void) {
     assert_eq!(
         stdout, "small 0\nover 2\n",
         "through the interposer, still capped"
+    );
+}
+
+/// Links `source` (a library with a `run` function) against the fake
+/// driver or NVML (`links`, one `-l:` argument: the two are one file, and
+/// the linker would keep only the first), has a program open it `RTLD_LOCAL` (as Python opens an
+/// extension module) and call `run`, under the shim capped at 4308 MiB;
+/// returns what it printed.
+fn run_local_library(source: &str, links: &str) -> String {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let driver_dir = format!("-L{}", kit.driver_dir.display());
+    let user = compile_c_with(
+        build.path(),
+        "user",
+        source,
+        true,
+        &[driver_dir.as_ref(), links.as_ref()],
+    );
+    let main = compile_c(
+        build.path(),
+        "main",
+        &format!(
+            r##"#include <dlfcn.h>
+#include <stdio.h>
+int main(void) {{
+    void *user = dlopen("{}", RTLD_NOW | RTLD_LOCAL);
+    if (!user) {{ fprintf(stderr, "%s\n", dlerror()); return 10; }}
+    ((void (*)(void))dlsym(user, "run"))();
+    return 0;
+}}
+"##,
+            user.display()
+        ),
+        false,
+    );
+    let out = std::process::Command::new(&main)
+        .env("LD_LIBRARY_PATH", &kit.driver_dir)
+        .env("LD_PRELOAD", &kit.shim)
+        .env("GPUMEM_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{:?} {stdout} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A library opened RTLD_LOCAL that links the driver keeps it in its own
+/// scope: its direct calls bind to the shim's exports, which must still
+/// reach the driver (they answered errors), and cap.
+#[test]
+fn a_library_opened_locally_that_links_the_driver_is_served_and_capped() {
+    let printed = run_local_library(
+        r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+int cuInit(unsigned);
+int cuDevicePrimaryCtxRetain(void **, int);
+int cuCtxSetCurrent(void *);
+int cuMemAlloc_v2(unsigned long long *, size_t);
+int cuMemGetInfo_v2(size_t *, size_t *);
+typedef int (*alloc_fn)(unsigned long long *, size_t);
+void run(void) {
+    void *ctx = 0;
+    unsigned long long p;
+    size_t free = 0, total = 0;
+    printf("init %d\n", cuInit(0));
+    printf("retain %d\n", cuDevicePrimaryCtxRetain(&ctx, 0));
+    printf("current %d\n", cuCtxSetCurrent(ctx));
+    printf("small %d\n", cuMemAlloc_v2(&p, (size_t)100 << 20));
+    printf("over %d\n", cuMemAlloc_v2(&p, (size_t)5000 << 20));
+    int info = cuMemGetInfo_v2(&free, &total);
+    printf("info %d total %zu\n", info, total >> 20);
+    alloc_fn looked = (alloc_fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+    printf("looked up %d\n", looked ? looked(&p, (size_t)5000 << 20) : -1);
+}
+"##,
+        "-l:libcuda.so.1",
+    );
+    assert_eq!(
+        printed,
+        "init 0\nretain 0\ncurrent 0\nsmall 0\nover 2\ninfo 0 total 4308\nlooked up 2\n"
+    );
+}
+
+#[test]
+fn a_library_opened_locally_that_links_nvml_sees_the_cap() {
+    let printed = run_local_library(
+        r##"#include <stdio.h>
+typedef struct { unsigned long long total, free, used; } memory_t;
+int nvmlInit_v2(void);
+int nvmlDeviceGetHandleByIndex_v2(unsigned, void **);
+int nvmlDeviceGetMemoryInfo(void *, memory_t *);
+void run(void) {
+    void *device = 0;
+    memory_t memory = {0, 0, 0};
+    printf("init %d\n", nvmlInit_v2());
+    printf("handle %d\n", nvmlDeviceGetHandleByIndex_v2(0, &device));
+    int got = nvmlDeviceGetMemoryInfo(device, &memory);
+    printf("memory %d total %llu\n", got, memory.total >> 20);
+}
+"##,
+        "-l:libnvidia-ml.so.1",
+    );
+    assert_eq!(printed, "init 0\nhandle 0\nmemory 0 total 4308\n");
+}
+
+/// An interposer preloaded ahead of the shim wraps cuMemAlloc_v2 and finds
+/// the next one with dlsym(RTLD_NEXT), which is the shim's: a program that
+/// looks the name up (through the program's handle, or the default scope)
+/// gets the interposer's function, which reaches the driver once, capped,
+/// instead of looping between the two.
+#[test]
+fn an_interposer_ahead_of_the_shim_is_called_once_and_capped() {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let wrap = compile_c(
+        build.path(),
+        "wrap",
+        r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*alloc_fn)(unsigned long long *, size_t);
+static int calls, depth;
+int wrapped(void) { return calls; }
+int cuMemAlloc_v2(unsigned long long *p, size_t n) {
+    alloc_fn next = (alloc_fn)dlsym(RTLD_NEXT, "cuMemAlloc_v2");
+    calls++;
+    if (++depth > 100 || !next) { fprintf(stderr, "recursed\n"); return 999; }
+    int r = next(p, n);
+    depth--;
+    return r;
+}
+"##,
+        true,
+    );
+    let main = compile_c(
+        build.path(),
+        "main",
+        r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*fn)();
+int main(void) {
+    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 10;
+    void *ctx = 0;
+    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain"))(&ctx, 0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(ctx);
+    fn wrapped = (fn)dlsym(RTLD_DEFAULT, "wrapped");
+    unsigned long long p;
+    fn own = (fn)dlsym(dlopen(NULL, RTLD_NOW), "cuMemAlloc_v2");
+    printf("own small %d\n", own(&p, (size_t)100 << 20));
+    printf("own over %d\n", own(&p, (size_t)5000 << 20));
+    fn dflt = (fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
+    printf("default over %d\n", dflt(&p, (size_t)5000 << 20));
+    printf("wrapped %d\n", wrapped());
+    return 0;
+}
+"##,
+        false,
+    );
+    let out = std::process::Command::new(&main)
+        .env("LD_LIBRARY_PATH", &kit.driver_dir)
+        .env(
+            "LD_PRELOAD",
+            format!("{}:{}", wrap.display(), kit.shim.display()),
+        )
+        .env("GPUMEM_STATE_DIR", dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{:?} {stdout} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout,
+        "own small 0\nown over 2\ndefault over 2\nwrapped 3\n"
     );
 }
 

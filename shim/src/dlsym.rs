@@ -46,9 +46,41 @@ fn call_real(handle: *mut c_void, name: *const c_char) -> *mut c_void {
 }
 
 /// `name` as resolved after this library: the real function behind one of
-/// our exports.
+/// our exports. Where nothing after us in the global scope has it, the
+/// driver library's own: a library opened `RTLD_LOCAL` that links the
+/// driver (a Python extension, a JNI library) keeps it in its local scope,
+/// which binds its calls to our exports first but which `RTLD_NEXT` from
+/// here never searches.
 pub fn next(name: &CStr) -> *mut c_void {
-    call_real(libc::RTLD_NEXT, name.as_ptr())
+    let found = call_real(libc::RTLD_NEXT, name.as_ptr());
+    if !found.is_null() {
+        return found;
+    }
+    library_of(name.to_bytes()).symbol(name)
+}
+
+/// The library a hooked name belongs to.
+fn library_of(name: &[u8]) -> &'static Library {
+    if name.starts_with(b"nvml") {
+        &LIBNVML
+    } else {
+        &LIBCUDA
+    }
+}
+
+/// Whether `address` lies in the driver or NVML (whichever copy, by file
+/// name), rather than in a program or library that defines the same name.
+fn in_driver(address: *mut c_void) -> bool {
+    // SAFETY: a zeroed Dl_info is a valid out-buffer for dladdr.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the loader's tables for this address.
+    if unsafe { libc::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+        return false;
+    }
+    // SAFETY: dladdr set dli_fname to the object's NUL-terminated name.
+    let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
+    let file = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
+    file.starts_with(b"libcuda.so") || file.starts_with(b"libnvidia-ml.so")
 }
 
 /// A library we look up without loading it: if the process has not loaded
@@ -150,19 +182,47 @@ extern "C" fn intercept(handle: *mut c_void, name: *const c_char) -> *mut c_void
 fn substitute(handle: *mut c_void, name: *const c_char) -> *mut c_void {
     let mut found = call_real(handle, name);
     // SAFETY: classify already checked `name` is a non-null C string.
-    let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
-    let Some(hooked) = Hooked::from_name(bytes) else {
+    let name = unsafe { CStr::from_ptr(name) };
+    let Some(hooked) = Hooked::from_name(name.to_bytes()) else {
         return found;
     };
-    if found as usize == hooked.hook() {
-        // RTLD_DEFAULT found our own export first: the real one comes after us.
-        found = call_real(libc::RTLD_NEXT, name);
+    let hook = hooked.hook() as *mut c_void;
+    if found == hook {
+        // RTLD_DEFAULT from here searches this library first (it is linked
+        // -Bsymbolic): what the caller finds is in the program's order,
+        // which may put an interposer ahead of us.
+        found = call_real(program(), name.as_ptr());
+        if found == hook || found.is_null() {
+            found = next(name);
+        }
     }
     if found.is_null() {
         return found;
     }
+    if !in_driver(found) && found != next(name) {
+        // Defined ahead of us: an interposer preloaded before the shim, or
+        // the program itself. Recorded as the real function, our hook would
+        // call it and its own RTLD_NEXT lookup would reach our hook again,
+        // without end; handed back as it is, that lookup reaches our hook
+        // once, which caps the call.
+        return found;
+    }
     hooked.real().store(found);
-    hooked.hook() as *mut c_void
+    hook
+}
+
+/// The program's own handle: lookups through it follow the global scope's
+/// order (the program, the preloaded libraries, then the rest).
+fn program() -> *mut c_void {
+    static PROGRAM: AtomicUsize = AtomicUsize::new(0);
+    let known = PROGRAM.load(Ordering::Acquire);
+    if known != 0 {
+        return known as *mut c_void;
+    }
+    // SAFETY: dlopen(NULL) returns the main program's handle, never loading.
+    let handle = unsafe { libc::dlopen(std::ptr::null(), libc::RTLD_LAZY) };
+    PROGRAM.store(handle as usize, Ordering::Release);
+    handle
 }
 
 /// The exported `dlsym`. Unhooked names jump straight into the real one.

@@ -121,7 +121,8 @@ impl Real {
     }
 
     /// The real function, resolving `name` after this library when no other
-    /// path has supplied it (a program linked against libcuda directly).
+    /// path has supplied it (a program or library linked against libcuda
+    /// directly).
     pub fn get_or_next(&self, name: &CStr) -> usize {
         let known = self.load();
         if known != 0 {
