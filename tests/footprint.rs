@@ -204,6 +204,53 @@ fn arrays_are_charged_until_destroyed() {
     assert_eq!(free_at(&lines, 2), free_at(&lines, 0));
 }
 
+/// Stream-ordered memory belongs to no context (cuCtxDestroy "will not
+/// destroy memory allocations by cuMemCreate(), cuMemAllocAsync() and
+/// cuMemAllocFromPoolAsync()"): tearing down the context current when it
+/// was made leaves it allocated, and charged, until it is freed.
+#[test]
+fn stream_ordered_memory_outlives_the_context_it_was_made_in() {
+    const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
+    let dir = tempfile::tempdir().unwrap();
+    gpumem::isolation::accounting::prepare(
+        dir.path(),
+        &[T4_UUID, SECOND].map(|uuid| gpumem::isolation::accounting::Cap {
+            uuid: uuid.into(),
+            cap_mib: 4308,
+            context_charge_mib: 0,
+        }),
+    )
+    .unwrap();
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND}"))
+            .args([
+                "ctx:1",
+                "ctx:0",
+                // Device 1's pool, from device 0's primary context.
+                "poolcreate:1",
+                "poolalloc:0:3000",
+                // Device 0's default pool, from a context of its own.
+                "ctxcreate:0",
+                "async:1000",
+                "ctxdestroy:2",
+                "ctxrelease:0",
+                "ctx:1",
+                "info",
+                "ctx:0",
+                "info",
+                "freeasync:3",
+                "info",
+            ]),
+    );
+    assert!(ok, "{stderr}");
+    assert!(lines.contains(&"async:1000 0 #3".to_owned()), "{lines:?}");
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 3000 * MIB, "device 1");
+    assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 1000 * MIB, "device 0");
+    assert_eq!(free_at(&lines, 2), CAP - CONTEXT, "device 0, freed");
+}
+
 #[test]
 fn pool_allocations_are_charged_on_the_pools_device() {
     const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";

@@ -245,7 +245,8 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
 }
 
 /// Stream-ordered allocations from the current device's pool: charged like
-/// cuMemAlloc, keyed by pointer.
+/// cuMemAlloc, keyed by pointer, but no context's (they outlive its
+/// teardown).
 macro_rules! alloc_async {
     ($name:ident, $free:expr) => {
         #[cfg_attr(not(test), no_mangle)]
@@ -258,7 +259,7 @@ macro_rules! alloc_async {
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
             guarded(call, |call| {
-                sized(devices::current(), dptr, bytesize, call, undo)
+                sized(devices::current().map(Site::unowned), dptr, bytesize, call, undo)
             })
         }
     };

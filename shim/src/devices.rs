@@ -145,7 +145,25 @@ pub fn forget_context(ctx: usize) {
 pub struct Site {
     pub shim: &'static Shim,
     pub dev: usize,
+    /// The context whose teardown frees what is made here; `NO_CONTEXT`
+    /// where none does.
     pub ctx: usize,
+}
+
+/// No context's: what is recorded with it outlives every context.
+pub const NO_CONTEXT: usize = 0;
+
+impl Site {
+    /// For stream-ordered memory, which no context owns: cuCtxDestroy
+    /// "will not destroy memory allocations by cuMemCreate(),
+    /// cuMemAllocAsync() and cuMemAllocFromPoolAsync()"; it stays charged
+    /// until it is freed.
+    pub fn unowned(self) -> Site {
+        Site {
+            ctx: NO_CONTEXT,
+            ..self
+        }
+    }
 }
 
 /// The shim and the capped device of the current context, if any.

@@ -45,10 +45,10 @@ pub fn site(pool: CUmemoryPool) -> Option<Site> {
             Some(Site {
                 shim,
                 dev,
-                ctx: devices::current_context() as usize,
+                ctx: devices::NO_CONTEXT,
             })
         }
-        None => devices::current(),
+        None => devices::current().map(Site::unowned),
     }
 }
 

@@ -12,7 +12,8 @@ use crate::spin::{SpinGuard, SpinLock};
 pub const CHUNK: u64 = 2 << 20;
 
 /// One live allocation: where, how big, on which capped device and in
-/// which context (destroying the context frees it).
+/// which context (destroying the context frees it; `NO_CONTEXT` for
+/// stream-ordered memory, which no teardown frees).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Allocation {
     pub dev: usize,

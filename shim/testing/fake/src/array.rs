@@ -84,7 +84,13 @@ fn create(
     if handle.is_null() || desc.width == 0 || desc.channels == 0 || levels == 0 {
         return INVALID_VALUE;
     }
-    match memory::allocate(kind, ctx.0.dev, ctx, bytes(desc, levels)) {
+    match memory::allocate(
+        kind,
+        ctx.0.dev,
+        ctx,
+        bytes(desc, levels),
+        memory::Owned::ByContext,
+    ) {
         // SAFETY: `handle` is the caller's out-parameter, valid for writes under the driver API's
         // contract, and not null (checked above).
         Ok(address) => unsafe { out(handle, address as *mut c_void) },

@@ -197,13 +197,29 @@ fn reopen(old: Option<Arc<Chunk>>, dev: usize, ctx: u64) -> Arc<Chunk> {
     }
 }
 
+/// Whether destroying the context an allocation was made in frees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owned {
+    ByContext,
+    /// Stream-ordered memory: no context owns it (cuCtxDestroy "will not
+    /// destroy memory allocations by cuMemCreate(), cuMemAllocAsync() and
+    /// cuMemAllocFromPoolAsync()"); it lives until freed.
+    Not,
+}
+
 /// Takes `bytes` on `dev` in context `ctx` (with its serial).
 pub(crate) fn allocate(
     kind: Kind,
     dev: usize,
     (ctx, serial): (&Context, u64),
     bytes: u64,
+    owned: Owned,
 ) -> Result<u64, CUresult> {
+    // Serial 0 is no context's: never swept.
+    let serial = match owned {
+        Owned::ByContext => serial,
+        Owned::Not => 0,
+    };
     if bytes == 0 {
         return Err(INVALID_VALUE);
     }
@@ -223,7 +239,7 @@ pub(crate) fn allocate(
     };
     shard_of(address).insert(address, allocation);
     // Destroyed meanwhile: its sweep may have passed this shard already.
-    if ctx.serial() != serial {
+    if owned == Owned::ByContext && ctx.serial() != serial {
         let swept = shard_of(address).remove(&address);
         if let Some(allocation) = swept {
             allocation.give_back();
@@ -257,6 +273,10 @@ pub(crate) fn sweep(serial: u64) {
 }
 
 fn alloc_current(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    alloc_on_current(dptr, size, Owned::ByContext)
+}
+
+fn alloc_on_current(dptr: *mut CUdeviceptr, size: usize, owned: Owned) -> CUresult {
     refuse_after_fork!();
     let ctx = match context::current() {
         Ok(ctx) => ctx,
@@ -265,7 +285,7 @@ fn alloc_current(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
     if dptr.is_null() {
         return INVALID_VALUE;
     }
-    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64) {
+    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, owned) {
         // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
         // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
@@ -286,7 +306,7 @@ fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CU
     if dptr.is_null() {
         return INVALID_VALUE;
     }
-    match allocate(Kind::Memory, dev, ctx, size as u64) {
+    match allocate(Kind::Memory, dev, ctx, size as u64, Owned::Not) {
         // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
         // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
@@ -377,7 +397,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(
     size: usize,
     _s: *mut c_void,
 ) -> CUresult {
-    alloc_current(dptr, size)
+    alloc_on_current(dptr, size, Owned::Not)
 }
 
 #[no_mangle]
@@ -386,7 +406,7 @@ pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
     size: usize,
     _s: *mut c_void,
 ) -> CUresult {
-    alloc_current(dptr, size)
+    alloc_on_current(dptr, size, Owned::Not)
 }
 
 #[no_mangle]
