@@ -89,6 +89,75 @@ fn destroying_a_context_gives_back_it_and_its_allocations() {
     assert_eq!(free_at(&lines, 2), CAP - CONTEXT);
 }
 
+/// A thread retains the primary context while another releases the last
+/// reference to it. The retain looked and found it live (so it charges
+/// nothing); the release must not destroy it under that look, or the
+/// retain makes a new context nothing charges.
+#[test]
+fn a_release_racing_a_retain_leaves_the_context_charged() {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let src = build.path().join("race.c");
+    std::fs::write(
+        &src,
+        r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <unistd.h>
+typedef int (*fn)();
+static fn retain;
+static void *theirs;
+static void *retain_too(void *unused) { retain(&theirs, 0); return unused; }
+int main(void) {
+    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 10;
+    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
+    retain = (fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain");
+    fn release = (fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRelease_v2");
+    void *mine = 0;
+    if (retain(&mine, 0)) return 11;
+    pthread_t other;
+    pthread_create(&other, 0, retain_too, 0);
+    usleep(100000); /* the other retain has looked, and waits for its answer */
+    printf("release %d\n", release(0));
+    pthread_join(other, 0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(theirs);
+    size_t free = 0, total = 0;
+    int info = ((fn)dlsym(RTLD_DEFAULT, "cuMemGetInfo_v2"))(&free, &total);
+    printf("info %d free %zu\n", info, free >> 20);
+    return 0;
+}
+"##,
+    )
+    .unwrap();
+    let program = build.path().join("race");
+    let status = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&program)
+        .arg(&src)
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("a C compiler (cc) is needed");
+    assert!(status.success());
+    let (ok, lines, stderr) = run_lines(
+        std::process::Command::new(&program)
+            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+            .env("LD_PRELOAD", &kit.shim)
+            .env("GPUMEM_STATE_DIR", dir.path())
+            .env("FAKEGPU_GET_STATE_DELAY_MS", "300"),
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        lines,
+        [
+            "release 0",
+            &format!("info 0 free {}", (CAP - CONTEXT) >> 20)
+        ],
+        "{stderr}"
+    );
+}
+
 #[test]
 fn small_allocations_are_charged_the_chunks_the_driver_takes() {
     let dir = capped_dir(4308);

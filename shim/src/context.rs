@@ -15,7 +15,7 @@ use crate::cuda::{
     refused, written, CUcontext, CUdevice, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::dlsym::LIBCUDA;
-use crate::hook::{answered, as_fn, guarded, real, Real};
+use crate::hook::{as_fn, guarded, real, Real};
 use crate::ops::Shim;
 use crate::{array, cuda, devices, log, nvml};
 
@@ -237,12 +237,26 @@ fn primary_gone(ordinal: CUdevice) {
     }
 }
 
+/// Runs `call`, an end of a context, and `gone` after it succeeded, with
+/// creations held off: a retain that found the primary context live must
+/// not see it destroyed before its own call (it would make a new one
+/// uncharged), and a context made in between could get the handle of the
+/// one gone and be taken for it.
+fn ending(call: &dyn Fn() -> CUresult, gone: impl FnOnce()) -> CUresult {
+    let _no_creations = crate::fork::lock(&CREATING);
+    let result = call();
+    if result == CUDA_SUCCESS {
+        gone();
+    }
+    result
+}
+
 macro_rules! primary_end {
     ($name:ident) => {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dev: CUdevice) -> CUresult {
             real!(let call = $name(dev) else CUDA_ERROR_NOT_INITIALIZED);
-            answered(call, CUDA_SUCCESS, || primary_gone(dev))
+            guarded(call, |call| ending(call, || primary_gone(dev)))
         }
     };
 }
@@ -264,5 +278,5 @@ fn context_gone(ctx: CUcontext) {
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     real!(let call = cuCtxDestroy_v2(ctx) else CUDA_ERROR_NOT_INITIALIZED);
-    answered(call, CUDA_SUCCESS, || context_gone(ctx))
+    guarded(call, |call| ending(call, || context_gone(ctx)))
 }

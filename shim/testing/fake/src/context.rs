@@ -188,6 +188,9 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
         return INVALID_VALUE;
     }
     let retained = registry().primary[d].1 > 0;
+    // The answer is as of the read: whatever happens while it is late is
+    // not in it.
+    std::thread::sleep(config().get_state_delay);
     // SAFETY: `flags` and `active` are the caller's out-parameters, valid for writes under the
     // driver API's contract, and not null (checked above).
     unsafe {

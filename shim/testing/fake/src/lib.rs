@@ -85,6 +85,10 @@ struct Config {
     /// `FAKEGPU_PITCH_VIA_EXPORT`: `cuMemAllocPitch_v2` allocates through
     /// the process's `cuMemAlloc_v2` symbol (memory.rs).
     pitch_via_export: bool,
+    /// `FAKEGPU_GET_STATE_DELAY_MS`: `cuDevicePrimaryCtxGetState` answers
+    /// this late, to open the window between a retain's look at the
+    /// primary context and its real call.
+    get_state_delay: std::time::Duration,
 }
 
 fn env_mib(name: &str, default: u64) -> u64 {
@@ -109,6 +113,12 @@ fn config() -> &'static Config {
         nvml_used: env_mib("FAKEGPU_NVML_USED_MIB", 300),
         nvml_reserved: env_mib("FAKEGPU_NVML_RESERVED_MIB", 200),
         pitch_via_export: std::env::var_os("FAKEGPU_PITCH_VIA_EXPORT").is_some(),
+        get_state_delay: std::time::Duration::from_millis(
+            std::env::var("FAKEGPU_GET_STATE_DELAY_MS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        ),
     })
 }
 
