@@ -39,6 +39,11 @@ pub struct CUDA_ARRAY3D_DESCRIPTOR {
 
 const LAYERED: c_uint = 0x01;
 const CUBEMAP: c_uint = 0x04;
+/// Arrays without backing of their own: a sparse array's tiles, and a
+/// deferred-mapping array's memory, are mapped in from `cuMemCreate`
+/// handles (`cuMemMapArrayAsync`), which are charged already.
+const SPARSE: c_uint = 0x40;
+const DEFERRED_MAPPING: c_uint = 0x80;
 
 /// Bytes per element of one channel (cuda.h `CUarray_format`).
 fn element_bytes(format: c_int) -> u64 {
@@ -72,11 +77,18 @@ fn level_bytes(width: u64, height: u64, depth: u64, element: u64, flags: c_uint)
 /// Device memory an array (or a mipmapped array of `levels` levels) takes,
 /// in whole 2 MiB chunks.
 pub fn array_bytes(desc: &CUDA_ARRAY3D_DESCRIPTOR, levels: u32) -> u64 {
+    if desc.flags & (SPARSE | DEFERRED_MAPPING) != 0 {
+        return 0;
+    }
     let element = element_bytes(desc.format).saturating_mul(u64::from(desc.channels.max(1)));
     let layered = desc.flags & (LAYERED | CUBEMAP) != 0;
     let (mut w, mut h, mut d) = (desc.width as u64, desc.height as u64, desc.depth as u64);
+    // The driver clamps the level count to [1, 1 + floor(log2(largest
+    // dimension))]: past that every level would be 1×1×1.
+    let largest = w.max(h).max(if layered { 0 } else { d }).max(1);
+    let levels = levels.clamp(1, 1 + largest.ilog2());
     let mut total = 0u64;
-    for _ in 0..levels.max(1) {
+    for _ in 0..levels {
         total = total.saturating_add(level_bytes(w, h, d, element, desc.flags));
         w = (w / 2).max(1);
         h = if h > 1 { h / 2 } else { h };
@@ -249,6 +261,30 @@ mod tests {
             format,
             channels,
             flags,
+        }
+    }
+
+    /// Levels past a 1×1 level are clamped away, as the driver does: a
+    /// count of 2³² - 1 costs what the full chain does, at once.
+    #[test]
+    fn mipmap_levels_are_clamped_to_the_chain() {
+        const FLOAT: c_int = 0x20;
+        let chain = array_bytes(&desc(4096, 4096, 0, FLOAT, 4, 0), 13);
+        assert_eq!(
+            array_bytes(&desc(4096, 4096, 0, FLOAT, 4, 0), u32::MAX),
+            chain
+        );
+        assert_eq!(array_bytes(&desc(1, 1, 0, 0x01, 1, 0), u32::MAX), 2 * MIB);
+        assert_eq!(array_bytes(&desc(1, 1, 0, 0x01, 1, 0), 0), 2 * MIB);
+    }
+
+    /// Sparse and deferred-mapping arrays have no memory of their own:
+    /// what is mapped into them is `cuMemCreate` memory, charged there.
+    #[test]
+    fn arrays_without_backing_take_nothing() {
+        const FLOAT: c_int = 0x20;
+        for flags in [SPARSE, DEFERRED_MAPPING, SPARSE | LAYERED] {
+            assert_eq!(array_bytes(&desc(8192, 8192, 4, FLOAT, 4, flags), 1), 0);
         }
     }
 

@@ -48,6 +48,9 @@ pub(crate) fn bytes(desc: &CUDA_ARRAY3D_DESCRIPTOR, levels: u32) -> u64 {
         (desc.height as u64).max(1),
         (desc.depth as u64).max(1),
     );
+    // Clamped as the driver does: past a 1×1×1 level there are none.
+    let largest = width.max(height).max(if plain_3d { depth } else { 1 });
+    let levels = levels.clamp(1, 1 + largest.max(1).ilog2());
     let mut total = 0;
     for _ in 0..levels {
         let rows = if height > 1 {
