@@ -19,6 +19,17 @@ fn free_at(lines: &[String], n: usize) -> u64 {
     field(nth(lines, "info 0", n), "free")
 }
 
+/// A context that does not fit is destroyed and refused, and the caller
+/// is not handed the destroyed one: cleaning up what it got back would
+/// destroy it twice.
+#[test]
+fn a_context_past_the_cap_is_refused_and_not_handed_back() {
+    let dir = capped_dir(200);
+    let lines = probe(dir.path(), &["ctxcreate:0"]);
+    assert!(lines.contains(&"ctxcreate:0 2 #0".to_owned()), "{lines:?}");
+    assert!(!lines.iter().any(|l| l.contains("left a context")), "{lines:?}");
+}
+
 #[test]
 fn a_context_is_charged_what_the_driver_took_when_it_is_made() {
     let dir = capped_dir(4308);

@@ -163,12 +163,16 @@ fn creation(
     let handle = || written(pctx).map(|c| c as usize);
     if primary {
         create(shim, dev, ordinal, true, call, handle, || {
-            release_primary(ordinal)
+            let result = release_primary(ordinal);
+            cuda::cleared(pctx, std::ptr::null_mut());
+            result
         })
     } else {
         create(shim, dev, ordinal, false, call, handle, || {
             let made = written(pctx).filter(|ctx| !ctx.is_null());
-            made.map_or(CUDA_SUCCESS, destroy_now)
+            let result = made.map_or(CUDA_SUCCESS, destroy_now);
+            cuda::cleared(pctx, std::ptr::null_mut());
+            result
         })
     }
 }

@@ -64,6 +64,17 @@ pub fn written<T: Copy>(ptr: *const T) -> Option<T> {
     (!ptr.is_null()).then(|| unsafe { *ptr })
 }
 
+/// Clears an out-parameter whose object was just undone: a caller that
+/// cleans up whatever it got back on failure must not free it again (the
+/// driver may have handed its address out anew).
+pub fn cleared<T>(ptr: *mut T, empty: T) {
+    if !ptr.is_null() {
+        // SAFETY: the caller's out-parameter, which the driver wrote through
+        // just before (so valid for writes); null checked.
+        unsafe { ptr.write(empty) };
+    }
+}
+
 /// Charges an allocation before the driver makes it (every 2 MiB chunk an
 /// `estimate`-byte allocation can take), then settles the charge to the
 /// chunks it really took once the driver says where it went: a chunk it
@@ -137,7 +148,11 @@ fn sized(
             bytesize as u64,
             call,
             || Some((written(dptr)?, bytesize as u64)),
-            undo,
+            |ptr| {
+                let result = undo(ptr);
+                cleared(dptr, 0);
+                result
+            },
         ),
         None => call(),
     }
@@ -233,7 +248,11 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
                 let size = (written(pitch)? as u64).saturating_mul(height as u64);
                 Some((written(dptr)?, size))
             },
-            free_now,
+            |ptr| {
+                let result = free_now(ptr);
+                cleared(dptr, 0);
+                result
+            },
         )
     })
 }

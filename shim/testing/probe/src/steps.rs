@@ -223,6 +223,9 @@ unsafe fn cuda<'a>(
             "ctxcreate" => {
                 let mut ctx = null;
                 let r = (api.ctx_create)(&mut ctx, 0, num(next()) as c_int);
+                if r != 0 && !ctx.is_null() {
+                    println!("{step} failed but left a context");
+                }
                 made.push(
                     step,
                     r,
