@@ -5,7 +5,7 @@
 //! for what does not go through it, as the kernel's OOM killer is for a
 //! container's memory limit.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -110,7 +110,24 @@ pub struct Footprint<'a> {
     pub processes: Vec<(u32, u64)>,
 }
 
-impl Footprint<'_> {
+impl<'a> Footprint<'a> {
+    /// The footprint without the processes already killed this tick: one
+    /// process can be in several (a claim capping two GPUs it uses), and
+    /// its death counts in each.
+    fn without(&self, killed: &HashSet<u32>) -> Footprint<'a> {
+        Footprint {
+            file: self.file,
+            gpu: self.gpu,
+            cap: self.cap,
+            processes: self
+                .processes
+                .iter()
+                .filter(|(pid, _)| !killed.contains(pid))
+                .copied()
+                .collect(),
+        }
+    }
+
     fn total(&self) -> u64 {
         self.processes
             .iter()
@@ -166,7 +183,9 @@ impl Enforcer {
         };
         let now = Instant::now();
         let mut still_over = HashMap::new();
+        let mut killed = HashSet::new();
         for footprint in footprints {
+            let footprint = &footprint.without(&killed);
             let key = (footprint.file.to_owned(), footprint.gpu.to_owned());
             if footprint.total() <= footprint.limit() {
                 continue;
@@ -199,6 +218,7 @@ impl Enforcer {
                 }
                 OverCapAction::Kill => {
                     for (pid, bytes) in self.kill_until_under(footprint, sampled_at) {
+                        killed.insert(pid);
                         notify(
                             footprint.gpu,
                             Noticed::Killed {
@@ -303,6 +323,56 @@ mod tests {
         let me = std::process::id();
         let proc = Path::new("/proc");
         assert!(start_time(proc, me).unwrap() <= uptime_ticks(proc).unwrap());
+    }
+
+    /// One process over two footprints (a claim capping two GPUs it uses)
+    /// is killed once, and its death counts in both: the newer process
+    /// that only the second footprint has stays.
+    #[test]
+    fn a_process_in_two_footprints_over_their_caps_is_killed_once() {
+        const GIB: u64 = 1 << 30;
+        let mut older = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        // A later start time (clock ticks are 10 ms).
+        std::thread::sleep(Duration::from_millis(30));
+        let mut newer = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let (p, q) = (older.id(), newer.id());
+        let file = Path::new("/state/claim-x/accounting");
+        let footprints = [
+            Footprint {
+                file,
+                gpu: "GPU-x",
+                cap: 5 * GIB,
+                processes: vec![(p, 10 * GIB)],
+            },
+            Footprint {
+                file,
+                gpu: "GPU-y",
+                cap: 10 * GIB,
+                processes: vec![(p, 10 * GIB), (q, GIB)],
+            },
+        ];
+        let mut enforcer = Enforcer::new(OverCapAction::Kill, Duration::ZERO);
+        let sampled_at = uptime_ticks(Path::new("/proc"));
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        enforcer.check(&footprints, sampled_at, Some(&tx));
+        let older_died = older.wait().unwrap();
+        let newer_alive = newer.try_wait().unwrap().is_none();
+        let _ = newer.kill();
+        let _ = newer.wait();
+        assert!(!older_died.success());
+        assert!(newer_alive, "the newer process was killed too");
+        assert_eq!(enforcer.actions().kills.load(Ordering::Relaxed), 1);
+        let mut killed = Vec::new();
+        while let Ok(notice) = rx.try_recv() {
+            killed.push(notice.what);
+        }
+        assert_eq!(killed.len(), 1, "{killed:?}");
     }
 
     #[test]

@@ -492,6 +492,11 @@ impl Reconciler {
     /// Reconciles every file once. NVML failing leaves the published values
     /// as they are: stale is safer than zero.
     pub fn tick(&mut self, files: &[PathBuf]) {
+        // Processes that start after this instant are not the ones NVML
+        // lists next: the over-cap action never kills them. Read before
+        // asking NVML, so that one started while the files are read is not
+        // taken for the process NVML listed under its PID.
+        let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
         let memory = match self.source.usage() {
             Ok(memory) => {
                 self.last_error = None;
@@ -507,9 +512,6 @@ impl Reconciler {
             }
         };
         let (loaded, stood_in) = self.load(files, &memory);
-        // Processes that start after this instant are not the ones NVML
-        // listed: the over-cap action never kills them.
-        let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
         let (attributed, elsewhere) = {
             let source = &self.source;
             let mut who = self
