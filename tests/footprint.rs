@@ -27,7 +27,10 @@ fn a_context_past_the_cap_is_refused_and_not_handed_back() {
     let dir = capped_dir(200);
     let lines = probe(dir.path(), &["ctxcreate:0"]);
     assert!(lines.contains(&"ctxcreate:0 2 #0".to_owned()), "{lines:?}");
-    assert!(!lines.iter().any(|l| l.contains("left a context")), "{lines:?}");
+    assert!(
+        !lines.iter().any(|l| l.contains("left a context")),
+        "{lines:?}"
+    );
 }
 
 #[test]

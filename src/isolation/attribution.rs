@@ -121,6 +121,8 @@ struct Known {
     seen: u64,
     /// `None` where `stat` could not be read: nothing is kept then.
     start: Option<u64>,
+    /// Whether `stat`, as read this sweep, says it is exiting.
+    exiting: bool,
     /// What each file said, once it could be read.
     mounted: Option<Vec<String>>,
     owner: Option<Option<Owner>>,
@@ -172,6 +174,17 @@ impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
         known.mounted.as_deref().unwrap_or_default()
     }
 
+    /// Whether a listed process is exiting (its leader is: a leader that
+    /// ended alone leaves the others running, so this alone proves
+    /// nothing): the kernel dropped its record locks with its files, but
+    /// the driver frees its memory only later in the exit, and meanwhile
+    /// NVML still lists it, while its mount table can no longer be read.
+    /// Its start time, where it is exiting.
+    pub(crate) fn exiting(&mut self, pid: u32) -> Option<u64> {
+        let known = known(self.identities, &self.read, pid);
+        known.start.filter(|_| known.exiting)
+    }
+
     /// The pod and container a listed process's cgroup names.
     pub(crate) fn owner(&mut self, pid: u32) -> Option<Owner> {
         let known = known(self.identities, &self.read, pid);
@@ -213,11 +226,14 @@ fn known<'a>(
     let known = identities.known.entry(pid).or_insert(Known {
         seen: 0,
         start: None,
+        exiting: false,
         mounted: None,
         owner: None,
     });
     if known.seen != sweep {
-        let start = read(pid, "stat").and_then(|stat| start_time_in_stat(&stat));
+        let stat = read(pid, "stat");
+        known.exiting = stat.as_deref().is_some_and(exiting_in_stat);
+        let start = stat.and_then(|stat| start_time_in_stat(&stat));
         if start.is_none() || start != known.start {
             known.start = start;
             known.mounted = None;
@@ -226,6 +242,23 @@ fn known<'a>(
         known.seen = sweep;
     }
     known
+}
+
+/// `PF_EXITING` in a task's flags (`/proc/<pid>/stat` field 9): set as the
+/// exit begins, before its files are closed.
+const PF_EXITING: u64 = 0x4;
+
+/// Whether a `/proc/<pid>/stat` line is of a process on its way out: a
+/// zombie, dead, or exiting.
+fn exiting_in_stat(stat: &str) -> bool {
+    // Fields after the command name's last ')': state (3), then flags (9).
+    let Some(close) = stat.rfind(')') else {
+        return false;
+    };
+    let mut fields = stat[close + 1..].split_whitespace();
+    let state = fields.next();
+    let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok());
+    matches!(state, Some("Z" | "X" | "x")) || flags.is_some_and(|f| f & PF_EXITING != 0)
 }
 
 fn owner_of_path(path: &str) -> Option<Owner> {
@@ -277,6 +310,18 @@ fn is_uid(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_process_on_its_way_out_is_told_by_its_state_or_flags() {
+        let stat = |state: &str, flags: u64| {
+            format!("7 (a (b) c) {state} 1 7 7 0 -1 {flags} 0 0 0 0 0 0 0 0 20 0 1 0 22\n")
+        };
+        assert!(!exiting_in_stat(&stat("S", 0x400000)));
+        assert!(exiting_in_stat(&stat("S", 0x400004)));
+        assert!(exiting_in_stat(&stat("Z", 0)));
+        assert!(exiting_in_stat(&stat("X", 0)));
+        assert!(!exiting_in_stat("garbage"));
+    }
 
     const UID: &str = "0a1b2c3d-4e5f-4678-9abc-def012345678";
     const UNDERSCORED: &str = "0a1b2c3d_4e5f_4678_9abc_def012345678";

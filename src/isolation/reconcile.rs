@@ -198,6 +198,7 @@ struct Attributed {
 fn attribute<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
+    last_holders: &HashSet<(u32, u64)>,
     memory: &ProcessMemory,
     who: &mut attribution::Sweep<'_, R>,
 ) -> Attributed {
@@ -223,6 +224,17 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
         for (&pid, &bytes) in per_pid {
             let files = held.get(&pid).map_or(&[][..], Vec::as_slice);
             if files.iter().any(|&index| capping(index).is_some()) {
+                continue;
+            }
+            // A slot holder of the last tick on its way out, its memory
+            // about to go: neither its container's whole (its unreaped
+            // slot still counts it) nor a stranger. Only a holder: a leader
+            // thread that exits alone looks the same while the rest of its
+            // process runs on, and this skips such a one once at most.
+            if who
+                .exiting(pid)
+                .is_some_and(|start| last_holders.contains(&(pid, start)))
+            {
                 continue;
             }
             let mounted = who
@@ -420,6 +432,8 @@ pub struct Reconciler {
     reported: HashSet<(String, u32)>,
     /// Files stood in for by their grant (see `load`) already logged.
     stood_in: HashSet<PathBuf>,
+    /// The slot holders of the last tick, by PID and start time.
+    last_holders: HashSet<(u32, u64)>,
     /// The over-cap action, where it is on.
     enforcer: Option<Enforcer>,
     /// The cap Allocate gave a container (accounting file, GPU UUID) in
@@ -447,6 +461,7 @@ impl Reconciler {
             unmanaged: Unmanaged::default(),
             reported: HashSet::new(),
             stood_in: HashSet::new(),
+            last_holders: HashSet::new(),
             enforcer: None,
             granted: None,
             identities: attribution::Identities::default(),
@@ -518,9 +533,14 @@ impl Reconciler {
                 .identities
                 .sweep(|pid, name| source.proc_file(pid, name));
             let held = holders(&loaded);
-            let attributed = attribute(&loaded, &held, &memory, &mut who);
+            let attributed = attribute(&loaded, &held, &self.last_holders, &memory, &mut who);
             (attributed, charged_elsewhere(&loaded, &held, &mut who))
         };
+        self.last_holders = loaded
+            .iter()
+            .flat_map(|(_, processes)| &processes.live)
+            .filter_map(|p| Some((p.pid?, p.start_time)))
+            .collect();
         self.report_unmanaged(&attributed);
         self.warn_of_stand_ins(&loaded, &stood_in, &attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
@@ -992,6 +1012,7 @@ mod tests {
             let mut attributed = attribute(
                 loaded,
                 &holders(loaded),
+                &HashSet::new(),
                 memory,
                 &mut identities.sweep(read),
             );
@@ -1108,6 +1129,7 @@ mod tests {
         let mut attributed = attribute(
             &loaded,
             &holders(&loaded),
+            &HashSet::new(),
             &memory,
             &mut identities.sweep(read),
         );
@@ -1155,6 +1177,7 @@ mod tests {
         let attributed = attribute(
             &loaded,
             &holders(&loaded),
+            &HashSet::new(),
             &memory,
             &mut identities.sweep(read),
         );

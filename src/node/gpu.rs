@@ -79,9 +79,9 @@ pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 /// A node described in TOML (`[[gpu]]` tables with `uuid`, `name`,
 /// `memory_mib`, optional `index`, `healthy` and `compute_capability`
 /// (`"7.5"`), and optional `[[gpu.process]]` tables with `pid` and
-/// `used_mib` standing in for NVML's per-process usage, and `cgroup` and
-/// `mountinfo` for what `/proc/<pid>/cgroup` and `/proc/<pid>/mountinfo` say
-/// of that process; optional top-level `driver_version` (`"580.65.06"`) and
+/// `used_mib` standing in for NVML's per-process usage, and `cgroup`,
+/// `mountinfo` and `stat` for what `/proc/<pid>/cgroup`, `mountinfo` and
+/// `stat` say of that process; optional top-level `driver_version` (`"580.65.06"`) and
 /// `cuda_driver_version` (`"13.0"`)).
 #[derive(Debug, Clone)]
 pub struct FakeGpus {
@@ -122,6 +122,7 @@ struct FakeProcess {
     used_mib: u64,
     cgroup: Option<String>,
     mountinfo: Option<String>,
+    stat: Option<String>,
 }
 
 fn default_healthy() -> bool {
@@ -244,7 +245,12 @@ impl FakeGpus {
                         format!("{} appears twice", p.pid),
                     ));
                 }
-                for (name, text) in [("cgroup", &p.cgroup), ("mountinfo", &p.mountinfo)] {
+                let files = [
+                    ("cgroup", &p.cgroup),
+                    ("mountinfo", &p.mountinfo),
+                    ("stat", &p.stat),
+                ];
+                for (name, text) in files {
                     if let Some(text) = text {
                         proc_files.insert((p.pid, name.to_owned()), text.clone());
                     }
@@ -286,7 +292,7 @@ impl FakeGpus {
     }
 
     /// What the file says `/proc/<pid>/<name>` holds for a process it lists
-    /// (`cgroup`, `mountinfo`).
+    /// (`cgroup`, `mountinfo`, `stat`).
     pub fn proc_file(&self, pid: u32, name: &str) -> Option<&str> {
         self.proc_files
             .get(&(pid, name.to_owned()))
