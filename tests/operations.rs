@@ -701,6 +701,59 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
     h.stop().await;
 }
 
+/// The driver takes a context's memory before the call that makes it
+/// returns, and the shim charges it only then: a sample in between sees the
+/// process hold it uncharged. Published as untracked, it would count twice
+/// once charged, and refuse the container's first allocations.
+#[tokio::test]
+async fn a_context_being_made_is_not_untracked_usage() {
+    let a = Admitted::start(None).await;
+    let (d, dir) = (&a.d, &a.dir);
+    let started = std::time::Instant::now();
+    const MAKING: Duration = Duration::from_secs(6);
+    let mut maker = common::Killed(
+        shim_kit()
+            .probe(Some(dir))
+            .env("FAKEGPU_CONTEXT_DELAY_MS", MAKING.as_millis().to_string())
+            .args(["ctx:0", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // Its slot is claimed before the context is made.
+    let file = dir.join(gpumem_layout::FILE_NAME);
+    let deadline = std::time::Instant::now() + WAIT;
+    while !gpumem::isolation::accounting::processes(&file)
+        .unwrap()
+        .live
+        .iter()
+        .any(|p| p.pid == Some(maker.0.id()))
+    {
+        assert!(std::time::Instant::now() < deadline, "no slot claimed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    d.list_process(maker.0.id(), 300, &[]);
+    // A process of the container without the shim, listed after: once its
+    // 50 MiB are published, a sample has seen the context being made.
+    let shimless = common::Killed(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    );
+    let mountinfo = common::mountinfo_with_state_dir(dir);
+    d.list_process(shimless.0.id(), 50, &[("mountinfo", &mountinfo)]);
+    let c = d
+        .wait_for_container("the shim-less process counted", |c| {
+            c.untracked_mib.is_some_and(|u| u >= 50)
+        })
+        .await;
+    let in_time = started.elapsed() < MAKING && maker.0.try_wait().unwrap().is_none();
+    assert!(in_time, "the context was made before a sample saw it");
+    assert_eq!(c.untracked_mib, Some(50), "{c:?}");
+    a.d.stop().await;
+}
+
 /// A process of the container exits: the kernel drops its record lock
 /// with its files, but NVML lists its memory until the driver's part of the
 /// exit is done, and its mount table can no longer be read. That is not a

@@ -81,6 +81,8 @@ fn create(
     if let Err(refusal) = shim.charge(dev, hint) {
         return refused(refusal);
     }
+    // Until it is charged what it took.
+    let _making = shim.making_context(dev);
     let before = nvml::own_usage(&uuid);
     let charged_before = shim.own_charges(dev);
     let result = call();

@@ -264,6 +264,24 @@ impl Shim {
         }
     }
 
+    /// Says in this process's slot that it is making a context on `dev`,
+    /// until the guard drops: the driver takes the context's memory before
+    /// the shim can measure and charge it, and the node daemon, seeing it
+    /// in NVML meanwhile, would publish it as untracked on top of the
+    /// charge to come.
+    pub fn making_context(&self, dev: usize) -> MakingContext<'_> {
+        let (file, record) = self.file_of(dev);
+        let flag = match file.slot.load(SeqCst) {
+            NO_SLOT | PRIVATE_SLOT => None,
+            index => Some(file.region.file().creating(index)),
+        };
+        let bit = 1u64 << record;
+        if let Some(flag) = flag {
+            flag.fetch_or(bit, SeqCst);
+        }
+        MakingContext { flag, bit }
+    }
+
     /// What this process is charged on `dev`.
     pub fn own_charges(&self, dev: usize) -> u64 {
         self.own_counter(dev).map_or(0, |c| c.load(SeqCst))
@@ -453,5 +471,19 @@ impl Shim {
         let cap = self.cap(dev).min(real_total);
         let used = self.used(dev).min(cap);
         (cap, used, cap - used)
+    }
+}
+
+/// A context being made (see `Shim::making_context`); cleared on drop.
+pub struct MakingContext<'a> {
+    flag: Option<&'a AtomicU64>,
+    bit: u64,
+}
+
+impl Drop for MakingContext<'_> {
+    fn drop(&mut self) {
+        if let Some(flag) = self.flag {
+            flag.fetch_and(!self.bit, SeqCst);
+        }
     }
 }

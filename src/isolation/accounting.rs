@@ -211,6 +211,9 @@ pub struct LiveProcess {
     pub start_time: u64,
     /// Bytes it charged, per device of the file.
     pub used: Vec<u64>,
+    /// Bit per device of the file: making a context there, which the
+    /// driver has taken and the shim not yet charged.
+    pub creating: u64,
 }
 
 /// The devices and live processes of one accounting file.
@@ -246,6 +249,7 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
             pid: u32::try_from(holder).ok().filter(|&p| p > 0),
             start_time: snapshot.owner(slot.index).start_time,
             used: slot.used,
+            creating: slot.creating,
         });
     }
     let devices = layout::devices(&bytes, geometry)

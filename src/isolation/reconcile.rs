@@ -143,10 +143,15 @@ fn listed<'a>(
     let on_gpu = memory.get(&processes.devices.get(dev)?.uuid)?;
     Some(processes.live.iter().filter_map(move |p| {
         let pid = p.pid.filter(|pid| !elsewhere.contains(pid))?;
+        let actual = *on_gpu.get(&pid)?;
+        let charged = p.used.get(dev).copied().unwrap_or(0);
+        // Making a context, which the driver took and the shim is about to
+        // charge: nothing of it is untracked.
+        let making = p.creating & (1 << dev) != 0;
         Some((
             pid,
-            *on_gpu.get(&pid)?,
-            p.used.get(dev).copied().unwrap_or(0),
+            actual,
+            if making { charged.max(actual) } else { charged },
         ))
     }))
 }
@@ -526,7 +531,13 @@ impl Reconciler {
                 return;
             }
         };
-        let (loaded, stood_in) = self.load(files, &memory);
+        // The files after NVML: a process that claims its slot between
+        // the two is a slot holder, not a process without the shim.
+        let read = files
+            .iter()
+            .map(|file| (file, accounting::processes(file)))
+            .collect();
+        let (loaded, stood_in) = self.load(read, &memory);
         let (attributed, elsewhere) = {
             let source = &self.source;
             let mut who = self
@@ -594,7 +605,7 @@ impl Reconciler {
         self.publish_overheads();
     }
 
-    /// Reads each file. One that cannot be read, or that does not cap the
+    /// Takes each file as read. One that cannot be read, or that does not cap the
     /// GPUs its directory was granted, is replaced by the grant with no
     /// slot holders: the file is mounted writable, and a container process
     /// that removed or rewrote it must not leave its container unseen. Its
@@ -602,13 +613,13 @@ impl Reconciler {
     /// the granted cap. Beside each file, why it was stood in for.
     fn load(
         &self,
-        files: &[PathBuf],
+        read: Vec<(&PathBuf, std::io::Result<Processes>)>,
         memory: &ProcessMemory,
     ) -> (Vec<(PathBuf, Processes)>, Vec<Option<String>>) {
         let mut loaded = Vec::new();
         let mut stood_in = Vec::new();
-        for file in files {
-            let (processes, why) = match accounting::processes(file) {
+        for (file, read) in read {
+            let (processes, why) = match read {
                 Ok(processes) => {
                     let replaced = self.ungranted(file, &processes, memory).and_then(|uuid| {
                         let why = format!("it caps {uuid}, which its directory was not granted");
@@ -875,6 +886,7 @@ mod tests {
             pid,
             start_time: pid.map_or(0, u64::from),
             used: vec![used_mib * MIB],
+            creating: 0,
         }
     }
 
@@ -1200,6 +1212,7 @@ mod tests {
             pid: Some(10),
             start_time: 10,
             used: vec![2000 * MIB, 0],
+            creating: 0,
         };
         let a = Processes {
             devices: vec![device(T4)],

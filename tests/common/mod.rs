@@ -427,3 +427,14 @@ pub fn shim_plugin(
         .arg(state);
     cmd
 }
+
+/// A child process killed when the test lets go of it, also when the test
+/// fails first: a probe left holding would keep the test's output open.
+pub struct Killed(pub std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

@@ -83,6 +83,10 @@ pub mod slot {
     pub const START_TIME: usize = 16;
     /// u64 × MAX_DEVICES, atomic, written only by the owner: bytes charged.
     pub const USED: usize = 24;
+    /// u64, atomic, written only by the owner: bit `dev` set while it makes
+    /// a context on the file's device `dev`, which the driver takes before
+    /// the shim can charge it. Zero in files and shims from before it.
+    pub const CREATING: usize = 24 + 8 * super::MAX_DEVICES;
 }
 
 /// Slot states (low byte of the state word).
@@ -94,7 +98,8 @@ pub mod state {
     pub const REAPING: u64 = 3;
 }
 
-const _: () = assert!(slot::USED + 8 * MAX_DEVICES <= SLOT_LEN);
+const _: () = assert!(slot::USED + 8 * MAX_DEVICES <= slot::CREATING);
+const _: () = assert!(slot::CREATING + 8 <= SLOT_LEN);
 const _: () = assert!(device::OBSERVED_SEQ + 8 <= DEVICE_LEN);
 
 /// Offset of device record `index`.

@@ -162,6 +162,8 @@ pub struct SlotView {
     pub state: u64,
     pub pid: u64,
     pub used: Vec<u64>,
+    /// The devices (bit per device of the file) it is making a context on.
+    pub creating: u64,
 }
 
 /// An accounting file seen through its words, with the protocol on them.
@@ -210,6 +212,13 @@ impl<W: Words> AccountingFile<W> {
     pub fn used_counter(&self, index: usize, dev: usize) -> &AtomicU64 {
         debug_assert!(dev < self.geometry.devices);
         self.slot_field(index, slot::USED + 8 * dev)
+    }
+
+    /// The bits of the devices slot `index`'s owner is making a context on
+    /// (see `slot::CREATING`): set and cleared by the owner, zeroed with
+    /// its counters by a claimer or a reaper.
+    pub fn creating(&self, index: usize) -> &AtomicU64 {
+        self.slot_field(index, slot::CREATING)
     }
 
     pub fn owner(&self, index: usize) -> Owner {
@@ -313,6 +322,7 @@ impl<W: Words> AccountingFile<W> {
             for dev in 0..self.geometry.devices {
                 self.used_counter(index, dev).store(0, SeqCst);
             }
+            self.creating(index).store(0, SeqCst);
             self.slot_field(index, slot::PID).store(owner.pid, SeqCst);
             self.slot_field(index, slot::START_TIME)
                 .store(owner.start_time, SeqCst);
@@ -397,6 +407,7 @@ impl<W: Words> AccountingFile<W> {
             for dev in 0..self.geometry.devices {
                 self.used_counter(index, dev).store(0, SeqCst);
             }
+            self.creating(index).store(0, SeqCst);
             self.state_word(index).store(reaping.freed().0, SeqCst);
         }
         unlock(index);
@@ -413,6 +424,7 @@ impl<W: Words> AccountingFile<W> {
                 used: (0..self.geometry.devices)
                     .map(|dev| self.used_counter(index, dev).load(SeqCst))
                     .collect(),
+                creating: self.creating(index).load(SeqCst),
             })
             .collect()
     }

@@ -32,6 +32,8 @@ impl Context {
     fn activate(&self) -> Result<(), CUresult> {
         static SERIALS: AtomicU64 = AtomicU64::new(1);
         node::charge(self.dev, config().context)?;
+        // The memory is taken first, and shows in NVML, as on a GPU.
+        std::thread::sleep(config().context_delay);
         self.serial
             .store(SERIALS.fetch_add(1, Ordering::Relaxed), Ordering::Release);
         Ok(())

@@ -89,6 +89,9 @@ struct Config {
     /// this late, to open the window between a retain's look at the
     /// primary context and its real call.
     get_state_delay: std::time::Duration,
+    /// `FAKEGPU_CONTEXT_DELAY_MS`: a context takes its memory this long
+    /// before the call that makes it returns (~110 ms on an H100).
+    context_delay: std::time::Duration,
 }
 
 fn env_mib(name: &str, default: u64) -> u64 {
@@ -97,6 +100,15 @@ fn env_mib(name: &str, default: u64) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
         * MIB
+}
+
+fn env_ms(name: &str) -> std::time::Duration {
+    std::time::Duration::from_millis(
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    )
 }
 
 fn config() -> &'static Config {
@@ -113,12 +125,8 @@ fn config() -> &'static Config {
         nvml_used: env_mib("FAKEGPU_NVML_USED_MIB", 300),
         nvml_reserved: env_mib("FAKEGPU_NVML_RESERVED_MIB", 200),
         pitch_via_export: std::env::var_os("FAKEGPU_PITCH_VIA_EXPORT").is_some(),
-        get_state_delay: std::time::Duration::from_millis(
-            std::env::var("FAKEGPU_GET_STATE_DELAY_MS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-        ),
+        get_state_delay: env_ms("FAKEGPU_GET_STATE_DELAY_MS"),
+        context_delay: env_ms("FAKEGPU_CONTEXT_DELAY_MS"),
     })
 }
 
