@@ -172,6 +172,77 @@ int main(void) {
     );
 }
 
+/// Another thread of the process frees 1000 MiB while a context is made:
+/// the driver's figure for the process drops by that less the context, and
+/// so do its charges; the context is charged what it took, not nothing.
+#[test]
+fn a_free_while_a_context_is_made_does_not_hide_the_context() {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let src = build.path().join("free.c");
+    std::fs::write(
+        &src,
+        r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <unistd.h>
+typedef int (*fn)();
+static unsigned long long held;
+static void *free_soon(void *unused) {
+    usleep(100000); /* the context is being made */
+    printf("free %d\n", ((fn)dlsym(RTLD_DEFAULT, "cuMemFree_v2"))(held));
+    return unused;
+}
+int main(void) {
+    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 10;
+    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
+    void *primary = 0, *made = 0;
+    ((fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain"))(&primary, 0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(primary);
+    printf("alloc %d\n", ((fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"))(&held, (size_t)1000 << 20));
+    pthread_t other;
+    pthread_create(&other, 0, free_soon, 0);
+    printf("create %d\n", ((fn)dlsym(RTLD_DEFAULT, "cuCtxCreate_v2"))(&made, 0, 0));
+    pthread_join(other, 0);
+    size_t free = 0, total = 0;
+    int info = ((fn)dlsym(RTLD_DEFAULT, "cuMemGetInfo_v2"))(&free, &total);
+    printf("info %d free %zu\n", info, free >> 20);
+    return 0;
+}
+"##,
+    )
+    .unwrap();
+    let program = build.path().join("free");
+    let status = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&program)
+        .arg(&src)
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("a C compiler (cc) is needed");
+    assert!(status.success());
+    let (ok, lines, stderr) = run_lines(
+        std::process::Command::new(&program)
+            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+            .env("LD_PRELOAD", &kit.shim)
+            .env("GPUMEM_STATE_DIR", dir.path())
+            .env("FAKEGPU_CONTEXT_DELAY_MS", "400"),
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        lines,
+        [
+            "alloc 0",
+            "free 0",
+            "create 0",
+            &format!("info 0 free {}", (CAP - 2 * CONTEXT) >> 20)
+        ],
+        "{stderr}"
+    );
+}
+
 #[test]
 fn small_allocations_are_charged_the_chunks_the_driver_takes() {
     let dir = capped_dir(4308);

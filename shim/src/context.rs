@@ -41,11 +41,25 @@ fn made() -> MutexGuard<'static, Vec<Made>> {
 
 type PrimaryGetStateFn = unsafe extern "C" fn(CUdevice, *mut c_uint, *mut c_int) -> CUresult;
 
+/// The driver's `cuDevicePrimaryCtxGetState`, looked up once.
+fn get_state() -> usize {
+    static GET_STATE: Real = Real::new();
+    LIBCUDA.cached(&GET_STATE, c"cuDevicePrimaryCtxGetState")
+}
+
+/// Looks up, before `CREATING` is taken, what is asked under it: a lookup
+/// takes the dynamic loader's lock, which a thread inside `dlopen` (a
+/// library constructor that makes a context) holds while it waits for
+/// `CREATING`.
+fn prepare() {
+    get_state();
+    nvml::prepare();
+}
+
 /// Whether the device's primary context exists; `None` if the driver
 /// cannot say.
 fn primary_active(ordinal: CUdevice) -> Option<bool> {
-    static GET_STATE: Real = Real::new();
-    let address = LIBCUDA.cached(&GET_STATE, c"cuDevicePrimaryCtxGetState");
+    let address = get_state();
     if address == 0 {
         return None;
     }
@@ -67,6 +81,7 @@ fn create(
     handle: impl FnOnce() -> Option<usize>,
     undo: impl FnOnce() -> CUresult,
 ) -> CUresult {
+    prepare();
     let _one_at_a_time = crate::fork::lock(&CREATING);
     // A slot from the first context on, even with nothing charged: its
     // record lock is how the node daemon finds this process in NVML.
@@ -91,12 +106,14 @@ fn create(
         return result;
     }
     let after = nvml::own_usage(&uuid);
-    // This process's other threads may have allocated meanwhile (on other
-    // contexts of the device): that is charged already.
-    let meanwhile = shim.own_charges(dev).saturating_sub(charged_before);
+    // This process's other threads may have allocated or freed meanwhile
+    // (on other contexts of the device): that is in their charges already.
+    // Signed: a free makes both differences negative.
+    let meanwhile = i128::from(shim.own_charges(dev)) - i128::from(charged_before);
     let measured = match (before, after) {
         (Some(before), Some(after)) if after > 0 => {
-            Some(after.saturating_sub(before).saturating_sub(meanwhile))
+            let took = i128::from(after) - i128::from(before) - meanwhile;
+            Some(u64::try_from(took.max(0)).unwrap_or(u64::MAX))
         }
         _ => None,
     };
@@ -249,6 +266,8 @@ fn primary_gone(ordinal: CUdevice) {
 /// uncharged), and a context made in between could get the handle of the
 /// one gone and be taken for it.
 fn ending(call: &dyn Fn() -> CUresult, gone: impl FnOnce()) -> CUresult {
+    // What `gone` looks up, before the lock (see `prepare`).
+    get_state();
     let _no_creations = crate::fork::lock(&CREATING);
     let result = call();
     if result == CUDA_SUCCESS {

@@ -178,6 +178,14 @@ fn queries() -> Option<&'static Queries> {
         .as_ref()
 }
 
+/// Loads NVML for `own_usage` now, before a caller takes a lock under which
+/// it will ask: loading takes the dynamic loader's lock, which a thread
+/// already inside `dlopen` (a library constructor that makes a context)
+/// holds while it waits for ours.
+pub fn prepare() {
+    let _ = queries();
+}
+
 /// What the driver holds for this process on the GPU with `uuid`: NVML's
 /// per-process figure, found by our own PID (NVML gives PIDs as the
 /// caller's PID namespace sees them, so this works in a container too).
