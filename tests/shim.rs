@@ -243,6 +243,51 @@ fn a_slot_whose_reaper_died_is_finished_by_the_next() {
     assert_eq!(slot_now(), (1 << 8 | state::FREE, 0));
 }
 
+/// A driver newer than the shim hands out a variant the shim does not
+/// know (an export of its own, with its own arguments): the caller gets it
+/// untouched, not a hook for the variant the documentation names.
+#[test]
+fn an_exported_variant_the_shim_does_not_know_is_left_alone() {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let main = compile_c(
+        build.path(),
+        "newer",
+        r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*gpa_fn)(const char *, void **, int, unsigned long long, int *);
+int main(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!cuda) return 10;
+    ((int (*)(unsigned))dlsym(cuda, "cuInit"))(0);
+    gpa_fn gpa = (gpa_fn)dlsym(cuda, "cuGetProcAddress_v2");
+    void *got = 0;
+    int status = 0;
+    int r = gpa("cuMemAlloc", &got, 14000, 0, &status);
+    printf("lookup %d untouched %d\n", r, got == dlsym(cuda, "cuMemAlloc_v3"));
+    r = gpa("cuMemAlloc", &got, 12080, 0, &status);
+    printf("lookup %d hooked %d\n", r, got == dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"));
+    return 0;
+}
+"##,
+        false,
+    );
+    let (ok, lines, stderr) = run_lines(
+        std::process::Command::new(&main)
+            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+            .env("LD_PRELOAD", &kit.shim)
+            .env("GPUMEM_STATE_DIR", dir.path()),
+    );
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        lines,
+        ["lookup 0 untouched 1", "lookup 0 hooked 1"],
+        "{stderr}"
+    );
+}
+
 #[test]
 fn the_drivers_answers_are_matched_to_its_exports_by_identity() {
     let dir = capped_dir(4308);

@@ -22,7 +22,10 @@ enum Matched {
 }
 
 /// Which variant the driver returned for `symbol`: the exported entry point
-/// it is identical to, or failing that the documented one.
+/// it is identical to, or failing that the documented one. An export we do
+/// not hook (a variant newer than the shim, with an ABI of its own) is
+/// none of ours: taken for the documented one, its callers would get a
+/// hook that calls it with the wrong arguments.
 fn identify(
     symbol: &[u8],
     returned: usize,
@@ -31,12 +34,22 @@ fn identify(
 ) -> Option<(Hooked, Matched)> {
     let mut candidates = Hooked::candidates(symbol).peekable();
     candidates.peek()?;
-    candidates
-        .find(|c| LIBCUDA.symbol(c.name()) as usize == returned)
-        .map(|h| (h, Matched::Export))
-        .or_else(|| {
-            Hooked::documented(symbol, cuda_version, flags).map(|h| (h, Matched::Documented))
-        })
+    if let Some(hooked) = candidates.find(|c| LIBCUDA.symbol(c.name()) as usize == returned) {
+        return Some((hooked, Matched::Export));
+    }
+    if is_export(returned) {
+        return None;
+    }
+    Hooked::documented(symbol, cuda_version, flags).map(|h| (h, Matched::Documented))
+}
+
+/// Whether `address` is exactly an exported symbol of the object it lies in.
+fn is_export(address: usize) -> bool {
+    // SAFETY: a zeroed Dl_info is a valid out-buffer for dladdr.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: dladdr only reads the loader's tables for this address.
+    let found = unsafe { libc::dladdr(address as *const c_void, &mut info) } != 0;
+    found && !info.dli_sname.is_null() && info.dli_saddr as usize == address
 }
 
 /// Replaces the driver's answer in `*pfn` with our hook when it is one of ours.

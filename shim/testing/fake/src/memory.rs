@@ -324,6 +324,18 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> C
     alloc_current(dptr, size)
 }
 
+/// A variant the shim does not know, as a future driver might add one with
+/// another signature (here a flags argument), handed out for CUDA 14 and
+/// later: a shim that took it for `cuMemAlloc_v2` would call it wrongly.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v3(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _flags: c_uint,
+) -> CUresult {
+    alloc_current(dptr, size)
+}
+
 /// The 32-bit-era `cuMemAlloc` (v1 ABI): exported as the real driver does;
 /// the shim must never treat it as the v2 function.
 #[no_mangle]

@@ -38,6 +38,7 @@ fn lookup(symbol: &[u8], version: c_int, flags: c_ulonglong) -> Option<*mut c_vo
         b"cuCtxSynchronize" => cuCtxSynchronize as *const (),
         b"cuStreamSynchronize" if ptsz => cuStreamSynchronize_ptsz as *const (),
         b"cuStreamSynchronize" => cuStreamSynchronize as *const (),
+        b"cuMemAlloc" if version >= 14000 => cuMemAlloc_v3 as *const (),
         b"cuMemAlloc" if version >= 3020 => cuMemAlloc_v2 as *const (),
         b"cuMemAlloc" => cuMemAlloc as *const (),
         b"cuMemAllocPitch" => cuMemAllocPitch_v2 as *const (),
