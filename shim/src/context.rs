@@ -17,6 +17,7 @@ use crate::cuda::{
 use crate::dlsym::LIBCUDA;
 use crate::hook::{as_fn, guarded, real, Real};
 use crate::ops::Shim;
+use crate::table::Hooked;
 use crate::{array, cuda, devices, log, nvml};
 
 /// A context this process made on a capped device, and what it was charged.
@@ -54,6 +55,9 @@ fn get_state() -> usize {
 fn prepare() {
     get_state();
     nvml::prepare();
+    // What undoing a refused context calls.
+    Hooked::cuDevicePrimaryCtxRelease_v2.address();
+    Hooked::cuCtxDestroy_v2.address();
 }
 
 /// Whether the device's primary context exists; `None` if the driver
@@ -281,7 +285,11 @@ macro_rules! primary_end {
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name(dev: CUdevice) -> CUresult {
             real!(let call = $name(dev) else CUDA_ERROR_NOT_INITIALIZED);
-            guarded(call, |call| ending(call, || primary_gone(dev)))
+            guarded(call, |call| {
+                // Looked up before the lock (see `prepare`).
+                devices::at(dev);
+                ending(call, || primary_gone(dev))
+            })
         }
     };
 }

@@ -241,16 +241,16 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
         if slot.state != layout::state::ALIVE {
             continue;
         }
-        let Some(holder) = owner_holding(&file, geometry, slot.index, snapshot.state(slot.index))?
-        else {
-            continue;
-        };
-        live.push(LiveProcess {
-            pid: u32::try_from(holder).ok().filter(|&p| p > 0),
+        let copied = LiveProcess {
+            pid: None,
             start_time: snapshot.owner(slot.index).start_time,
             used: slot.used,
             creating: slot.creating,
-        });
+        };
+        let word = snapshot.state(slot.index);
+        if let Some(process) = owner_holding(&file, geometry, slot.index, word, copied)? {
+            live.push(process);
+        }
     }
     let devices = layout::devices(&bytes, geometry)
         .iter()
@@ -274,26 +274,46 @@ pub fn processes(path: &Path) -> io::Result<Processes> {
     Ok(Processes { devices, live })
 }
 
-/// The PID holding slot `index`'s record lock as the owner of the slot the
-/// copy read with state word `word`; `None` if nobody holds it as such.
-/// A reaper locks an ALIVE slot only after moving its word on to REAPING,
-/// and a new owner's claim moves it on too: a lock held while the word in
-/// the file is no longer `word` is not the owner's the copy describes.
+/// The process holding slot `index`'s record lock as its owner, if one
+/// does: `copied` (the copy's view, with state word `word`) with the
+/// holder's PID, or the slot as it reads now if another owner has claimed
+/// it since. The word is read again after the lock is asked about: a
+/// reaper locks an ALIVE slot only after moving its word on to REAPING, so
+/// a lock held while the word is not ALIVE is no owner's, and a lock held
+/// while it is ALIVE is the owner's of that word.
 fn owner_holding(
     file: &fs::File,
     geometry: layout::Geometry,
     index: usize,
     word: protocol::StateWord,
-) -> io::Result<Option<libc::pid_t>> {
+    copied: LiveProcess,
+) -> io::Result<Option<LiveProcess>> {
     let mut probe = write_lock(protocol::slot_lock_offset(geometry, index));
     fcntl(file.as_fd(), FcntlArg::F_GETLK(&mut probe)).map_err(io::Error::from)?;
     if probe.l_type == libc::F_UNLCK as libc::c_short {
         return Ok(None);
     }
-    let mut now = [0u8; 8];
-    let at = layout::slot_offset(geometry.devices, index) + layout::slot::STATE;
-    file.read_exact_at(&mut now, at as u64)?;
-    Ok((u64::from_le_bytes(now) == word.0).then_some(probe.l_pid))
+    let pid = u32::try_from(probe.l_pid).ok().filter(|&p| p > 0);
+    let mut now = vec![0u8; layout::SLOT_LEN];
+    file.read_exact_at(
+        &mut now,
+        layout::slot_offset(geometry.devices, index) as u64,
+    )?;
+    let now_word = protocol::StateWord(layout::get_u64(&now, layout::slot::STATE));
+    if now_word == word {
+        return Ok(Some(LiveProcess { pid, ..copied }));
+    }
+    if now_word.state() != layout::state::ALIVE {
+        return Ok(None);
+    }
+    Ok(Some(LiveProcess {
+        pid,
+        start_time: layout::get_u64(&now, layout::slot::START_TIME),
+        used: (0..geometry.devices)
+            .map(|dev| layout::get_u64(&now, layout::slot::USED + 8 * dev))
+            .collect(),
+        creating: layout::get_u64(&now, layout::slot::CREATING),
+    }))
 }
 
 /// Whether a live process still has a slot in the accounting file.
@@ -474,7 +494,8 @@ mod tests {
     }
 
     /// A slot's lock held by a reaper finishing it (the word moved on to
-    /// REAPING before it locked) is not its owner's.
+    /// REAPING before it locked) is not its owner's; one held under a new
+    /// ALIVE word is the new owner's, read as the slot is now.
     #[test]
     fn a_slot_locked_under_another_state_word_is_not_its_owners() {
         let dir = tempfile::tempdir().unwrap();
@@ -492,14 +513,43 @@ mod tests {
             .unwrap();
         let word_at = (layout::slot_offset(geometry.devices, 0) + layout::slot::STATE) as u64;
         file.write_all_at(&alive.0.to_le_bytes(), word_at).unwrap();
-        let held = owner_holding(&file, geometry, 0, alive).unwrap();
+        let copied = LiveProcess {
+            pid: None,
+            start_time: 7,
+            used: vec![5],
+            creating: 0,
+        };
+        let held = owner_holding(&file, geometry, 0, alive, copied.clone()).unwrap();
         file.write_all_at(&alive.reaping().0.to_le_bytes(), word_at)
             .unwrap();
-        let reaping = owner_holding(&file, geometry, 0, alive).unwrap();
+        let reaping = owner_holding(&file, geometry, 0, alive, copied.clone()).unwrap();
+        // Reaped and claimed again since the copy: the new owner's, as the
+        // slot reads now.
+        let slot_at = layout::slot_offset(geometry.devices, 0) as u64;
+        file.write_all_at(
+            &9u64.to_le_bytes(),
+            slot_at + layout::slot::START_TIME as u64,
+        )
+        .unwrap();
+        file.write_all_at(&(2u64 << 8 | layout::state::ALIVE).to_le_bytes(), word_at)
+            .unwrap();
+        let claimed = owner_holding(&file, geometry, 0, alive, copied.clone()).unwrap();
         holder.kill().unwrap();
         holder.wait().unwrap();
-        assert_eq!(held, Some(holder.id() as libc::pid_t));
+        let pid = Some(holder.id());
+        assert_eq!(
+            held,
+            Some(LiveProcess {
+                pid,
+                ..copied.clone()
+            })
+        );
         assert_eq!(reaping, None);
+        let claimed = claimed.unwrap();
+        assert_eq!(
+            (claimed.pid, claimed.start_time, claimed.used),
+            (pid, 9, vec![0])
+        );
     }
 
     /// A process of the container holding the publishers' lock byte costs

@@ -182,6 +182,15 @@ fn untracked(
 /// metrics endpoint.
 pub type Unmanaged = Arc<Mutex<HashMap<String, u64>>>;
 
+/// Slot holders of the last tick by PID and start time, with since when
+/// each one that let go of its slot has been exiting.
+type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
+
+/// How long a slot holder on its way out is passed over: the driver's part
+/// of an exit takes seconds at most, and a process whose leader thread
+/// exited while the rest of it runs on must not hide longer.
+const LEAVING_AT_MOST: Duration = Duration::from_secs(10);
+
 /// Where the processes NVML lists belong, beyond the slot holders.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct Attributed {
@@ -192,6 +201,9 @@ struct Attributed {
     unmanaged: HashMap<String, u64>,
     /// Those processes: GPU UUID, PID, bytes, and their pod if any.
     strangers: Vec<(String, u32, u64, Option<Owner>)>,
+    /// Slot holders on their way out, by PID and start time: passed over,
+    /// and again at the next sample while they still are.
+    leaving: Vec<(u32, u64)>,
 }
 
 /// Attributes every process NVML lists on a GPU: a slot holder in a file
@@ -203,7 +215,7 @@ struct Attributed {
 fn attribute<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
-    last_holders: &HashSet<(u32, u64)>,
+    last_holders: &LastHolders,
     memory: &ProcessMemory,
     who: &mut attribution::Sweep<'_, R>,
 ) -> Attributed {
@@ -233,13 +245,14 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
             }
             // A slot holder of the last tick on its way out, its memory
             // about to go: neither its container's whole (its unreaped
-            // slot still counts it) nor a stranger. Only a holder: a leader
-            // thread that exits alone looks the same while the rest of its
-            // process runs on, and this skips such a one once at most.
-            if who
+            // slot still counts it) nor a stranger. Only one that held a
+            // slot, and for `LEAVING_AT_MOST`: a leader thread that exits
+            // alone looks the same while the rest of its process runs on.
+            if let Some(start) = who
                 .exiting(pid)
-                .is_some_and(|start| last_holders.contains(&(pid, start)))
+                .filter(|&start| last_holders.contains_key(&(pid, start)))
             {
+                attributed.leaving.push((pid, start));
                 continue;
             }
             let mounted = who
@@ -437,8 +450,11 @@ pub struct Reconciler {
     reported: HashSet<(String, u32)>,
     /// Files stood in for by their grant (see `load`) already logged.
     stood_in: HashSet<PathBuf>,
-    /// The slot holders of the last tick, by PID and start time.
-    last_holders: HashSet<(u32, u64)>,
+    /// Files and devices whose publish failed, already logged.
+    publish_failing: HashSet<(PathBuf, usize)>,
+    /// The slot holders of the last tick, by PID and start time, and since
+    /// when each that has let go of its slot has been on its way out.
+    last_holders: LastHolders,
     /// The over-cap action, where it is on.
     enforcer: Option<Enforcer>,
     /// The cap Allocate gave a container (accounting file, GPU UUID) in
@@ -466,7 +482,8 @@ impl Reconciler {
             unmanaged: Unmanaged::default(),
             reported: HashSet::new(),
             stood_in: HashSet::new(),
-            last_holders: HashSet::new(),
+            publish_failing: HashSet::new(),
+            last_holders: LastHolders::new(),
             enforcer: None,
             granted: None,
             identities: attribution::Identities::default(),
@@ -547,11 +564,19 @@ impl Reconciler {
             let attributed = attribute(&loaded, &held, &self.last_holders, &memory, &mut who);
             (attributed, charged_elsewhere(&loaded, &held, &mut who))
         };
-        self.last_holders = loaded
+        let mut holders: LastHolders = loaded
             .iter()
             .flat_map(|(_, processes)| &processes.live)
-            .filter_map(|p| Some((p.pid?, p.start_time)))
+            .filter_map(|p| Some(((p.pid?, p.start_time), None)))
             .collect();
+        for &key in &attributed.leaving {
+            let since = self.last_holders.get(&key).copied().flatten();
+            let since = since.unwrap_or_else(std::time::Instant::now);
+            if since.elapsed() < LEAVING_AT_MOST {
+                holders.insert(key, Some(since));
+            }
+        }
+        self.last_holders = holders;
         self.report_unmanaged(&attributed);
         self.warn_of_stand_ins(&loaded, &stood_in, &attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
@@ -583,25 +608,33 @@ impl Reconciler {
                     .previous
                     .insert(key.clone(), sample)
                     .unwrap_or(processes.devices[dev].untracked_bytes);
-                seen.insert(key);
+                seen.insert(key.clone());
                 let publish = sample.max(previous);
                 if publish == processes.devices[dev].untracked_bytes {
                     continue;
                 }
                 match accounting::publish_untracked(file, dev, publish) {
-                    Ok(()) => debug!(
-                        file = %file.display(),
-                        device = %processes.devices[dev].uuid,
-                        untracked_mib = publish >> 20,
-                        "untracked usage"
-                    ),
+                    Ok(()) => {
+                        self.publish_failing.remove(&key);
+                        debug!(
+                            file = %file.display(),
+                            device = %processes.devices[dev].uuid,
+                            untracked_mib = publish >> 20,
+                            "untracked usage"
+                        )
+                    }
+                    // Said once until it works again: a container process
+                    // holding the publishers' lock would say it every tick.
                     Err(err) => {
-                        warn!(file = %file.display(), %err, "cannot publish untracked usage")
+                        if self.publish_failing.insert(key) {
+                            warn!(file = %file.display(), %err, "cannot publish untracked usage")
+                        }
                     }
                 }
             }
         }
         self.previous.retain(|key, _| seen.contains(key));
+        self.publish_failing.retain(|key| seen.contains(key));
         self.publish_overheads();
     }
 
@@ -621,10 +654,9 @@ impl Reconciler {
         for (file, read) in read {
             let (processes, why) = match read {
                 Ok(processes) => {
-                    let replaced = self.ungranted(file, &processes, memory).and_then(|uuid| {
-                        let why = format!("it caps {uuid}, which its directory was not granted");
-                        Some((self.grant(file, memory)?, Some(why)))
-                    });
+                    let replaced = self
+                        .ungranted(file, &processes, memory)
+                        .and_then(|why| Some((self.grant(file, memory)?, Some(why))));
                     replaced.unwrap_or((processes, None))
                 }
                 Err(err) => match self.grant(file, memory) {
@@ -643,23 +675,39 @@ impl Reconciler {
         (loaded, stood_in)
     }
 
-    /// A GPU the file caps that its directory was not granted, where the
-    /// directory was granted one this sample lists.
-    fn ungranted<'a>(
+    /// How the GPUs the file caps differ from those its directory was
+    /// granted, among those this sample lists: one it caps but was not
+    /// granted, or one it was granted but leaves out (a container process
+    /// can rewrite the device count in place). `None` where they agree, or
+    /// where no grant is known.
+    fn ungranted(
         &self,
         file: &Path,
-        processes: &'a Processes,
+        processes: &Processes,
         memory: &ProcessMemory,
-    ) -> Option<&'a str> {
+    ) -> Option<String> {
         let granted = self.granted.as_ref()?;
-        let stray = processes
+        let granted_here: Vec<&String> = memory
+            .keys()
+            .filter(|uuid| granted(file, uuid).is_some())
+            .collect();
+        if granted_here.is_empty() {
+            return None;
+        }
+        if let Some(stray) = processes
             .devices
             .iter()
-            .find(|d| granted(file, &d.uuid).is_none())?;
-        memory
-            .keys()
-            .any(|uuid| granted(file, uuid).is_some())
-            .then_some(stray.uuid.as_str())
+            .find(|d| granted(file, &d.uuid).is_none())
+        {
+            return Some(format!(
+                "it caps {}, which its directory was not granted",
+                stray.uuid
+            ));
+        }
+        granted_here
+            .into_iter()
+            .find(|uuid| position(processes, uuid).is_none())
+            .map(|uuid| format!("it leaves out {uuid}, which its directory was granted"))
     }
 
     /// The GPUs and caps `file`'s directory was granted, among those this
@@ -696,13 +744,20 @@ impl Reconciler {
         stood_in: &[Option<String>],
         attributed: &Attributed,
     ) {
-        let mut now = HashSet::new();
+        // Said once for as long as the file is stood in for.
+        let still: HashSet<&PathBuf> = loaded
+            .iter()
+            .zip(stood_in)
+            .filter(|(_, why)| why.is_some())
+            .map(|((file, _), _)| file)
+            .collect();
+        self.stood_in.retain(|file| still.contains(file));
         for (((file, _), why), unslotted) in loaded.iter().zip(stood_in).zip(&attributed.unslotted)
         {
             let (Some(why), true) = (why, unslotted.iter().any(|dev| !dev.is_empty())) else {
                 continue;
             };
-            if !self.stood_in.contains(file) {
+            if self.stood_in.insert(file.clone()) {
                 warn!(
                     file = %file.display(),
                     reason = %why,
@@ -711,9 +766,7 @@ impl Reconciler {
                      whole against the cap its directory was granted"
                 );
             }
-            now.insert(file.clone());
         }
-        self.stood_in = now;
     }
 
     /// Each container's footprint on each GPU as NVML counts it: its slot
@@ -881,6 +934,63 @@ mod tests {
     const MIB: u64 = 1 << 20;
     const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
 
+    /// A source that is never asked: `load` is given its sample.
+    struct NoSource;
+
+    impl ProcessUsage for NoSource {
+        fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
+            unreachable!("load takes the sample it is given")
+        }
+    }
+
+    /// A file rewritten by its container, in place or anew, to cap fewer
+    /// GPUs than its directory was granted, or others: the grant stands
+    /// in for it; one that agrees with the grant, or with no grant known,
+    /// is taken as it reads.
+    #[test]
+    fn a_file_that_differs_from_its_grant_is_stood_in_for() {
+        const A: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
+        const B: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000401";
+        const C: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000402";
+        let cap = |uuid: &str| accounting::Cap {
+            uuid: uuid.into(),
+            cap_mib: 1000,
+            context_charge_mib: 0,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let memory: ProcessMemory = [A, B, C]
+            .map(|uuid| (uuid.to_owned(), HashMap::new()))
+            .into();
+        let reconciler = Reconciler::new(Box::new(NoSource)).with_granted_caps(Box::new(
+            |_: &Path, uuid: &str| [A, B].contains(&uuid).then_some(1000 * MIB),
+        ));
+        let read = |caps: &[accounting::Cap]| {
+            let file = accounting::prepare(dir.path(), caps).unwrap();
+            let read = accounting::processes(&file);
+            let (loaded, why) = reconciler.load(vec![(&file, read)], &memory);
+            let uuids: Vec<String> = loaded[0].1.devices.iter().map(|d| d.uuid.clone()).collect();
+            (uuids, why[0].clone())
+        };
+        assert_eq!(
+            read(&[cap(A), cap(B)]),
+            (vec![A.to_owned(), B.to_owned()], None)
+        );
+        let (uuids, why) = read(&[cap(A)]);
+        assert_eq!(uuids, [A, B]);
+        assert!(why.unwrap().contains(&format!("leaves out {B}")));
+        let (uuids, why) = read(&[cap(A), cap(C)]);
+        assert_eq!(uuids, [A, B]);
+        assert!(why.unwrap().contains(&format!("caps {C}")));
+        // Without a grant, the file as it reads.
+        let ungranted = Reconciler::new(Box::new(NoSource));
+        let file = accounting::prepare(dir.path(), &[cap(C)]).unwrap();
+        let (loaded, why) = ungranted.load(vec![(&file, accounting::processes(&file))], &memory);
+        assert_eq!(
+            (loaded[0].1.devices[0].uuid.as_str(), why[0].as_deref()),
+            (C, None)
+        );
+    }
+
     fn live(pid: Option<u32>, used_mib: u64) -> LiveProcess {
         LiveProcess {
             pid,
@@ -1024,7 +1134,7 @@ mod tests {
             let mut attributed = attribute(
                 loaded,
                 &holders(loaded),
-                &HashSet::new(),
+                &LastHolders::new(),
                 memory,
                 &mut identities.sweep(read),
             );
@@ -1046,6 +1156,7 @@ mod tests {
                     (T4.to_owned(), 50, 5 * MIB, None),
                     (OTHER.to_owned(), 50, 6 * MIB, None),
                 ],
+                leaving: Vec::new(),
             };
             if thirty.is_none() {
                 *attributed.unmanaged.get_mut(T4).unwrap() += 3 * MIB;
@@ -1141,7 +1252,7 @@ mod tests {
         let mut attributed = attribute(
             &loaded,
             &holders(&loaded),
-            &HashSet::new(),
+            &LastHolders::new(),
             &memory,
             &mut identities.sweep(read),
         );
@@ -1189,7 +1300,7 @@ mod tests {
         let attributed = attribute(
             &loaded,
             &holders(&loaded),
-            &HashSet::new(),
+            &LastHolders::new(),
             &memory,
             &mut identities.sweep(read),
         );
