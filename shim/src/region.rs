@@ -52,7 +52,7 @@ pub struct Region {
     devices: Vec<DeviceSpec>,
     /// The file's device and inode, to find it in other processes' maps.
     ident: (u64, u64),
-    /// Held by the thread claiming or reaping slots. Record locks are the
+    /// Held by the thread claiming or freeing a slot. Record locks are the
     /// process's, not a thread's: another thread's lock of the same slot
     /// byte would succeed, and its unlock drop ours. A flag, not a mutex,
     /// so that a forked child can let go of one its parent's other thread
@@ -232,17 +232,28 @@ impl Region {
     /// Frees the slots of processes that died without cleaning up (SIGKILL,
     /// OOM kill) or exec'd (the descriptor is close-on-exec, so the lock
     /// went, but the pid lives on). Returns how many were reaped.
-    /// `own` is the slot this process holds, skipped without a look. A
-    /// running process's reap is skipped while another of its threads
-    /// reaps or claims here: that one frees what there is to free.
+    /// `own` is the slot this process holds, skipped without a look. The
+    /// turn at the slots' locks is taken only to free a slot, so the scan
+    /// (every memory query makes one) writes nothing shared; a running
+    /// process leaves a slot to another of its threads that has the turn.
     pub fn reap(&self, by: Reaper, own: Option<usize>) -> usize {
-        let Some(_turn) = self.slot_turn(by == Reaper::Claiming) else {
-            return 0;
-        };
+        let turn = std::cell::Cell::new(None);
         self.file.reap(
             own,
-            |index| self.lock(index),
-            |index| self.unlock(index),
+            |index| {
+                let Some(held) = self.slot_turn(by == Reaper::Claiming) else {
+                    return false;
+                };
+                let locked = self.lock(index);
+                if locked {
+                    turn.set(Some(held));
+                }
+                locked
+            },
+            |index| {
+                self.unlock(index);
+                turn.take();
+            },
             |index, owner| matches!(self.holder(index), Holder::Gone) && self.abandoned(owner, by),
         )
     }
@@ -484,10 +495,11 @@ mod tests {
         assert_eq!(region.reap(Reaper::Claiming, None), 1);
     }
 
-    /// Record locks are the process's: while one thread claims or reaps in
-    /// a file, another's reap there is skipped (its locks and unlocks of
-    /// the same bytes would undo the first's); a claim waits its turn. A
-    /// forked child lets go of a turn its parent's other thread held.
+    /// Record locks are the process's: while one thread claims or frees a
+    /// slot in a file, another's reap there leaves the slots alone (its
+    /// locks and unlocks of the same bytes would undo the first's); a claim
+    /// waits its turn. A forked child lets go of a turn its parent's other
+    /// thread held.
     #[test]
     fn one_thread_at_a_time_locks_slots() {
         let region = Region::for_test(1 << 30);
