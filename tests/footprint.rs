@@ -15,6 +15,59 @@ use common::{
 
 const CAP: u64 = 4308 * MIB;
 
+/// Compiles the C program `source` (with pthreads) and runs it under the
+/// shim, capped at 4308 MiB, on the fake driver set by `fake` (its
+/// `FAKEGPU_*` knobs); returns its output lines once it exited cleanly.
+fn run_c_capped(source: &str, fake: (&str, &str)) -> Vec<String> {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let src = build.path().join("program.c");
+    std::fs::write(&src, source).unwrap();
+    let program = build.path().join("program");
+    let status = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&program)
+        .arg(&src)
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("a C compiler (cc) is needed");
+    assert!(status.success());
+    let (ok, lines, stderr) = run_lines(
+        std::process::Command::new(&program)
+            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+            .env("LD_PRELOAD", &kit.shim)
+            .env("GPUMEM_STATE_DIR", dir.path())
+            .env(fake.0, fake.1),
+    );
+    assert!(ok, "{stderr}");
+    lines
+}
+
+/// The probe under the shim with `steps`, on two fake GPUs each capped at
+/// 4308 MiB in one file; asserts it exits cleanly.
+fn probe_two_gpus(steps: &[&str]) -> Vec<String> {
+    const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
+    let dir = tempfile::tempdir().unwrap();
+    gpumem::isolation::accounting::prepare(
+        dir.path(),
+        &[T4_UUID, SECOND].map(|uuid| gpumem::isolation::accounting::Cap {
+            uuid: uuid.into(),
+            cap_mib: 4308,
+            context_charge_mib: 0,
+        }),
+    )
+    .unwrap();
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND}"))
+            .args(steps),
+    );
+    assert!(ok, "{stderr}");
+    lines
+}
+
 fn free_at(lines: &[String], n: usize) -> u64 {
     field(nth(lines, "info 0", n), "free")
 }
@@ -109,12 +162,7 @@ fn destroying_a_context_gives_back_it_and_its_allocations() {
 /// retain makes a new context nothing charges.
 #[test]
 fn a_release_racing_a_retain_leaves_the_context_charged() {
-    let kit = shim_kit();
-    let dir = capped_dir(4308);
-    let build = tempfile::tempdir().unwrap();
-    let src = build.path().join("race.c");
-    std::fs::write(
-        &src,
+    let lines = run_c_capped(
         r##"#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -143,32 +191,14 @@ int main(void) {
     return 0;
 }
 "##,
-    )
-    .unwrap();
-    let program = build.path().join("race");
-    let status = std::process::Command::new("cc")
-        .arg("-o")
-        .arg(&program)
-        .arg(&src)
-        .args(["-ldl", "-lpthread"])
-        .status()
-        .expect("a C compiler (cc) is needed");
-    assert!(status.success());
-    let (ok, lines, stderr) = run_lines(
-        std::process::Command::new(&program)
-            .env("LD_LIBRARY_PATH", &kit.driver_dir)
-            .env("LD_PRELOAD", &kit.shim)
-            .env("GPUMEM_STATE_DIR", dir.path())
-            .env("FAKEGPU_GET_STATE_DELAY_MS", "300"),
+        ("FAKEGPU_GET_STATE_DELAY_MS", "300"),
     );
-    assert!(ok, "{stderr}");
     assert_eq!(
         lines,
         [
             "release 0",
             &format!("info 0 free {}", (CAP - CONTEXT) >> 20)
-        ],
-        "{stderr}"
+        ]
     );
 }
 
@@ -177,12 +207,7 @@ int main(void) {
 /// so do its charges; the context is charged what it took, not nothing.
 #[test]
 fn a_free_while_a_context_is_made_does_not_hide_the_context() {
-    let kit = shim_kit();
-    let dir = capped_dir(4308);
-    let build = tempfile::tempdir().unwrap();
-    let src = build.path().join("free.c");
-    std::fs::write(
-        &src,
+    let lines = run_c_capped(
         r##"#define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -212,25 +237,8 @@ int main(void) {
     return 0;
 }
 "##,
-    )
-    .unwrap();
-    let program = build.path().join("free");
-    let status = std::process::Command::new("cc")
-        .arg("-o")
-        .arg(&program)
-        .arg(&src)
-        .args(["-ldl", "-lpthread"])
-        .status()
-        .expect("a C compiler (cc) is needed");
-    assert!(status.success());
-    let (ok, lines, stderr) = run_lines(
-        std::process::Command::new(&program)
-            .env("LD_LIBRARY_PATH", &kit.driver_dir)
-            .env("LD_PRELOAD", &kit.shim)
-            .env("GPUMEM_STATE_DIR", dir.path())
-            .env("FAKEGPU_CONTEXT_DELAY_MS", "400"),
+        ("FAKEGPU_CONTEXT_DELAY_MS", "400"),
     );
-    assert!(ok, "{stderr}");
     assert_eq!(
         lines,
         [
@@ -238,8 +246,7 @@ int main(void) {
             "free 0",
             "create 0",
             &format!("info 0 free {}", (CAP - 2 * CONTEXT) >> 20)
-        ],
-        "{stderr}"
+        ]
     );
 }
 
@@ -364,41 +371,24 @@ fn arrays_are_charged_until_destroyed() {
 /// was made leaves it allocated, and charged, until it is freed.
 #[test]
 fn stream_ordered_memory_outlives_the_context_it_was_made_in() {
-    const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
-    let dir = tempfile::tempdir().unwrap();
-    gpumem::isolation::accounting::prepare(
-        dir.path(),
-        &[T4_UUID, SECOND].map(|uuid| gpumem::isolation::accounting::Cap {
-            uuid: uuid.into(),
-            cap_mib: 4308,
-            context_charge_mib: 0,
-        }),
-    )
-    .unwrap();
-    let (ok, lines, stderr) = run_lines(
-        shim_kit()
-            .probe(Some(dir.path()))
-            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND}"))
-            .args([
-                "ctx:1",
-                "ctx:0",
-                // Device 1's pool, from device 0's primary context.
-                "poolcreate:1",
-                "poolalloc:0:3000",
-                // Device 0's default pool, from a context of its own.
-                "ctxcreate:0",
-                "async:1000",
-                "ctxdestroy:2",
-                "ctxrelease:0",
-                "ctx:1",
-                "info",
-                "ctx:0",
-                "info",
-                "freeasync:3",
-                "info",
-            ]),
-    );
-    assert!(ok, "{stderr}");
+    let lines = probe_two_gpus(&[
+        "ctx:1",
+        "ctx:0",
+        // Device 1's pool, from device 0's primary context.
+        "poolcreate:1",
+        "poolalloc:0:3000",
+        // Device 0's default pool, from a context of its own.
+        "ctxcreate:0",
+        "async:1000",
+        "ctxdestroy:2",
+        "ctxrelease:0",
+        "ctx:1",
+        "info",
+        "ctx:0",
+        "info",
+        "freeasync:3",
+        "info",
+    ]);
     assert!(lines.contains(&"async:1000 0 #3".to_owned()), "{lines:?}");
     assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 3000 * MIB, "device 1");
     assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 1000 * MIB, "device 0");
@@ -407,33 +397,16 @@ fn stream_ordered_memory_outlives_the_context_it_was_made_in() {
 
 #[test]
 fn pool_allocations_are_charged_on_the_pools_device() {
-    const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
-    let dir = tempfile::tempdir().unwrap();
-    gpumem::isolation::accounting::prepare(
-        dir.path(),
-        &[T4_UUID, SECOND].map(|uuid| gpumem::isolation::accounting::Cap {
-            uuid: uuid.into(),
-            cap_mib: 4308,
-            context_charge_mib: 0,
-        }),
-    )
-    .unwrap();
-    let (ok, lines, stderr) = run_lines(
-        shim_kit()
-            .probe(Some(dir.path()))
-            .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND}"))
-            .args([
-                "ctx:1",
-                "ctx:0",
-                "poolcreate:1",
-                "poolalloc:0:3000",
-                "poolalloc:0:1100",
-                "info",
-                "ctx:1",
-                "info",
-            ]),
-    );
-    assert!(ok, "{stderr}");
+    let lines = probe_two_gpus(&[
+        "ctx:1",
+        "ctx:0",
+        "poolcreate:1",
+        "poolalloc:0:3000",
+        "poolalloc:0:1100",
+        "info",
+        "ctx:1",
+        "info",
+    ]);
     // The current context is on device 0; the pool's memory is on device 1.
     assert!(
         lines.contains(&"poolalloc:0:3000 0 #1".to_owned()),

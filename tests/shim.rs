@@ -865,44 +865,90 @@ time.sleep(60)"#,
     assert_eq!(lines[1], "alloc:3000 0 #0");
 }
 
+/// Runs `command` to its end; its stdout, once it exited cleanly.
+fn stdout_of(command: &mut std::process::Command) -> String {
+    let out = command.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{:?} {stdout} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// A library that wraps cuMemAlloc_v2, finds the next one with
+/// dlsym(RTLD_NEXT) and counts its calls (`wrapped()`); a chain that leads
+/// back to it ends with 999 after 100 levels instead of a stack overflow.
+const INTERPOSER: &str = r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*alloc_fn)(unsigned long long *, size_t);
+static int calls, depth;
+int wrapped(void) { return calls; }
+int cuMemAlloc_v2(unsigned long long *p, size_t n) {
+    alloc_fn next = (alloc_fn)dlsym(RTLD_NEXT, "cuMemAlloc_v2");
+    calls++;
+    if (++depth > 100 || !next) { fprintf(stderr, "recursed\n"); return 999; }
+    int r = next(p, n);
+    depth--;
+    return r;
+}
+"##;
+
+/// C that loads the driver and makes device 0's primary context current
+/// (`with_context()`, 0 on success), with `fn` for any driver function.
+const WITH_CONTEXT: &str = r##"#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*fn)();
+static int with_context(void) {
+    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 1;
+    void *ctx = 0;
+    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
+    ((fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain"))(&ctx, 0);
+    return ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(ctx);
+}
+"##;
+
+/// Runs the C program `main` (after `WITH_CONTEXT`) with the shim and
+/// `INTERPOSER` preloaded, the shim first or not, capped at 4308 MiB;
+/// returns what it printed.
+fn run_with_interposer(main: &str, shim_first: bool) -> String {
+    let kit = shim_kit();
+    let dir = capped_dir(4308);
+    let build = tempfile::tempdir().unwrap();
+    let wrap = compile_c(build.path(), "wrap", INTERPOSER, true);
+    let main = compile_c(
+        build.path(),
+        "main",
+        &format!("{WITH_CONTEXT}{main}"),
+        false,
+    );
+    let (first, second) = if shim_first {
+        (kit.shim.clone(), wrap)
+    } else {
+        (wrap, kit.shim.clone())
+    };
+    let mut command = std::process::Command::new(&main);
+    command
+        .env("LD_LIBRARY_PATH", &kit.driver_dir)
+        .env(
+            "LD_PRELOAD",
+            format!("{}:{}", first.display(), second.display()),
+        )
+        .env("GPUMEM_STATE_DIR", dir.path());
+    stdout_of(&mut command)
+}
+
 #[test]
 fn an_interposer_after_the_shim_reaches_the_driver_not_itself() {
     // Another preloaded library wraps cuMemAlloc_v2 and finds the next one
     // with dlsym(RTLD_NEXT): it must get the driver's, not ours again.
-    let kit = shim_kit();
-    let dir = capped_dir(4308);
-    let build = tempfile::tempdir().unwrap();
-    let wrap = compile_c(
-        build.path(),
-        "wrap",
-        r##"#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdio.h>
-typedef int (*alloc_fn)(unsigned long long *, size_t);
-static int calls;
-int cuMemAlloc_v2(unsigned long long *p, size_t n) {
-    alloc_fn next = (alloc_fn)dlsym(RTLD_NEXT, "cuMemAlloc_v2");
-    if (++calls > 100 || !next) { fprintf(stderr, "recursed\n"); return 999; }
-    int r = next(p, n);
-    calls--;
-    return r;
-}
-"##,
-        true,
-    );
-    let main = compile_c(
-        build.path(),
-        "main",
-        r##"#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdio.h>
-typedef int (*fn)();
-int main(void) {
-    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 10;
-    void *ctx = 0;
-    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
-    ((fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain"))(&ctx, 0);
-    ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(ctx);
+    let stdout = run_with_interposer(
+        r##"int main(void) {
+    if (with_context()) return 10;
     fn alloc = (fn)dlsym(RTLD_DEFAULT, "cuMemAlloc_v2");
     unsigned long long p;
     printf("small %d\n", alloc(&p, (size_t)100 << 20));
@@ -910,23 +956,7 @@ int main(void) {
     return 0;
 }
 "##,
-        false,
-    );
-    let out = std::process::Command::new(&main)
-        .env("LD_LIBRARY_PATH", &kit.driver_dir)
-        .env(
-            "LD_PRELOAD",
-            format!("{}:{}", kit.shim.display(), wrap.display()),
-        )
-        .env("GPUMEM_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{:?} {stdout} {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+        true,
     );
     assert_eq!(
         stdout, "small 0\nover 2\n",
@@ -968,20 +998,12 @@ int main(void) {{
         ),
         false,
     );
-    let out = std::process::Command::new(&main)
+    let mut command = std::process::Command::new(&main);
+    command
         .env("LD_LIBRARY_PATH", &kit.driver_dir)
         .env("LD_PRELOAD", &kit.shim)
-        .env("GPUMEM_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "{:?} {stdout} {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+        .env("GPUMEM_STATE_DIR", dir.path());
+    stdout_of(&mut command)
 }
 
 /// A library opened RTLD_LOCAL that links the driver keeps it in its own
@@ -1051,42 +1073,9 @@ void run(void) {
 /// instead of looping between the two.
 #[test]
 fn an_interposer_ahead_of_the_shim_is_called_once_and_capped() {
-    let kit = shim_kit();
-    let dir = capped_dir(4308);
-    let build = tempfile::tempdir().unwrap();
-    let wrap = compile_c(
-        build.path(),
-        "wrap",
-        r##"#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdio.h>
-typedef int (*alloc_fn)(unsigned long long *, size_t);
-static int calls, depth;
-int wrapped(void) { return calls; }
-int cuMemAlloc_v2(unsigned long long *p, size_t n) {
-    alloc_fn next = (alloc_fn)dlsym(RTLD_NEXT, "cuMemAlloc_v2");
-    calls++;
-    if (++depth > 100 || !next) { fprintf(stderr, "recursed\n"); return 999; }
-    int r = next(p, n);
-    depth--;
-    return r;
-}
-"##,
-        true,
-    );
-    let main = compile_c(
-        build.path(),
-        "main",
-        r##"#define _GNU_SOURCE
-#include <dlfcn.h>
-#include <stdio.h>
-typedef int (*fn)();
-int main(void) {
-    if (!dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL)) return 10;
-    void *ctx = 0;
-    ((fn)dlsym(RTLD_DEFAULT, "cuInit"))(0);
-    ((fn)dlsym(RTLD_DEFAULT, "cuDevicePrimaryCtxRetain"))(&ctx, 0);
-    ((fn)dlsym(RTLD_DEFAULT, "cuCtxSetCurrent"))(ctx);
+    let stdout = run_with_interposer(
+        r##"int main(void) {
+    if (with_context()) return 10;
     fn wrapped = (fn)dlsym(RTLD_DEFAULT, "wrapped");
     unsigned long long p;
     fn own = (fn)dlsym(dlopen(NULL, RTLD_NOW), "cuMemAlloc_v2");
@@ -1099,22 +1088,6 @@ int main(void) {
 }
 "##,
         false,
-    );
-    let out = std::process::Command::new(&main)
-        .env("LD_LIBRARY_PATH", &kit.driver_dir)
-        .env(
-            "LD_PRELOAD",
-            format!("{}:{}", wrap.display(), kit.shim.display()),
-        )
-        .env("GPUMEM_STATE_DIR", dir.path())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{:?} {stdout} {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(
         stdout,
