@@ -638,12 +638,13 @@ impl Reconciler {
         self.publish_overheads();
     }
 
-    /// Takes each file as read. One that cannot be read, or that does not cap the
-    /// GPUs its directory was granted, is replaced by the grant with no
-    /// slot holders: the file is mounted writable, and a container process
-    /// that removed or rewrote it must not leave its container unseen. Its
-    /// processes are then found by their mounts, counted whole and held to
-    /// the granted cap. Beside each file, why it was stood in for.
+    /// Takes each file as read. One that cannot be read, or that does not
+    /// cap the GPUs its directory was granted, is replaced by the grant
+    /// with no slot holders: the file is mounted writable, and a container
+    /// process that removed or rewrote it must not leave its container
+    /// unseen. Its processes are then found by their mounts, counted whole
+    /// and held to the granted cap. Beside each file, why it was stood in
+    /// for.
     fn load(
         &self,
         read: Vec<(&PathBuf, std::io::Result<Processes>)>,
