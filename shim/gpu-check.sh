@@ -152,6 +152,43 @@ for secs in 2 0; do
     step nvidia-smi --query-compute-apps=pid,used_memory --format=csv
     wait
 done
+# A library opened RTLD_LOCAL that links the real driver (as Python opens an
+# extension module): its direct calls reach the driver through the shim and
+# are capped. Expected: retain 0, small 0, over 2, total 4308.
+libdir=$(dirname "$(ldconfig -p | awk '/libcuda\.so\.1 /{print $NF; exit}')")
+cat >"$work/local.c" <<'C'
+#include <stdio.h>
+int cuInit(unsigned);
+int cuDevicePrimaryCtxRetain(void **, int);
+int cuCtxSetCurrent(void *);
+int cuMemAlloc_v2(unsigned long long *, size_t);
+int cuMemGetInfo_v2(size_t *, size_t *);
+void run(void) {
+    void *ctx = 0;
+    unsigned long long p;
+    size_t free = 0, total = 0;
+    printf("init %d\n", cuInit(0));
+    printf("retain %d\n", cuDevicePrimaryCtxRetain(&ctx, 0));
+    printf("current %d\n", cuCtxSetCurrent(ctx));
+    printf("small %d\n", cuMemAlloc_v2(&p, (size_t)100 << 20));
+    printf("over %d\n", cuMemAlloc_v2(&p, (size_t)5000 << 20));
+    int info = cuMemGetInfo_v2(&free, &total);
+    printf("info %d total MiB %zu\n", info, total >> 20);
+}
+C
+cat >"$work/local-main.c" <<'C'
+#include <dlfcn.h>
+#include <stdio.h>
+int main(int argc, char **argv) {
+    void *user = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!user) { fprintf(stderr, "%s\n", dlerror()); return 10; }
+    ((void (*)(void))dlsym(user, "run"))();
+    return 0;
+}
+C
+step gcc -shared -fPIC -o "$work/liblocal.so" "$work/local.c" -L"$libdir" -l:libcuda.so.1
+step gcc -o "$work/local-main" "$work/local-main.c" -ldl
+step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- "$work/local-main" "$work/liblocal.so"
 }
 
 # The over-cap action (docs/ISOLATION.md, "Untracked memory"): a process
