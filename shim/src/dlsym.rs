@@ -68,15 +68,21 @@ fn library_of(name: &[u8]) -> &'static Library {
     }
 }
 
-/// Whether `address` lies in the driver or NVML (whichever copy, by file
-/// name), rather than in a program or library that defines the same name.
-fn in_driver(address: *mut c_void) -> bool {
+/// What the loader knows of `address`: the object it lies in and the
+/// nearest symbol at or below it; `None` where it lies in no object.
+pub fn loaded_at(address: *const c_void) -> Option<libc::Dl_info> {
     // SAFETY: a zeroed Dl_info is a valid out-buffer for dladdr.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
     // SAFETY: dladdr only reads the loader's tables for this address.
-    if unsafe { libc::dladdr(address, &mut info) } == 0 || info.dli_fname.is_null() {
+    (unsafe { libc::dladdr(address, &mut info) } != 0).then_some(info)
+}
+
+/// Whether `address` lies in the driver or NVML (whichever copy, by file
+/// name), rather than in a program or library that defines the same name.
+fn in_driver(address: *mut c_void) -> bool {
+    let Some(info) = loaded_at(address).filter(|info| !info.dli_fname.is_null()) else {
         return false;
-    }
+    };
     // SAFETY: dladdr set dli_fname to the object's NUL-terminated name.
     let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_bytes();
     let file = path.rsplit(|&b| b == b'/').next().unwrap_or(path);
@@ -187,6 +193,8 @@ fn substitute(handle: *mut c_void, name: *const c_char) -> *mut c_void {
         return found;
     };
     let hook = hooked.hook() as *mut c_void;
+    // Whether `found` is what comes after us, which our hook may call.
+    let mut after_us = false;
     if found == hook {
         // RTLD_DEFAULT from here searches this library first (it is linked
         // -Bsymbolic): what the caller finds is in the program's order,
@@ -194,12 +202,13 @@ fn substitute(handle: *mut c_void, name: *const c_char) -> *mut c_void {
         found = call_real(program(), name.as_ptr());
         if found == hook || found.is_null() {
             found = next(name);
+            after_us = true;
         }
     }
     if found.is_null() {
         return found;
     }
-    if !in_driver(found) && found != next(name) {
+    if !after_us && !in_driver(found) && found != next(name) {
         // Defined ahead of us: an interposer preloaded before the shim, or
         // the program itself. Recorded as the real function, our hook would
         // call it and its own RTLD_NEXT lookup would reach our hook again,

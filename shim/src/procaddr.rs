@@ -45,11 +45,8 @@ fn identify(
 
 /// Whether `address` is exactly an exported symbol of the object it lies in.
 fn is_export(address: usize) -> bool {
-    // SAFETY: a zeroed Dl_info is a valid out-buffer for dladdr.
-    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-    // SAFETY: dladdr only reads the loader's tables for this address.
-    let found = unsafe { libc::dladdr(address as *const c_void, &mut info) } != 0;
-    found && !info.dli_sname.is_null() && info.dli_saddr as usize == address
+    crate::dlsym::loaded_at(address as *const c_void)
+        .is_some_and(|info| !info.dli_sname.is_null() && info.dli_saddr as usize == address)
 }
 
 /// Replaces the driver's answer in `*pfn` with our hook when it is one of ours.
