@@ -110,6 +110,14 @@ py 'import jax, jax.numpy as jnp; print(jax.devices()); print(jnp.ones((1024, 10
 for via in "--via dlsym" "--via gpa" "--via gpa11" "--via gpa --ptsz"; do
     step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- env GPUMEM_SHIM_LOG=debug "$bin/gpumem-probe" $via info total alloc:3000 alloc:1000 async:100 free:0
 done
+# CUDA 13's pools by location, and a created stream: device 0's pool and the
+# stream are charged on device 0, the pinned host pool not at all, the managed
+# pool that prefers nothing in full (expected: every step 0 but the last
+# poolalloc, refused with 2; info then shows about cap - context - 3000 MiB
+# free).
+for via in "--via dlsym" "--via gpa"; do
+    step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- "$bin/gpumem-probe" $via defpoolof:pinned:device:0 poolalloc:0:2000 stream asyncon:2:1000 defpoolof:pinned:host:0 poolalloc:4:3000 curpoolof:managed:none:0 poolalloc:6:1500 info
+done
 # Two processes under one state dir, watched from outside.
 shared=$(mktemp -d)
 "$G" exec "$S" --mem "$cap" --state-dir "$shared" -- python3 -c 'import torch, time; x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda"); print("holder has 3 GiB", flush=True); time.sleep(20)' >>"$log" 2>&1 &

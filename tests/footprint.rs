@@ -419,3 +419,91 @@ fn pool_allocations_are_charged_on_the_pools_device() {
     assert_eq!(free_at(&lines, 0), CAP - CONTEXT);
     assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB);
 }
+
+/// cuMemAllocAsync takes from "the memory pool of the device associated
+/// with the stream": a stream of device 1 used while device 0's context is
+/// current puts the memory on device 1, and is charged there.
+#[test]
+fn stream_ordered_memory_is_charged_on_the_streams_device() {
+    let lines = probe_two_gpus(&[
+        "ctx:1",
+        "stream",
+        "ctx:0",
+        "asyncon:0:3000",
+        "asyncon:0:1100",
+        "async:1000",
+        "info",
+        "ctx:1",
+        "info",
+        "freeasync:1",
+        "info",
+    ]);
+    for expected in [
+        "stream 0 #0",
+        "asyncon:0:3000 0 #1",
+        "asyncon:0:1100 2 #2",
+        "async:1000 0 #3",
+    ] {
+        assert!(
+            lines.contains(&expected.to_owned()),
+            "{expected}: {lines:?}"
+        );
+    }
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 1000 * MIB, "device 0");
+    assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB, "device 1");
+    assert_eq!(free_at(&lines, 2), CAP - CONTEXT, "device 1, freed");
+}
+
+/// CUDA 13 hands out pools by location and allocation type: a device
+/// pool is charged on its device, a pinned host pool nowhere, and managed
+/// pools that prefer no device (or the host) in full on the current
+/// context's device, as cuMemAllocManaged is. Through dlsym and through
+/// cuGetProcAddress as a CUDA 13 runtime asks.
+#[test]
+fn cuda_13_pools_are_charged_where_their_memory_goes() {
+    for via in ["dlsym", "gpa"] {
+        let lines = probe_two_gpus(&[
+            "--via",
+            via,
+            "ctx:1",
+            "ctx:0",
+            "defpoolof:pinned:device:1",
+            "poolalloc:0:3000",
+            "poolalloc:0:1100",
+            "defpoolof:pinned:host:0",
+            "poolalloc:3:3000",
+            "curpoolof:managed:none:0",
+            "poolalloc:5:1000",
+            "poolof:managed:none:0",
+            "poolalloc:7:2000",
+            "poolof:managed:host:0",
+            "poolalloc:9:1100",
+            "info",
+            "ctx:1",
+            "info",
+        ]);
+        for expected in [
+            "poolalloc:0:3000 0 #1",
+            "poolalloc:0:1100 2 #2",
+            "poolalloc:3:3000 0 #4",
+            "poolalloc:5:1000 0 #6",
+            "poolalloc:7:2000 0 #8",
+            "poolalloc:9:1100 2 #10",
+        ] {
+            assert!(
+                lines.contains(&expected.to_owned()),
+                "{via} {expected}: {lines:?}"
+            );
+        }
+        assert_eq!(
+            free_at(&lines, 0),
+            CAP - CONTEXT - 3000 * MIB,
+            "{via}: device 0"
+        );
+        assert_eq!(
+            free_at(&lines, 1),
+            CAP - CONTEXT - 3000 * MIB,
+            "{via}: device 1"
+        );
+    }
+}

@@ -263,8 +263,8 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     guarded(call, |call| free(&ALLOCATIONS, ops::shim, dptr, call))
 }
 
-/// Stream-ordered allocations from the current device's pool: charged like
-/// cuMemAlloc, keyed by pointer, but no context's (they outlive its
+/// Stream-ordered allocations from the stream's device's pool: charged
+/// like cuMemAlloc, keyed by pointer, but no context's (they outlive its
 /// teardown).
 macro_rules! alloc_async {
     ($name:ident, $free:expr) => {
@@ -278,7 +278,7 @@ macro_rules! alloc_async {
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
             guarded(call, |call| {
-                sized(devices::current().map(Site::unowned), dptr, bytesize, call, undo)
+                sized(devices::of_stream(stream), dptr, bytesize, call, undo)
             })
         }
     };

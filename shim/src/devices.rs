@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
-use crate::cuda::{CUcontext, CUdevice, CUresult, CUDA_SUCCESS};
+use crate::cuda::{CUcontext, CUdevice, CUresult, CUstream, CUDA_SUCCESS};
 use crate::dlsym::LIBCUDA;
 use crate::hook::{as_fn, Real};
 use crate::ops::{self, Shim};
@@ -69,6 +69,9 @@ static CONTEXTS: HandleCache<32> = HandleCache::new();
 
 type CtxGetCurrentFn = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 type CtxGetDeviceFn = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
+type CtxPushFn = unsafe extern "C" fn(CUcontext) -> CUresult;
+type CtxPopFn = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
+type StreamGetCtxFn = unsafe extern "C" fn(CUstream, *mut CUcontext) -> CUresult;
 type DeviceGetUuidFn = unsafe extern "C" fn(*mut [u8; 16], CUdevice) -> CUresult;
 
 fn decode(code: u8) -> Option<usize> {
@@ -118,11 +121,8 @@ pub fn current_context() -> CUcontext {
     ctx
 }
 
-/// The capped device of context `ctx`, which must be current.
-fn of_current_context(shim: &Shim, ctx: usize) -> Option<usize> {
-    if let Some(dev) = CONTEXTS.get(ctx) {
-        return dev;
-    }
+/// The calling thread's current context's device ordinal.
+fn current_ordinal() -> Option<CUdevice> {
     static GET_DEVICE: Real = Real::new();
     let address = LIBCUDA.cached(&GET_DEVICE, c"cuCtxGetDevice");
     let mut ordinal: CUdevice = -1;
@@ -130,9 +130,42 @@ fn of_current_context(shim: &Shim, ctx: usize) -> Option<usize> {
     if address == 0 || unsafe { as_fn::<CtxGetDeviceFn>(address)(&mut ordinal) } != CUDA_SUCCESS {
         return None;
     }
-    let dev = at_ordinal(shim, ordinal);
+    Some(ordinal)
+}
+
+/// The capped device of context `ctx`, which must be current.
+fn of_current_context(shim: &Shim, ctx: usize) -> Option<usize> {
+    if let Some(dev) = CONTEXTS.get(ctx) {
+        return dev;
+    }
+    let dev = at_ordinal(shim, current_ordinal()?);
     CONTEXTS.put(ctx, dev);
     dev
+}
+
+/// The capped device of any live context: asked with it pushed for a
+/// moment (`cuCtxGetDevice` only answers for the current one), once per
+/// context. `None` if the driver cannot say.
+fn of_context(shim: &Shim, ctx: CUcontext) -> Option<Option<usize>> {
+    if let Some(dev) = CONTEXTS.get(ctx as usize) {
+        return Some(dev);
+    }
+    static PUSH: Real = Real::new();
+    static POP: Real = Real::new();
+    let push = LIBCUDA.cached(&PUSH, c"cuCtxPushCurrent_v2");
+    let pop = LIBCUDA.cached(&POP, c"cuCtxPopCurrent_v2");
+    // SAFETY: cuCtxPushCurrent_v2(CUcontext) from the loaded driver, with a
+    // context it just named.
+    if push == 0 || pop == 0 || unsafe { as_fn::<CtxPushFn>(push)(ctx) } != CUDA_SUCCESS {
+        return None;
+    }
+    let ordinal = current_ordinal();
+    let mut popped: CUcontext = std::ptr::null_mut();
+    // SAFETY: cuCtxPopCurrent_v2(CUcontext*), undoing the push above.
+    unsafe { as_fn::<CtxPopFn>(pop)(&mut popped) };
+    let dev = at_ordinal(shim, ordinal?);
+    CONTEXTS.put(ctx as usize, dev);
+    Some(dev)
 }
 
 /// Forgets a destroyed context's device.
@@ -178,6 +211,40 @@ pub fn current() -> Option<Site> {
         dev: of_current_context(shim, ctx)?,
         ctx,
     })
+}
+
+/// Stream handles that stand for the current context's default streams:
+/// null, `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD`.
+const LAST_DEFAULT_STREAM: usize = 0x2;
+
+/// Where stream-ordered memory asked for on `stream` is taken: from "the
+/// memory pool of the device associated with the stream", which need not
+/// be the current context's. No context's (`Site::unowned`). Where the
+/// driver cannot name the stream's context, the current context's device.
+pub fn of_stream(stream: CUstream) -> Option<Site> {
+    let here = || current().map(Site::unowned);
+    if stream as usize <= LAST_DEFAULT_STREAM {
+        return here();
+    }
+    static GET_CTX: Real = Real::new();
+    let address = LIBCUDA.cached(&GET_CTX, c"cuStreamGetCtx");
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    let asked = address != 0
+        // SAFETY: cuStreamGetCtx(CUstream, CUcontext*) from the loaded
+        // driver, with the stream the caller is about to allocate on.
+        && unsafe { as_fn::<StreamGetCtxFn>(address)(stream, &mut ctx) } == CUDA_SUCCESS;
+    if !asked || ctx.is_null() {
+        return here();
+    }
+    let shim = ops::cuda_shim()?;
+    match of_context(shim, ctx) {
+        Some(dev) => Some(Site {
+            shim,
+            dev: dev?,
+            ctx: NO_CONTEXT,
+        }),
+        None => here(),
+    }
 }
 
 /// The shim and the capped device behind a CUDA ordinal, if any.

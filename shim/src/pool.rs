@@ -8,6 +8,7 @@
 #![allow(non_snake_case)]
 
 use std::collections::BTreeMap;
+use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::cuda::{
@@ -16,11 +17,38 @@ use crate::cuda::{
 use crate::devices::{self, Site};
 use crate::hook::{answered, real};
 
+const CU_MEM_ALLOCATION_TYPE_MANAGED: c_int = 2;
+const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+
 /// Where a pool's memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Location {
     Device(CUdevice),
     Host,
+    /// Managed memory that prefers no device: charged in full to the
+    /// current context's device, as `cuMemAllocManaged` is.
+    Current,
+}
+
+impl Location {
+    /// Where a pool of allocation type `kind` at `(location_type, id)`
+    /// puts its memory. A managed pool that prefers the host is charged
+    /// like one that prefers nothing: a preference does not keep managed
+    /// memory off the GPU.
+    fn of(kind: c_int, location_type: c_int, id: c_int) -> Location {
+        match (kind, location_type) {
+            (_, CU_MEM_LOCATION_TYPE_DEVICE) => Location::Device(id),
+            (CU_MEM_ALLOCATION_TYPE_MANAGED, _) => Location::Current,
+            _ => Location::Host,
+        }
+    }
+}
+
+/// `CUmemLocation` (cuda.h).
+#[repr(C)]
+pub struct CUmemLocation {
+    pub type_: c_int,
+    pub id: c_int,
 }
 
 static POOLS: Mutex<BTreeMap<usize, Location>> = Mutex::new(BTreeMap::new());
@@ -34,8 +62,8 @@ fn remember(pool: CUmemoryPool, location: Location) {
 }
 
 /// Where an allocation from `pool` is charged: the pool's device; the
-/// current context's for a pool the shim never saw made; nowhere for a
-/// host pool.
+/// current context's for a managed pool that prefers no device and for a
+/// pool the shim never saw made; nowhere for a host pool.
 pub fn site(pool: CUmemoryPool) -> Option<Site> {
     let location = pools().get(&(pool as usize)).copied();
     match location {
@@ -48,7 +76,7 @@ pub fn site(pool: CUmemoryPool) -> Option<Site> {
                 ctx: devices::NO_CONTEXT,
             })
         }
-        None => devices::current().map(Site::unowned),
+        Some(Location::Current) | None => devices::current().map(Site::unowned),
     }
 }
 
@@ -64,10 +92,12 @@ pub unsafe extern "C" fn cuMemPoolCreate(
 ) -> CUresult {
     real!(let call = cuMemPoolCreate(pool, props) else CUDA_ERROR_NOT_INITIALIZED);
     answered(call, CUDA_SUCCESS, || {
-        if let Some(made) = made(pool) {
+        if let (Some(made), false) = (made(pool), props.is_null()) {
             // CUmemPoolProps starts like CUmemAllocationProp.
-            let location =
-                CUmemAllocationProp::device(props).map_or(Location::Host, Location::Device);
+            // SAFETY: the caller's properties, not null (checked), which the
+            // driver just read; their leading fields are in every version.
+            let props = unsafe { &*props };
+            let location = Location::of(props.type_, props.location_type, props.location_id);
             remember(made, location);
         }
     })
@@ -89,6 +119,31 @@ macro_rules! device_pool {
 device_pool!(cuDeviceGetDefaultMemPool);
 device_pool!(cuDeviceGetMemPool);
 
+/// CUDA 13's pools by location and allocation type (device, host,
+/// host NUMA; managed ones may prefer no location).
+macro_rules! location_pool {
+    ($name:ident) => {
+        #[cfg_attr(not(test), no_mangle)]
+        pub unsafe extern "C" fn $name(
+            pool: *mut CUmemoryPool,
+            location: *const CUmemLocation,
+            kind: c_int,
+        ) -> CUresult {
+            real!(let call = $name(pool, location, kind) else CUDA_ERROR_NOT_INITIALIZED);
+            answered(call, CUDA_SUCCESS, || {
+                if let (Some(made), false) = (made(pool), location.is_null()) {
+                    // SAFETY: the caller's location, not null (checked),
+                    // which the driver just read.
+                    let location = unsafe { &*location };
+                    remember(made, Location::of(kind, location.type_, location.id));
+                }
+            })
+        }
+    };
+}
+location_pool!(cuMemGetDefaultMemPool);
+location_pool!(cuMemGetMemPool);
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
     real!(let call = cuMemPoolDestroy(pool) else CUDA_ERROR_NOT_INITIALIZED);
@@ -96,4 +151,30 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: CUmemoryPool) -> CUresult {
         // Its handle may come back for another pool.
         pools().remove(&(pool as usize));
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pools_are_placed_by_allocation_type_and_location() {
+        const PINNED: c_int = 1;
+        const NONE: c_int = 0;
+        const HOST: c_int = 2;
+        const HOST_NUMA: c_int = 3;
+        assert_eq!(
+            Location::of(PINNED, CU_MEM_LOCATION_TYPE_DEVICE, 1),
+            Location::Device(1)
+        );
+        assert_eq!(Location::of(PINNED, HOST, 0), Location::Host);
+        assert_eq!(Location::of(PINNED, HOST_NUMA, 0), Location::Host);
+        let managed = CU_MEM_ALLOCATION_TYPE_MANAGED;
+        assert_eq!(
+            Location::of(managed, CU_MEM_LOCATION_TYPE_DEVICE, 0),
+            Location::Device(0)
+        );
+        assert_eq!(Location::of(managed, NONE, 0), Location::Current);
+        assert_eq!(Location::of(managed, HOST, 0), Location::Current);
+    }
 }

@@ -85,6 +85,8 @@ hooks! {
     pool::cuMemPoolDestroy since 11020;
     pool::cuDeviceGetDefaultMemPool since 11020;
     pool::cuDeviceGetMemPool since 11020;
+    pool::cuMemGetDefaultMemPool since 13000;
+    pool::cuMemGetMemPool since 13000;
     context::cuDevicePrimaryCtxRetain since 7000;
     context::cuDevicePrimaryCtxRelease_v2 since 11000;
     context::cuDevicePrimaryCtxReset_v2 since 11000;

@@ -29,6 +29,10 @@ impl Context {
         self.serial.load(Ordering::Acquire)
     }
 
+    pub(crate) fn handle(&self) -> CUcontext {
+        self.handle as CUcontext
+    }
+
     fn activate(&self) -> Result<(), CUresult> {
         static SERIALS: AtomicU64 = AtomicU64::new(1);
         node::charge(self.dev, config().context)?;

@@ -55,6 +55,7 @@ mod node;
 mod nvml;
 mod pool;
 mod proc_address;
+mod stream;
 mod vmm;
 
 type CUresult = c_int;
@@ -68,6 +69,7 @@ const OUT_OF_MEMORY: CUresult = 2;
 const NOT_INITIALIZED: CUresult = 3;
 const INVALID_DEVICE: CUresult = 101;
 const INVALID_CONTEXT: CUresult = 201;
+const INVALID_HANDLE: CUresult = 400;
 const NOT_FOUND: CUresult = 500;
 const NOT_SUPPORTED: CUresult = 801;
 

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use crate::context::{self, Context};
 use crate::node::{self, MAX_DEVICES};
 use crate::{
-    config, out, pool, CUdeviceptr, CUresult, INVALID_CONTEXT, INVALID_VALUE, NOT_FOUND, PAGE,
-    SUCCESS,
+    config, out, pool, stream, CUdeviceptr, CUresult, INVALID_CONTEXT, INVALID_VALUE, NOT_FOUND,
+    PAGE, SUCCESS,
 };
 
 /// Small allocations are rounded up to this.
@@ -38,6 +38,8 @@ pub(crate) enum Kind {
 enum Cost {
     Pages(u64),
     Chunk(Arc<Chunk>),
+    /// From a host pool: no device memory.
+    Host,
 }
 
 struct Allocation {
@@ -53,6 +55,7 @@ impl Allocation {
         match self.cost {
             Cost::Pages(bytes) => node::uncharge(self.dev, bytes),
             Cost::Chunk(chunk) => chunk.leave(),
+            Cost::Host => {}
         }
     }
 }
@@ -272,11 +275,8 @@ pub(crate) fn sweep(serial: u64) {
     }
 }
 
+/// In the current context, which sweeps it when destroyed.
 fn alloc_current(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
-    alloc_on_current(dptr, size, Owned::ByContext)
-}
-
-fn alloc_on_current(dptr: *mut CUdeviceptr, size: usize, owned: Owned) -> CUresult {
     refuse_after_fork!();
     let ctx = match context::current() {
         Ok(ctx) => ctx,
@@ -285,7 +285,7 @@ fn alloc_on_current(dptr: *mut CUdeviceptr, size: usize, owned: Owned) -> CUresu
     if dptr.is_null() {
         return INVALID_VALUE;
     }
-    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, owned) {
+    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, Owned::ByContext) {
         // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
         // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
@@ -293,10 +293,28 @@ fn alloc_on_current(dptr: *mut CUdeviceptr, size: usize, owned: Owned) -> CUresu
     }
 }
 
-/// On the pool's device, whatever the current context's is.
+/// From the pool of the stream's device, whatever the current context's is.
+fn alloc_on_stream(dptr: *mut CUdeviceptr, size: usize, stream: *mut c_void) -> CUresult {
+    refuse_after_fork!();
+    let ctx = match stream::context_of(stream) {
+        Ok(ctx) => ctx,
+        Err(code) => return code,
+    };
+    if dptr.is_null() {
+        return INVALID_VALUE;
+    }
+    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, Owned::Not) {
+        // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
+        Ok(address) => unsafe { out(dptr, address) },
+        Err(code) => code,
+    }
+}
+
+/// Where the pool puts its memory, whatever the current context's device is.
 fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CUresult {
     refuse_after_fork!();
-    let Some(dev) = pool::device_of(pool) else {
+    let Some(place) = pool::place_of(pool) else {
         return INVALID_VALUE;
     };
     let ctx = match context::current() {
@@ -306,12 +324,33 @@ fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CU
     if dptr.is_null() {
         return INVALID_VALUE;
     }
-    match allocate(Kind::Memory, dev, ctx, size as u64, Owned::Not) {
+    let made = match place {
+        pool::Place::Device(dev) => allocate(Kind::Memory, dev, ctx, size as u64, Owned::Not),
+        pool::Place::Current => allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, Owned::Not),
+        pool::Place::Host => allocate_host(size as u64),
+    };
+    match made {
         // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
         // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
         Err(code) => code,
     }
+}
+
+/// Host memory handed out by a host pool: an address to free, no device's.
+fn allocate_host(bytes: u64) -> Result<u64, CUresult> {
+    if bytes == 0 {
+        return Err(INVALID_VALUE);
+    }
+    let address = address_space(bytes.next_multiple_of(PAGE), PAGE);
+    let allocation = Allocation {
+        kind: Kind::Memory,
+        dev: 0,
+        ctx: 0,
+        cost: Cost::Host,
+    };
+    shard_of(address).insert(address, allocation);
+    Ok(address)
 }
 
 fn free(dptr: CUdeviceptr) -> CUresult {
@@ -407,18 +446,18 @@ pub extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
 pub unsafe extern "C" fn cuMemAllocAsync(
     dptr: *mut CUdeviceptr,
     size: usize,
-    _s: *mut c_void,
+    stream: *mut c_void,
 ) -> CUresult {
-    alloc_on_current(dptr, size, Owned::Not)
+    alloc_on_stream(dptr, size, stream)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
     dptr: *mut CUdeviceptr,
     size: usize,
-    _s: *mut c_void,
+    stream: *mut c_void,
 ) -> CUresult {
-    alloc_on_current(dptr, size, Owned::Not)
+    alloc_on_stream(dptr, size, stream)
 }
 
 #[no_mangle]

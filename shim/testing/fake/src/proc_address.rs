@@ -9,6 +9,7 @@ use crate::context::*;
 use crate::device::*;
 use crate::memory::*;
 use crate::pool::*;
+use crate::stream::*;
 use crate::vmm::*;
 use crate::{out, CUresult, INVALID_VALUE, NOT_FOUND, SUCCESS};
 
@@ -38,6 +39,9 @@ fn lookup(symbol: &[u8], version: c_int, flags: c_ulonglong) -> Option<*mut c_vo
         b"cuCtxSynchronize" => cuCtxSynchronize as *const (),
         b"cuStreamSynchronize" if ptsz => cuStreamSynchronize_ptsz as *const (),
         b"cuStreamSynchronize" => cuStreamSynchronize as *const (),
+        b"cuStreamCreate" => cuStreamCreate as *const (),
+        b"cuStreamDestroy" => cuStreamDestroy_v2 as *const (),
+        b"cuStreamGetCtx" => cuStreamGetCtx as *const (),
         b"cuMemAlloc" if version >= 14000 => cuMemAlloc_v3 as *const (),
         b"cuMemAlloc" if version >= 3020 => cuMemAlloc_v2 as *const (),
         b"cuMemAlloc" => cuMemAlloc as *const (),
@@ -53,6 +57,8 @@ fn lookup(symbol: &[u8], version: c_int, flags: c_ulonglong) -> Option<*mut c_vo
         b"cuMemGetInfo" => cuMemGetInfo_v2 as *const (),
         b"cuDeviceGetDefaultMemPool" => cuDeviceGetDefaultMemPool as *const (),
         b"cuDeviceGetMemPool" => cuDeviceGetMemPool as *const (),
+        b"cuMemGetDefaultMemPool" if version >= 13000 => cuMemGetDefaultMemPool as *const (),
+        b"cuMemGetMemPool" if version >= 13000 => cuMemGetMemPool as *const (),
         b"cuMemPoolCreate" => cuMemPoolCreate as *const (),
         b"cuMemPoolDestroy" => cuMemPoolDestroy as *const (),
         b"cuMemCreate" => cuMemCreate as *const (),

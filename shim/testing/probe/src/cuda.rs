@@ -91,7 +91,21 @@ pub struct Api {
     pub mipmap_destroy: unsafe extern "C" fn(*mut c_void) -> CUresult,
     pub default_pool: unsafe extern "C" fn(*mut *mut c_void, c_int) -> CUresult,
     pub pool_create: unsafe extern "C" fn(*mut *mut c_void, *const PoolProps) -> CUresult,
+    /// CUDA 13's `cuMemGetDefaultMemPool` and `cuMemGetMemPool`, if the
+    /// driver has them.
+    pub location_pool: Option<LocationPoolFn>,
+    pub current_pool: Option<LocationPoolFn>,
+    pub stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> CUresult,
 }
+
+#[repr(C)]
+pub struct Location {
+    pub location_type: c_int,
+    pub id: c_int,
+}
+
+pub type LocationPoolFn =
+    unsafe extern "C" fn(*mut *mut c_void, *const Location, c_int) -> CUresult;
 
 pub fn open(name: &str) -> *mut c_void {
     let c = CString::new(name).unwrap_or_else(|_| fail("NUL in library name"));
@@ -132,31 +146,55 @@ enum Resolver {
     Gpa4(Gpa4, u64),
 }
 
+/// The CUDA version the probe's lookups through cuGetProcAddress name, as
+/// a CUDA 12.8 runtime does.
+const RUNTIME_VERSION: c_int = 12080;
+
 impl Resolver {
     /// `base` is the cuGetProcAddress name, `exported` the exact symbol.
     fn get(&self, base: &str, exported: &str) -> *mut c_void {
+        self.find(base, exported, RUNTIME_VERSION)
+            .unwrap_or_else(|why| fail(&why))
+    }
+
+    /// A function the driver may lack, looked up as a runtime of CUDA
+    /// `version` would; null where the driver has none.
+    fn optional(&self, base: &str, exported: &str, version: c_int) -> *mut c_void {
+        self.find(base, exported, version)
+            .unwrap_or(std::ptr::null_mut())
+    }
+
+    fn find(&self, base: &str, exported: &str, version: c_int) -> Result<*mut c_void, String> {
         match self {
-            Resolver::Dlsym(h) => sym(*h, exported),
+            Resolver::Dlsym(h) => {
+                let c = CString::new(exported).map_err(|_| "NUL in symbol name")?;
+                // SAFETY: valid handle and C string; goes through whatever dlsym is bound.
+                let f = unsafe { libc::dlsym(*h, c.as_ptr()) };
+                (!f.is_null())
+                    .then_some(f)
+                    .ok_or_else(|| format!("dlsym {exported} not found"))
+            }
             Resolver::Gpa5(gpa, flags) => {
-                let c = CString::new(base).unwrap_or_else(|_| fail("NUL in symbol name"));
+                let c = CString::new(base).map_err(|_| "NUL in symbol name")?;
                 let mut f = std::ptr::null_mut();
                 let mut status = -1;
                 // SAFETY: cuGetProcAddress_v2 contract.
-                let r = unsafe { gpa(c.as_ptr(), &mut f, 12080, *flags, &mut status) };
+                let r = unsafe { gpa(c.as_ptr(), &mut f, version, *flags, &mut status) };
                 if r != 0 || f.is_null() || status != 0 {
-                    fail(&format!("cuGetProcAddress_v2 {base}: {r} status {status}"));
+                    return Err(format!("cuGetProcAddress_v2 {base}: {r} status {status}"));
                 }
-                f
+                Ok(f)
             }
             Resolver::Gpa4(gpa, flags) => {
-                let c = CString::new(base).unwrap_or_else(|_| fail("NUL in symbol name"));
+                let c = CString::new(base).map_err(|_| "NUL in symbol name")?;
                 let mut f = std::ptr::null_mut();
-                // SAFETY: cuGetProcAddress contract.
-                let r = unsafe { gpa(c.as_ptr(), &mut f, 11080, *flags) };
+                // SAFETY: cuGetProcAddress contract; the 4-argument form is
+                // the CUDA 11 runtime's, which asks as 11.8.
+                let r = unsafe { gpa(c.as_ptr(), &mut f, version.min(11080), *flags) };
                 if r != 0 || f.is_null() {
-                    fail(&format!("cuGetProcAddress {base}: {r}"));
+                    return Err(format!("cuGetProcAddress {base}: {r}"));
                 }
-                f
+                Ok(f)
             }
         }
     }
@@ -250,6 +288,13 @@ pub fn load(via: &str, ptsz: bool) -> Api {
                 "cuDeviceGetDefaultMemPool",
             )),
             pool_create: cast(get("cuMemPoolCreate", "cuMemPoolCreate")),
+            location_pool: cast(resolver.optional(
+                "cuMemGetDefaultMemPool",
+                "cuMemGetDefaultMemPool",
+                13000,
+            )),
+            current_pool: cast(resolver.optional("cuMemGetMemPool", "cuMemGetMemPool", 13000)),
+            stream_create: cast(get("cuStreamCreate", "cuStreamCreate")),
         }
     }
 }

@@ -7,7 +7,8 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use crate::cuda::{
-    context, context_on, load, AccessDesc, Api, Array3dDesc, ArrayDesc, PoolProps, Prop, MIB,
+    context, context_on, load, AccessDesc, Api, Array3dDesc, ArrayDesc, Location, PoolProps, Prop,
+    MIB,
 };
 use crate::{bench, fail, nvml, stress};
 
@@ -64,6 +65,26 @@ fn number(s: Option<&str>) -> u64 {
     match s.and_then(|v| v.strip_prefix("0x")) {
         Some(hex) => u64::from_str_radix(hex, 16).unwrap_or_else(|_| fail("bad number in step")),
         None => num(s),
+    }
+}
+
+/// `CUmemAllocationType` by name.
+fn pool_type(s: Option<&str>) -> c_int {
+    match s {
+        Some("pinned") => 1,
+        Some("managed") => 2,
+        _ => fail("pool type: pinned or managed"),
+    }
+}
+
+/// `CUmemLocationType` by name.
+fn location_type(s: Option<&str>) -> c_int {
+    match s {
+        Some("none") => 0,
+        Some("device") => LOCATION_DEVICE,
+        Some("host") => 2,
+        Some("hostnuma") => 3,
+        _ => fail("location: none, device, host or hostnuma"),
     }
 }
 
@@ -388,6 +409,63 @@ unsafe fn cuda<'a>(
                         size: 0,
                     },
                 );
+            }
+            "poolof" | "defpoolof" | "curpoolof" => {
+                let (alloc_type, location_type) = (pool_type(next()), location_type(next()));
+                let id = num(next()) as c_int;
+                let mut pool = null;
+                let r = match kind {
+                    "poolof" => {
+                        let props = PoolProps {
+                            alloc_type,
+                            handle_types: 0,
+                            location_type,
+                            location_id: id,
+                            win32: null,
+                            max_size: 0,
+                            usage: 0,
+                            reserved: [0; 54],
+                        };
+                        (api.pool_create)(&mut pool, &props)
+                    }
+                    _ => {
+                        let getter = if kind == "defpoolof" {
+                            api.location_pool
+                        } else {
+                            api.current_pool
+                        };
+                        let getter =
+                            getter.unwrap_or_else(|| fail(&format!("the driver has no {kind}")));
+                        getter(&mut pool, &Location { location_type, id }, alloc_type)
+                    }
+                };
+                made.push(
+                    step,
+                    r,
+                    Made {
+                        value: pool as u64,
+                        size: 0,
+                    },
+                );
+            }
+            "stream" => {
+                let mut stream = null;
+                let r = (api.stream_create)(&mut stream, 0);
+                made.push(
+                    step,
+                    r,
+                    Made {
+                        value: stream as u64,
+                        size: 0,
+                    },
+                );
+            }
+            "asyncon" => {
+                let stream = made.get(next()).value as *mut c_void;
+                let bytes = (num(next()) * MIB) as usize;
+                let mut p = 0u64;
+                let r = (api.alloc_async)(&mut p, bytes, stream);
+                made.push(step, r, Made { value: p, size: 0 });
             }
             "poolalloc" => {
                 let pool = made.get(next()).value as *mut c_void;
