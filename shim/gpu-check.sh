@@ -118,6 +118,12 @@ done
 for via in "--via dlsym" "--via gpa"; do
     step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- "$bin/gpumem-probe" $via defpoolof:pinned:device:0 poolalloc:0:2000 stream asyncon:2:1000 defpoolof:pinned:host:0 poolalloc:4:3000 curpoolof:managed:none:0 poolalloc:6:1500 info
 done
+# A larger per-thread stack (cuCtxSetLimit): measured with NVML around the
+# call and charged to the context. On an H100 (132 SMs x 2048 threads) 4 KiB
+# should take ~792 MiB more than the default 1 KiB and fit; 16 KiB (~4 GiB)
+# should be refused with 2 and set back; 1 KiB gives it back. The debug log
+# prints what each change took.
+step "$G" exec "$S" --mem "$cap" --reconcile-secs 0 -- env GPUMEM_SHIM_LOG=debug "$bin/gpumem-probe" nvmlprocs limit:0:4096 info nvmlprocs limit:0:16384 info nvmlprocs limit:0:1024 info nvmlprocs
 # Two processes under one state dir, watched from outside.
 shared=$(mktemp -d)
 "$G" exec "$S" --mem "$cap" --state-dir "$shared" -- python3 -c 'import torch, time; x = torch.empty(3 << 30, dtype=torch.uint8, device="cuda"); print("holder has 3 GiB", flush=True); time.sleep(20)' >>"$log" 2>&1 &

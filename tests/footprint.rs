@@ -507,3 +507,60 @@ fn cuda_13_pools_are_charged_where_their_memory_goes() {
         );
     }
 }
+
+/// A larger per-thread stack (`cuCtxSetLimit(CU_LIMIT_STACK_SIZE)`) is
+/// device memory the context reserves for every resident thread at once:
+/// charged to the context when set, refused and set back when it does not
+/// fit, given back when the stack shrinks and with the context.
+#[test]
+fn a_larger_stack_is_charged_to_its_context() {
+    // The fake reserves a stack for 65536 threads: 16 KiB costs 960 MiB
+    // more than the default 1 KiB, 64 KiB 4032 MiB, 8 KiB 448 MiB.
+    for via in ["dlsym", "gpa"] {
+        let dir = capped_dir(4308);
+        let lines = probe(
+            dir.path(),
+            &[
+                "--via",
+                via,
+                "limit:0:16384",
+                "info",
+                "alloc:3100",
+                "limit:0:65536",
+                "info",
+                "limit:0:1024",
+                "info",
+                "limit:0:8192",
+                "info",
+                "ctxrelease:0",
+                "ctx:0",
+                "info",
+            ],
+        );
+        for expected in [
+            "limit:0:16384 0 now=16384 (0)",
+            "alloc:3100 2 #0",
+            "limit:0:65536 2 now=16384 (0)",
+            "limit:0:1024 0 now=1024 (0)",
+            "limit:0:8192 0 now=8192 (0)",
+        ] {
+            assert!(
+                lines.contains(&expected.to_owned()),
+                "{via} {expected}: {lines:?}"
+            );
+        }
+        assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 960 * MIB, "{via}");
+        assert_eq!(
+            free_at(&lines, 1),
+            CAP - CONTEXT - 960 * MIB,
+            "{via}: refused, set back"
+        );
+        assert_eq!(free_at(&lines, 2), CAP - CONTEXT, "{via}: shrunk");
+        assert_eq!(free_at(&lines, 3), CAP - CONTEXT - 448 * MIB, "{via}");
+        assert_eq!(
+            free_at(&lines, 4),
+            CAP - CONTEXT,
+            "{via}: a new primary context"
+        );
+    }
+}

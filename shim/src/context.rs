@@ -16,7 +16,7 @@ use crate::cuda::{
 };
 use crate::dlsym::LIBCUDA;
 use crate::hook::{as_fn, guarded, real, Real};
-use crate::ops::Shim;
+use crate::ops::{Refusal, Shim};
 use crate::table::Hooked;
 use crate::{array, cuda, devices, log, nvml};
 
@@ -73,6 +73,24 @@ fn primary_active(ordinal: CUdevice) -> Option<bool> {
     (result == CUDA_SUCCESS).then_some(active != 0)
 }
 
+/// What the driver took for this process on `dev` since NVML said
+/// `before` and its charges were `charged_before`, beyond what it charged
+/// meanwhile; `None` where NVML cannot answer or does not list it.
+fn took_since(
+    shim: &Shim,
+    dev: usize,
+    uuid: &[u8; 16],
+    before: Option<u64>,
+    charged_before: u64,
+) -> Option<i128> {
+    let after = nvml::own_usage(uuid).filter(|&after| after > 0)?;
+    // This process's other threads may have allocated or freed meanwhile
+    // (on other contexts of the device): that is in their charges already.
+    // Signed: a free makes both differences negative.
+    let meanwhile = i128::from(shim.own_charges(dev)) - i128::from(charged_before);
+    Some(i128::from(after) - i128::from(before?) - meanwhile)
+}
+
 /// Makes a context with `call`, charging what it took. A context that does
 /// not fit under the cap is destroyed with `undo` and refused, as the
 /// driver itself would refuse one on a full GPU.
@@ -109,18 +127,8 @@ fn create(
         shim.uncharge(dev, hint);
         return result;
     }
-    let after = nvml::own_usage(&uuid);
-    // This process's other threads may have allocated or freed meanwhile
-    // (on other contexts of the device): that is in their charges already.
-    // Signed: a free makes both differences negative.
-    let meanwhile = i128::from(shim.own_charges(dev)) - i128::from(charged_before);
-    let measured = match (before, after) {
-        (Some(before), Some(after)) if after > 0 => {
-            let took = i128::from(after) - i128::from(before) - meanwhile;
-            Some(u64::try_from(took.max(0)).unwrap_or(u64::MAX))
-        }
-        _ => None,
-    };
+    let measured = took_since(shim, dev, &uuid, before, charged_before)
+        .map(|took| u64::try_from(took.max(0)).unwrap_or(u64::MAX));
     let bytes = measured.unwrap_or(hint);
     log::debug(|| {
         format!(
@@ -312,4 +320,108 @@ fn context_gone(ctx: CUcontext) {
 pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     real!(let call = cuCtxDestroy_v2(ctx) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, |call| ending(call, || context_gone(ctx)))
+}
+
+type CtxGetLimitFn = unsafe extern "C" fn(*mut usize, c_int) -> CUresult;
+
+/// The driver's `cuCtxGetLimit`, looked up once.
+fn get_limit() -> usize {
+    static GET_LIMIT: Real = Real::new();
+    LIBCUDA.cached(&GET_LIMIT, c"cuCtxGetLimit")
+}
+
+/// The current context's `limit`, if the driver says.
+fn limit_now(limit: c_int) -> Option<usize> {
+    let address = get_limit();
+    let mut value = 0;
+    // SAFETY: cuCtxGetLimit(size_t*, CUlimit) from the loaded driver.
+    (address != 0 && unsafe { as_fn::<CtxGetLimitFn>(address)(&mut value, limit) } == CUDA_SUCCESS)
+        .then_some(value)
+}
+
+/// Sets `limit` back to `value` (undoing a refused change).
+fn set_limit_now(limit: c_int, value: usize) -> CUresult {
+    real!(let call = cuCtxSetLimit(limit, value) else CUDA_ERROR_NOT_INITIALIZED);
+    call()
+}
+
+/// Adds `bytes` (signed) to what context `handle` is charged, never
+/// below nothing; returns what was added (less than a shrink asked).
+fn grow(handle: usize, bytes: i128) -> i128 {
+    let mut made = made();
+    let Some(context) = made.iter_mut().find(|c| c.handle == handle) else {
+        return 0;
+    };
+    let now = (i128::from(context.bytes) + bytes).max(0);
+    let added = now - i128::from(context.bytes);
+    context.bytes = u64::try_from(now).unwrap_or(u64::MAX);
+    added
+}
+
+/// A limit of the current context changes (`cuCtxSetLimit`). The stack
+/// size is memory the context holds for every thread the device can run,
+/// reserved when it is set ("will take effect immediately"); other limits
+/// may reserve theirs then or later. Measured like a context: what NVML
+/// says this process holds before and after. Growth is added to the
+/// context's charge, given back with it; growth past the cap is undone
+/// (the old limit set again) and refused with `CUDA_ERROR_OUT_OF_MEMORY`,
+/// as the driver refuses a limit it has no memory for; a shrink gives back
+/// what it freed. Only contexts the shim charged carry such changes.
+fn limit_change(site: devices::Site, limit: c_int, call: impl FnOnce() -> CUresult) -> CUresult {
+    let devices::Site { shim, dev, ctx } = site;
+    // Looked up before the lock (see `prepare`): what reading the old
+    // limit and setting it back call.
+    prepare();
+    get_limit();
+    Hooked::cuCtxSetLimit.address();
+    let _one_at_a_time = crate::fork::lock(&CREATING);
+    if !made().iter().any(|c| c.handle == ctx) {
+        return call();
+    }
+    let old = limit_now(limit);
+    let uuid = shim.uuid(dev);
+    let _making = shim.making_context(dev);
+    let before = nvml::own_usage(&uuid);
+    let charged_before = shim.own_charges(dev);
+    let result = call();
+    if result != CUDA_SUCCESS {
+        return result;
+    }
+    // Without NVML, what the change took is left to reconciliation.
+    let Some(took) = took_since(shim, dev, &uuid, before, charged_before) else {
+        return result;
+    };
+    log::debug(|| format!("limit {limit} set: the context took {} MiB", took >> 20));
+    if took <= 0 {
+        let given_back = -grow(ctx, took);
+        shim.uncharge(dev, u64::try_from(given_back).unwrap_or(0));
+        return result;
+    }
+    if shim
+        .charge(dev, u64::try_from(took).unwrap_or(u64::MAX))
+        .is_ok()
+    {
+        grow(ctx, took);
+        return result;
+    }
+    let set_back = old.is_some_and(|old| set_limit_now(limit, old) == CUDA_SUCCESS);
+    // Whatever the driver still holds is held: charged past the cap, since
+    // refusing it would not give it back.
+    let kept = if set_back {
+        took_since(shim, dev, &uuid, before, charged_before).unwrap_or(took)
+    } else {
+        took
+    };
+    let kept = grow(ctx, kept.max(0));
+    shim.settle_held(dev, 0, u64::try_from(kept).unwrap_or(0));
+    refused(Refusal::OutOfMemory)
+}
+
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
+    real!(let call = cuCtxSetLimit(limit, value) else CUDA_ERROR_NOT_INITIALIZED);
+    guarded(call, |call| match devices::current() {
+        Some(site) => limit_change(site, limit, call),
+        None => call(),
+    })
 }

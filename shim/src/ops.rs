@@ -264,11 +264,11 @@ impl Shim {
         }
     }
 
-    /// Says in this process's slot that it is making a context on `dev`,
-    /// until the guard drops: the driver takes the context's memory before
-    /// the shim can measure and charge it, and the node daemon, seeing it
-    /// in NVML meanwhile, would publish it as untracked on top of the
-    /// charge to come.
+    /// Says in this process's slot that it is making a context on `dev`
+    /// (or changing what one reserves), until the guard drops: the driver
+    /// takes the context's memory before the shim can measure and charge
+    /// it, and the node daemon, seeing it in NVML meanwhile, would publish
+    /// it as untracked on top of the charge to come.
     pub fn making_context(&self, dev: usize) -> MakingContext<'_> {
         let (file, record) = self.file_of(dev);
         let flag = match file.slot.load(SeqCst) {

@@ -94,6 +94,7 @@ hooks! {
     context::cuCtxCreate_v3;
     context::cuCtxCreate_v4;
     context::cuCtxDestroy_v2 since 4000;
+    context::cuCtxSetLimit since 3010;
     procaddr::cuGetProcAddress since 11030;
     procaddr::cuGetProcAddress_v2 since 12000;
     nvml::nvmlDeviceGetMemoryInfo;

@@ -14,7 +14,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::{
     config, device, memory, node, out, CUcontext, CUdevice, CUresult, INVALID_CONTEXT,
-    INVALID_DEVICE, INVALID_VALUE, SUCCESS,
+    INVALID_DEVICE, INVALID_VALUE, SUCCESS, UNSUPPORTED_LIMIT,
 };
 
 pub(crate) struct Context {
@@ -22,9 +22,37 @@ pub(crate) struct Context {
     pub(crate) dev: usize,
     /// The active spell's serial; 0 while inactive or destroyed.
     serial: AtomicU64,
+    /// The per-thread stack size (`CU_LIMIT_STACK_SIZE`) of this spell.
+    stack: AtomicU64,
+}
+
+/// `CU_LIMIT_STACK_SIZE`; the driver's default per-thread stack, which the
+/// context's own cost includes.
+const LIMIT_STACK_SIZE: c_int = 0;
+const DEFAULT_STACK: u64 = 1024;
+/// The limits after the stack (`CU_LIMIT_PRINTF_FIFO_SIZE` …
+/// `CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED`): taken, remembered nowhere, and
+/// costing nothing here.
+const LAST_LIMIT: c_int = 9;
+/// Threads a stack is reserved for: every thread the device can hold at
+/// once (an H100 holds 132 SMs × 2048).
+const RESIDENT_THREADS: u64 = 65536;
+
+/// What a per-thread stack of `stack` bytes holds beyond the default one.
+fn stack_cost(stack: u64) -> u64 {
+    (stack.saturating_sub(DEFAULT_STACK) * RESIDENT_THREADS).next_multiple_of(crate::PAGE)
 }
 
 impl Context {
+    fn new(handle: usize, dev: usize) -> Context {
+        Context {
+            handle,
+            dev,
+            serial: AtomicU64::new(0),
+            stack: AtomicU64::new(DEFAULT_STACK),
+        }
+    }
+
     pub(crate) fn serial(&self) -> u64 {
         self.serial.load(Ordering::Acquire)
     }
@@ -46,7 +74,8 @@ impl Context {
     fn destroy(&self) {
         let serial = self.serial.swap(0, Ordering::AcqRel);
         if serial != 0 {
-            node::uncharge(self.dev, config().context);
+            let stack = self.stack.swap(DEFAULT_STACK, Ordering::AcqRel);
+            node::uncharge(self.dev, config().context + stack_cost(stack));
             memory::sweep(serial);
         }
     }
@@ -77,11 +106,7 @@ fn registry() -> MutexGuard<'static, Registry> {
         .get_or_init(|| {
             let primary = (0..config().uuids.len())
                 .map(|dev| {
-                    let ctx: &'static Context = Box::leak(Box::new(Context {
-                        handle: dev + 1,
-                        dev,
-                        serial: AtomicU64::new(0),
-                    }));
+                    let ctx: &'static Context = Box::leak(Box::new(Context::new(dev + 1, dev)));
                     (ctx, 0)
                 })
                 .collect();
@@ -216,11 +241,7 @@ fn create(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     }
     let mut registry = registry();
     let handle = registry.next_handle;
-    let ctx = Box::new(Context {
-        handle,
-        dev: d,
-        serial: AtomicU64::new(0),
-    });
+    let ctx = Box::new(Context::new(handle, d));
     if let Err(code) = ctx.activate() {
         return code;
     }
@@ -362,4 +383,54 @@ pub extern "C" fn cuStreamSynchronize(_stream: *mut c_void) -> CUresult {
 pub extern "C" fn cuStreamSynchronize_ptsz(_stream: *mut c_void) -> CUresult {
     refuse_after_fork!();
     SUCCESS
+}
+
+/// The stack is reserved for every resident thread the moment it is set,
+/// as the driver documents ("will take effect immediately"); a stack the
+/// device has no room for is refused.
+#[no_mangle]
+pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
+    refuse_after_fork!();
+    let (ctx, _) = match current() {
+        Ok(current) => current,
+        Err(code) => return code,
+    };
+    match limit {
+        LIMIT_STACK_SIZE => {
+            // Serialised with other changes and with destruction by the
+            // registry's lock.
+            let _registry = registry();
+            if ctx.serial() == 0 {
+                return INVALID_CONTEXT;
+            }
+            let (old, new) = (ctx.stack.load(Ordering::Acquire), value as u64);
+            let (was, will) = (stack_cost(old), stack_cost(new));
+            if will > was {
+                if let Err(code) = node::charge(ctx.dev, will - was) {
+                    return code;
+                }
+            } else {
+                node::uncharge(ctx.dev, was - will);
+            }
+            ctx.stack.store(new, Ordering::Release);
+            SUCCESS
+        }
+        1..=LAST_LIMIT => SUCCESS,
+        _ => UNSUPPORTED_LIMIT,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CUresult {
+    refuse_after_fork!();
+    let (ctx, _) = match current() {
+        Ok(current) => current,
+        Err(code) => return code,
+    };
+    match limit {
+        // SAFETY: `value` is the caller's out-parameter: null, which `out` refuses, or valid for
+        // writes, as the driver API requires.
+        LIMIT_STACK_SIZE => unsafe { out(value, ctx.stack.load(Ordering::Acquire) as usize) },
+        _ => UNSUPPORTED_LIMIT,
+    }
 }

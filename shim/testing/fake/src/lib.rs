@@ -69,6 +69,7 @@ const OUT_OF_MEMORY: CUresult = 2;
 const NOT_INITIALIZED: CUresult = 3;
 const INVALID_DEVICE: CUresult = 101;
 const INVALID_CONTEXT: CUresult = 201;
+const UNSUPPORTED_LIMIT: CUresult = 215;
 const INVALID_HANDLE: CUresult = 400;
 const NOT_FOUND: CUresult = 500;
 const NOT_SUPPORTED: CUresult = 801;

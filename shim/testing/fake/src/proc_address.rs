@@ -40,6 +40,8 @@ fn lookup(symbol: &[u8], version: c_int, flags: c_ulonglong) -> Option<*mut c_vo
         b"cuStreamSynchronize" if ptsz => cuStreamSynchronize_ptsz as *const (),
         b"cuStreamSynchronize" => cuStreamSynchronize as *const (),
         b"cuStreamCreate" => cuStreamCreate as *const (),
+        b"cuCtxSetLimit" => cuCtxSetLimit as *const (),
+        b"cuCtxGetLimit" => cuCtxGetLimit as *const (),
         b"cuStreamDestroy" => cuStreamDestroy_v2 as *const (),
         b"cuStreamGetCtx" => cuStreamGetCtx as *const (),
         b"cuMemAlloc" if version >= 14000 => cuMemAlloc_v3 as *const (),

@@ -96,6 +96,8 @@ pub struct Api {
     pub location_pool: Option<LocationPoolFn>,
     pub current_pool: Option<LocationPoolFn>,
     pub stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> CUresult,
+    pub set_limit: unsafe extern "C" fn(c_int, usize) -> CUresult,
+    pub get_limit: unsafe extern "C" fn(*mut usize, c_int) -> CUresult,
 }
 
 #[repr(C)]
@@ -295,6 +297,8 @@ pub fn load(via: &str, ptsz: bool) -> Api {
             )),
             current_pool: cast(resolver.optional("cuMemGetMemPool", "cuMemGetMemPool", 13000)),
             stream_create: cast(get("cuStreamCreate", "cuStreamCreate")),
+            set_limit: cast(get("cuCtxSetLimit", "cuCtxSetLimit")),
+            get_limit: cast(get("cuCtxGetLimit", "cuCtxGetLimit")),
         }
     }
 }

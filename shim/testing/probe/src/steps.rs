@@ -448,6 +448,13 @@ unsafe fn cuda<'a>(
                     },
                 );
             }
+            "limit" => {
+                let limit = num(next()) as c_int;
+                let r = (api.set_limit)(limit, num(next()) as usize);
+                let mut value = 0usize;
+                let got = (api.get_limit)(&mut value, limit);
+                println!("{step} {r} now={value} ({got})");
+            }
             "stream" => {
                 let mut stream = null;
                 let r = (api.stream_create)(&mut stream, 0);
