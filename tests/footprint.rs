@@ -47,6 +47,11 @@ fn run_c_capped(source: &str, fake: (&str, &str)) -> Vec<String> {
 /// The probe under the shim with `steps`, on two fake GPUs each capped at
 /// 4308 MiB in one file; asserts it exits cleanly.
 fn probe_two_gpus(steps: &[&str]) -> Vec<String> {
+    probe_two_gpus_with(&[], steps)
+}
+
+/// `probe_two_gpus` with the fake driver's knobs in `fake`.
+fn probe_two_gpus_with(fake: &[(&str, &str)], steps: &[&str]) -> Vec<String> {
     const SECOND: &str = "GPU-1a2b3c4d-0000-4000-8000-000000010000";
     let dir = tempfile::tempdir().unwrap();
     gpumem::isolation::accounting::prepare(
@@ -62,6 +67,7 @@ fn probe_two_gpus(steps: &[&str]) -> Vec<String> {
         shim_kit()
             .probe(Some(dir.path()))
             .env("FAKEGPU_UUIDS", format!("{T4_UUID},{SECOND}"))
+            .envs(fake.iter().copied())
             .args(steps),
     );
     assert!(ok, "{stderr}");
@@ -422,22 +428,33 @@ fn pool_allocations_are_charged_on_the_pools_device() {
 
 /// cuMemAllocAsync takes from "the memory pool of the device associated
 /// with the stream": a stream of device 1 used while device 0's context is
-/// current puts the memory on device 1, and is charged there.
+/// current puts the memory on device 1, and is charged there; learnt from
+/// `cuStreamGetDevice`, and on drivers without it (before CUDA 12.8) from
+/// the stream's context.
 #[test]
 fn stream_ordered_memory_is_charged_on_the_streams_device() {
-    let lines = probe_two_gpus(&[
-        "ctx:1",
-        "stream",
-        "ctx:0",
-        "asyncon:0:3000",
-        "asyncon:0:1100",
-        "async:1000",
-        "info",
-        "ctx:1",
-        "info",
-        "freeasync:1",
-        "info",
-    ]);
+    for fake in [&[][..], &[("FAKEGPU_NO_STREAM_GET_DEVICE", "1")]] {
+        stream_on_device_1(fake);
+    }
+}
+
+fn stream_on_device_1(fake: &[(&str, &str)]) {
+    let lines = probe_two_gpus_with(
+        fake,
+        &[
+            "ctx:1",
+            "stream",
+            "ctx:0",
+            "asyncon:0:3000",
+            "asyncon:0:1100",
+            "async:1000",
+            "info",
+            "ctx:1",
+            "info",
+            "freeasync:1",
+            "info",
+        ],
+    );
     for expected in [
         "stream 0 #0",
         "asyncon:0:3000 0 #1",
@@ -446,12 +463,24 @@ fn stream_ordered_memory_is_charged_on_the_streams_device() {
     ] {
         assert!(
             lines.contains(&expected.to_owned()),
-            "{expected}: {lines:?}"
+            "{fake:?} {expected}: {lines:?}"
         );
     }
-    assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 1000 * MIB, "device 0");
-    assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB, "device 1");
-    assert_eq!(free_at(&lines, 2), CAP - CONTEXT, "device 1, freed");
+    assert_eq!(
+        free_at(&lines, 0),
+        CAP - CONTEXT - 1000 * MIB,
+        "{fake:?}: device 0"
+    );
+    assert_eq!(
+        free_at(&lines, 1),
+        CAP - CONTEXT - 3000 * MIB,
+        "{fake:?}: device 1"
+    );
+    assert_eq!(
+        free_at(&lines, 2),
+        CAP - CONTEXT,
+        "{fake:?}: device 1, freed"
+    );
 }
 
 /// CUDA 13 hands out pools by location and allocation type: a device
@@ -563,4 +592,78 @@ fn a_larger_stack_is_charged_to_its_context() {
             "{via}: a new primary context"
         );
     }
+}
+
+/// The driver also grows the stack by itself, at a launch that needs more
+/// ("isn't reset back to the original value after each launch"); that
+/// growth is not charged (reconciliation finds it), so a shrink that frees
+/// it must not give back the context's own charge.
+#[test]
+fn a_stack_shrink_gives_back_only_what_was_charged_for_it() {
+    let dir = capped_dir(4308);
+    let lines = probe(
+        dir.path(),
+        &[
+            // A kernel needing 8 KiB of stack: 448 MiB more, taken by the driver.
+            "launch:8192",
+            "info",
+            "limit:0:1024",
+            "info",
+            "limit:0:4096",
+            "info",
+            "limit:0:1024",
+            "info",
+        ],
+    );
+    for expected in [
+        "launch:8192 0",
+        "limit:0:1024 0 now=1024 (0)",
+        "limit:0:4096 0 now=4096 (0)",
+    ] {
+        assert!(
+            lines.contains(&expected.to_owned()),
+            "{expected}: {lines:?}"
+        );
+    }
+    assert_eq!(
+        free_at(&lines, 0),
+        CAP - CONTEXT,
+        "the launch's growth is not seen"
+    );
+    assert_eq!(
+        free_at(&lines, 1),
+        CAP - CONTEXT,
+        "the context stays charged"
+    );
+    assert_eq!(
+        free_at(&lines, 2),
+        CAP - CONTEXT - 192 * MIB,
+        "4 KiB charged"
+    );
+    assert_eq!(free_at(&lines, 3), CAP - CONTEXT, "and given back");
+}
+
+/// Managed memory from a pool that prefers no device is charged where it
+/// is asked for: on the stream's device.
+#[test]
+fn a_managed_pool_is_charged_on_the_streams_device() {
+    let lines = probe_two_gpus(&[
+        "ctx:1",
+        "stream",
+        "ctx:0",
+        "curpoolof:managed:none:0",
+        "poolalloc:1:3000:0",
+        "poolalloc:1:1100:0",
+        "info",
+        "ctx:1",
+        "info",
+    ]);
+    for expected in ["poolalloc:1:3000:0 0 #2", "poolalloc:1:1100:0 2 #3"] {
+        assert!(
+            lines.contains(&expected.to_owned()),
+            "{expected}: {lines:?}"
+        );
+    }
+    assert_eq!(free_at(&lines, 0), CAP - CONTEXT, "device 0");
+    assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB, "device 1");
 }

@@ -26,7 +26,11 @@ struct Made {
     handle: usize,
     ordinal: CUdevice,
     dev: usize,
+    /// What making it took.
     bytes: u64,
+    /// What its limits took since (`cuCtxSetLimit`): all a shrink may give
+    /// back, since the driver also grows them by itself, uncharged.
+    limits: u64,
     primary: bool,
 }
 
@@ -152,6 +156,7 @@ fn create(
             ordinal,
             dev,
             bytes,
+            limits: 0,
             primary,
         });
     }
@@ -162,7 +167,7 @@ fn create(
 /// and charged it, and what died with it in any case.
 fn destroyed(shim: &Shim, handle: usize, made: Option<Made>) {
     if let Some(made) = made {
-        shim.uncharge(made.dev, made.bytes);
+        shim.uncharge(made.dev, made.bytes.saturating_add(made.limits));
     }
     cuda::drop_allocations(shim, handle);
     array::drop_arrays(shim, handle);
@@ -345,40 +350,58 @@ fn set_limit_now(limit: c_int, value: usize) -> CUresult {
     call()
 }
 
-/// Adds `bytes` (signed) to what context `handle` is charged, never
-/// below nothing; returns what was added (less than a shrink asked).
+/// Adds `bytes` (signed) to what the limits of context `handle` are
+/// charged, never below nothing; returns what was added (less than a
+/// shrink asked where the driver freed what it had grown by itself).
 fn grow(handle: usize, bytes: i128) -> i128 {
     let mut made = made();
     let Some(context) = made.iter_mut().find(|c| c.handle == handle) else {
         return 0;
     };
-    let now = (i128::from(context.bytes) + bytes).max(0);
-    let added = now - i128::from(context.bytes);
-    context.bytes = u64::try_from(now).unwrap_or(u64::MAX);
+    let now = (i128::from(context.limits) + bytes).max(0);
+    let added = now - i128::from(context.limits);
+    context.limits = u64::try_from(now).unwrap_or(u64::MAX);
     added
 }
 
+/// The limits that reserve device memory: the per-thread stack, the
+/// `printf` FIFO, the device `malloc` heap and the device runtime's
+/// pending launches (`CU_LIMIT_STACK_SIZE`, `_PRINTF_FIFO_SIZE`,
+/// `_MALLOC_HEAP_SIZE`, `_DEV_RUNTIME_PENDING_LAUNCH_COUNT`). The others
+/// (L2 and shared memory settings) are passed through unmeasured: a
+/// measurement window only adds noise to the context's charge.
+const MEMORY_LIMITS: [c_int; 4] = [0x00, 0x01, 0x02, 0x04];
+
 /// A limit of the current context changes (`cuCtxSetLimit`). The stack
 /// size is memory the context holds for every thread the device can run,
-/// reserved when it is set ("will take effect immediately"); other limits
-/// may reserve theirs then or later. Measured like a context: what NVML
-/// says this process holds before and after. Growth is added to the
-/// context's charge, given back with it; growth past the cap is undone
-/// (the old limit set again) and refused with `CUDA_ERROR_OUT_OF_MEMORY`,
-/// as the driver refuses a limit it has no memory for; a shrink gives back
-/// what it freed. Only contexts the shim charged carry such changes.
-fn limit_change(site: devices::Site, limit: c_int, call: impl FnOnce() -> CUresult) -> CUresult {
+/// reserved when it is set ("will take effect immediately"); the other
+/// memory limits may reserve theirs then or at the first launch that uses
+/// them. Measured like a context: what NVML says this process holds
+/// before and after. Growth is added to the context's charge, given back
+/// with it; growth past the cap is undone (the old limit set again) and
+/// refused with `CUDA_ERROR_OUT_OF_MEMORY`, as the driver refuses a limit
+/// it has no memory for; a shrink gives back what growth was charged.
+/// Only contexts the shim charged carry such changes.
+fn limit_change(
+    site: devices::Site,
+    limit: c_int,
+    value: usize,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
     let devices::Site { shim, dev, ctx } = site;
+    if !MEMORY_LIMITS.contains(&limit) {
+        return call();
+    }
     // Looked up before the lock (see `prepare`): what reading the old
     // limit and setting it back call.
     prepare();
     get_limit();
     Hooked::cuCtxSetLimit.address();
     let _one_at_a_time = crate::fork::lock(&CREATING);
-    if !made().iter().any(|c| c.handle == ctx) {
+    let old = limit_now(limit);
+    if old == Some(value) || !made().iter().any(|c| c.handle == ctx) {
         return call();
     }
-    let old = limit_now(limit);
     let uuid = shim.uuid(dev);
     let _making = shim.making_context(dev);
     let before = nvml::own_usage(&uuid);
@@ -414,14 +437,20 @@ fn limit_change(site: devices::Site, limit: c_int, call: impl FnOnce() -> CUresu
     };
     let kept = grow(ctx, kept.max(0));
     shim.settle_held(dev, 0, u64::try_from(kept).unwrap_or(0));
-    refused(Refusal::OutOfMemory)
+    if set_back {
+        refused(Refusal::OutOfMemory)
+    } else {
+        // The new limit stands: say so, charged past the cap, so that the
+        // next allocation is refused instead.
+        result
+    }
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
     real!(let call = cuCtxSetLimit(limit, value) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, |call| match devices::current() {
-        Some(site) => limit_change(site, limit, call),
+        Some(site) => limit_change(site, limit, value, call),
         None => call(),
     })
 }

@@ -24,9 +24,36 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 
 const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+const CU_MEM_LOCATION_TYPE_HOST: c_int = 2;
+const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_int = 3;
+const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: c_int = 4;
+
+/// Where memory at a `CUmemLocation` lives, as far as caps go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placed {
+    Device(CUdevice),
+    /// Host memory, host NUMA nodes included: no device's.
+    Host,
+    /// No location, or one this shim does not know (CUDA 13.4's locality
+    /// domains of a device, anything newer): charged to the current
+    /// context's device rather than let through uncapped.
+    Elsewhere,
+}
+
+impl Placed {
+    pub fn of(location_type: c_int, id: c_int) -> Placed {
+        match location_type {
+            CU_MEM_LOCATION_TYPE_DEVICE => Placed::Device(id),
+            CU_MEM_LOCATION_TYPE_HOST
+            | CU_MEM_LOCATION_TYPE_HOST_NUMA
+            | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => Placed::Host,
+            _ => Placed::Elsewhere,
+        }
+    }
+}
 
 /// The head of `CUmemAllocationProp` and `CUmemPoolProps` (cuda.h): only
-/// the location is read.
+/// the allocation type and the location are read.
 #[repr(C)]
 pub struct CUmemAllocationProp {
     pub type_: c_int,
@@ -36,14 +63,13 @@ pub struct CUmemAllocationProp {
 }
 
 impl CUmemAllocationProp {
-    /// The device ordinal of a device location, read from the caller's
-    /// properties (null checked); `None` for host locations.
-    pub fn device(prop: *const Self) -> Option<CUdevice> {
-        // SAFETY: the caller's properties; the leading fields are present
-        // in every CUDA version.
-        let (kind, id) =
-            (!prop.is_null()).then(|| unsafe { ((*prop).location_type, (*prop).location_id) })?;
-        (kind == CU_MEM_LOCATION_TYPE_DEVICE).then_some(id)
+    /// The allocation type and where the caller's properties (null
+    /// checked) place the memory.
+    pub fn read(prop: *const Self) -> Option<(c_int, Placed)> {
+        // SAFETY: the caller's properties, not null (checked); the leading
+        // fields are present in every CUDA version.
+        let prop = (!prop.is_null()).then(|| unsafe { &*prop })?;
+        Some((prop.type_, Placed::of(prop.location_type, prop.location_id)))
     }
 }
 
@@ -300,7 +326,7 @@ macro_rules! alloc_from_pool {
             real!(let call = $name(dptr, bytesize, pool, stream) else CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
-            guarded(call, |call| sized(pool::site(pool), dptr, bytesize, call, undo))
+            guarded(call, |call| sized(pool::site(pool, stream), dptr, bytesize, call, undo))
         }
     };
 }

@@ -72,6 +72,7 @@ type CtxGetDeviceFn = unsafe extern "C" fn(*mut CUdevice) -> CUresult;
 type CtxPushFn = unsafe extern "C" fn(CUcontext) -> CUresult;
 type CtxPopFn = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 type StreamGetCtxFn = unsafe extern "C" fn(CUstream, *mut CUcontext) -> CUresult;
+type StreamGetDeviceFn = unsafe extern "C" fn(CUstream, *mut CUdevice) -> CUresult;
 type DeviceGetUuidFn = unsafe extern "C" fn(*mut [u8; 16], CUdevice) -> CUresult;
 
 fn decode(code: u8) -> Option<usize> {
@@ -219,12 +220,29 @@ const LAST_DEFAULT_STREAM: usize = 0x2;
 
 /// Where stream-ordered memory asked for on `stream` is taken: from "the
 /// memory pool of the device associated with the stream", which need not
-/// be the current context's. No context's (`Site::unowned`). Where the
-/// driver cannot name the stream's context, the current context's device.
+/// be the current context's. No context's (`Site::unowned`). Asked of the
+/// driver with `cuStreamGetDevice` (CUDA 12.8 on); before that, the
+/// device of the stream's context (`cuStreamGetCtx`); where neither
+/// answers, the current context's device.
 pub fn of_stream(stream: CUstream) -> Option<Site> {
     let here = || current().map(Site::unowned);
     if stream as usize <= LAST_DEFAULT_STREAM {
         return here();
+    }
+    static GET_DEVICE: Real = Real::new();
+    let address = LIBCUDA.cached(&GET_DEVICE, c"cuStreamGetDevice");
+    let mut ordinal: CUdevice = -1;
+    let answered = address != 0
+        // SAFETY: cuStreamGetDevice(CUstream, CUdevice*) from the loaded
+        // driver, with the stream the caller is about to allocate on.
+        && unsafe { as_fn::<StreamGetDeviceFn>(address)(stream, &mut ordinal) } == CUDA_SUCCESS;
+    if answered {
+        let (shim, dev) = at(ordinal)?;
+        return Some(Site {
+            shim,
+            dev,
+            ctx: NO_CONTEXT,
+        });
     }
     static GET_CTX: Real = Real::new();
     let address = LIBCUDA.cached(&GET_CTX, c"cuStreamGetCtx");

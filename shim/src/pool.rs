@@ -12,34 +12,35 @@ use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::cuda::{
-    CUdevice, CUmemAllocationProp, CUmemoryPool, CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
+    CUdevice, CUmemAllocationProp, CUmemoryPool, CUresult, CUstream, Placed,
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::devices::{self, Site};
 use crate::hook::{answered, real};
 
 const CU_MEM_ALLOCATION_TYPE_MANAGED: c_int = 2;
-const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 
 /// Where a pool's memory lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Location {
     Device(CUdevice),
     Host,
-    /// Managed memory that prefers no device: charged in full to the
-    /// current context's device, as `cuMemAllocManaged` is.
+    /// Managed memory that prefers no device, or memory at a location the
+    /// shim does not know: charged in full to the device it is asked for
+    /// on, as `cuMemAllocManaged` is.
     Current,
 }
 
 impl Location {
-    /// Where a pool of allocation type `kind` at `(location_type, id)`
-    /// puts its memory. A managed pool that prefers the host is charged
-    /// like one that prefers nothing: a preference does not keep managed
-    /// memory off the GPU.
-    fn of(kind: c_int, location_type: c_int, id: c_int) -> Location {
-        match (kind, location_type) {
-            (_, CU_MEM_LOCATION_TYPE_DEVICE) => Location::Device(id),
-            (CU_MEM_ALLOCATION_TYPE_MANAGED, _) => Location::Current,
-            _ => Location::Host,
+    /// Where a pool of allocation type `kind` at `placed` puts its
+    /// memory. A managed pool that prefers the host is charged like one
+    /// that prefers nothing: a preference does not keep managed memory off
+    /// the GPU.
+    fn of(kind: c_int, placed: Placed) -> Location {
+        match (kind, placed) {
+            (_, Placed::Device(ordinal)) => Location::Device(ordinal),
+            (CU_MEM_ALLOCATION_TYPE_MANAGED, _) | (_, Placed::Elsewhere) => Location::Current,
+            (_, Placed::Host) => Location::Host,
         }
     }
 }
@@ -61,10 +62,10 @@ fn remember(pool: CUmemoryPool, location: Location) {
     pools().insert(pool as usize, location);
 }
 
-/// Where an allocation from `pool` is charged: the pool's device; the
-/// current context's for a managed pool that prefers no device and for a
-/// pool the shim never saw made; nowhere for a host pool.
-pub fn site(pool: CUmemoryPool) -> Option<Site> {
+/// Where an allocation from `pool` on `stream` is charged: the pool's
+/// device; the stream's for a managed pool that prefers no device and for
+/// a pool the shim never saw made; nowhere for a host pool.
+pub fn site(pool: CUmemoryPool, stream: CUstream) -> Option<Site> {
     let location = pools().get(&(pool as usize)).copied();
     match location {
         Some(Location::Host) => None,
@@ -76,7 +77,7 @@ pub fn site(pool: CUmemoryPool) -> Option<Site> {
                 ctx: devices::NO_CONTEXT,
             })
         }
-        Some(Location::Current) | None => devices::current().map(Site::unowned),
+        Some(Location::Current) | None => devices::of_stream(stream),
     }
 }
 
@@ -92,13 +93,9 @@ pub unsafe extern "C" fn cuMemPoolCreate(
 ) -> CUresult {
     real!(let call = cuMemPoolCreate(pool, props) else CUDA_ERROR_NOT_INITIALIZED);
     answered(call, CUDA_SUCCESS, || {
-        if let (Some(made), false) = (made(pool), props.is_null()) {
-            // CUmemPoolProps starts like CUmemAllocationProp.
-            // SAFETY: the caller's properties, not null (checked), which the
-            // driver just read; their leading fields are in every version.
-            let props = unsafe { &*props };
-            let location = Location::of(props.type_, props.location_type, props.location_id);
-            remember(made, location);
+        // CUmemPoolProps starts like CUmemAllocationProp.
+        if let (Some(made), Some((kind, placed))) = (made(pool), CUmemAllocationProp::read(props)) {
+            remember(made, Location::of(kind, placed));
         }
     })
 }
@@ -135,7 +132,7 @@ macro_rules! location_pool {
                     // SAFETY: the caller's location, not null (checked),
                     // which the driver just read.
                     let location = unsafe { &*location };
-                    remember(made, Location::of(kind, location.type_, location.id));
+                    remember(made, Location::of(kind, Placed::of(location.type_, location.id)));
                 }
             })
         }
@@ -160,21 +157,26 @@ mod tests {
     #[test]
     fn pools_are_placed_by_allocation_type_and_location() {
         const PINNED: c_int = 1;
-        const NONE: c_int = 0;
-        const HOST: c_int = 2;
-        const HOST_NUMA: c_int = 3;
-        assert_eq!(
-            Location::of(PINNED, CU_MEM_LOCATION_TYPE_DEVICE, 1),
-            Location::Device(1)
-        );
-        assert_eq!(Location::of(PINNED, HOST, 0), Location::Host);
-        assert_eq!(Location::of(PINNED, HOST_NUMA, 0), Location::Host);
-        let managed = CU_MEM_ALLOCATION_TYPE_MANAGED;
-        assert_eq!(
-            Location::of(managed, CU_MEM_LOCATION_TYPE_DEVICE, 0),
-            Location::Device(0)
-        );
-        assert_eq!(Location::of(managed, NONE, 0), Location::Current);
-        assert_eq!(Location::of(managed, HOST, 0), Location::Current);
+        const MANAGED: c_int = CU_MEM_ALLOCATION_TYPE_MANAGED;
+        let at = |kind, location_type, id| Location::of(kind, Placed::of(location_type, id));
+        // (allocation type, location type, id) → where it is charged.
+        for (kind, location_type, id, expected) in [
+            (PINNED, 1, 1, Location::Device(1)),
+            (PINNED, 2, 0, Location::Host),
+            (PINNED, 3, 0, Location::Host),
+            (PINNED, 4, 0, Location::Host),
+            // No location, or one newer than the shim: never uncapped.
+            (PINNED, 0, 0, Location::Current),
+            (PINNED, 6, 0x0100, Location::Current),
+            (MANAGED, 1, 0, Location::Device(0)),
+            (MANAGED, 0, 0, Location::Current),
+            (MANAGED, 2, 0, Location::Current),
+        ] {
+            assert_eq!(
+                at(kind, location_type, id),
+                expected,
+                "{kind} {location_type} {id}"
+            );
+        }
     }
 }

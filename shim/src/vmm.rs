@@ -13,7 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::cuda::{
     refused, written, CUdeviceptr, CUmemAllocationProp, CUmemGenericAllocationHandle, CUresult,
-    CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
+    Placed, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS,
 };
 use crate::devices;
 use crate::hook::{answered, guarded, real};
@@ -68,7 +68,12 @@ pub unsafe extern "C" fn cuMemCreate(
     real!(let call = cuMemCreate(handle, size, prop, flags) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, |call| {
         // Host and host-NUMA locations (NCCL, ggml) are not device memory.
-        let Some((shim, dev)) = CUmemAllocationProp::device(prop).and_then(devices::at) else {
+        let place = match CUmemAllocationProp::read(prop) {
+            Some((_, Placed::Device(ordinal))) => devices::at(ordinal),
+            Some((_, Placed::Elsewhere)) => devices::current().map(|site| (site.shim, site.dev)),
+            Some((_, Placed::Host)) | None => None,
+        };
+        let Some((shim, dev)) = place else {
             return call();
         };
         // Sizes are granularity multiples already: the charge is exact.

@@ -22,25 +22,27 @@ pub(crate) struct Context {
     pub(crate) dev: usize,
     /// The active spell's serial; 0 while inactive or destroyed.
     serial: AtomicU64,
-    /// The per-thread stack size (`CU_LIMIT_STACK_SIZE`) of this spell.
-    stack: AtomicU64,
+    /// This spell's limits (`CUlimit`), the per-thread stack first.
+    limits: [AtomicU64; LIMITS],
 }
 
-/// `CU_LIMIT_STACK_SIZE`; the driver's default per-thread stack, which the
-/// context's own cost includes.
-const LIMIT_STACK_SIZE: c_int = 0;
-const DEFAULT_STACK: u64 = 1024;
-/// The limits after the stack (`CU_LIMIT_PRINTF_FIFO_SIZE` …
-/// `CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED`): taken, remembered nowhere, and
-/// costing nothing here.
-const LAST_LIMIT: c_int = 9;
+/// `CU_LIMIT_STACK_SIZE` … `CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED`, and
+/// their defaults. Only the stack costs memory here.
+const LIMITS: usize = 10;
+const DEFAULT_LIMITS: [u64; LIMITS] = [1024, 1 << 20, 8 << 20, 2, 2048, 0, 0, 0, 0, 0];
+const LIMIT_STACK_SIZE: usize = 0;
 /// Threads a stack is reserved for: every thread the device can hold at
-/// once (an H100 holds 132 SMs × 2048).
+/// once (smaller than an H100's 132 SMs × 2048, to keep tests' numbers
+/// small).
 const RESIDENT_THREADS: u64 = 65536;
 
-/// What a per-thread stack of `stack` bytes holds beyond the default one.
+/// What a per-thread stack of `stack` bytes holds beyond the default one,
+/// which the context's own cost includes.
 fn stack_cost(stack: u64) -> u64 {
-    (stack.saturating_sub(DEFAULT_STACK) * RESIDENT_THREADS).next_multiple_of(crate::PAGE)
+    stack
+        .saturating_sub(DEFAULT_LIMITS[LIMIT_STACK_SIZE])
+        .saturating_mul(RESIDENT_THREADS)
+        .next_multiple_of(crate::PAGE)
 }
 
 impl Context {
@@ -49,8 +51,32 @@ impl Context {
             handle,
             dev,
             serial: AtomicU64::new(0),
-            stack: AtomicU64::new(DEFAULT_STACK),
+            limits: DEFAULT_LIMITS.map(AtomicU64::new),
         }
+    }
+
+    /// Sets the per-thread stack, taking or giving back what it holds; a
+    /// stack the device has no room for is refused. Serialised with other
+    /// changes and with destruction by the registry's lock.
+    fn set_stack(&self, stack: u64) -> CUresult {
+        let _registry = registry();
+        if self.serial() == 0 {
+            return INVALID_CONTEXT;
+        }
+        let stacks = &self.limits[LIMIT_STACK_SIZE];
+        let (was, will) = (
+            stack_cost(stacks.load(Ordering::Acquire)),
+            stack_cost(stack),
+        );
+        if will > was {
+            if let Err(code) = node::charge(self.dev, will - was) {
+                return code;
+            }
+        } else {
+            node::uncharge(self.dev, was - will);
+        }
+        stacks.store(stack, Ordering::Release);
+        SUCCESS
     }
 
     pub(crate) fn serial(&self) -> u64 {
@@ -74,7 +100,10 @@ impl Context {
     fn destroy(&self) {
         let serial = self.serial.swap(0, Ordering::AcqRel);
         if serial != 0 {
-            let stack = self.stack.swap(DEFAULT_STACK, Ordering::AcqRel);
+            let stack = self.limits[LIMIT_STACK_SIZE].load(Ordering::Acquire);
+            for (limit, default) in self.limits.iter().zip(DEFAULT_LIMITS) {
+                limit.store(default, Ordering::Release);
+            }
             node::uncharge(self.dev, config().context + stack_cost(stack));
             memory::sweep(serial);
         }
@@ -386,8 +415,7 @@ pub extern "C" fn cuStreamSynchronize_ptsz(_stream: *mut c_void) -> CUresult {
 }
 
 /// The stack is reserved for every resident thread the moment it is set,
-/// as the driver documents ("will take effect immediately"); a stack the
-/// device has no room for is refused.
+/// as the driver documents ("will take effect immediately").
 #[no_mangle]
 pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
     refuse_after_fork!();
@@ -395,28 +423,13 @@ pub extern "C" fn cuCtxSetLimit(limit: c_int, value: usize) -> CUresult {
         Ok(current) => current,
         Err(code) => return code,
     };
-    match limit {
-        LIMIT_STACK_SIZE => {
-            // Serialised with other changes and with destruction by the
-            // registry's lock.
-            let _registry = registry();
-            if ctx.serial() == 0 {
-                return INVALID_CONTEXT;
-            }
-            let (old, new) = (ctx.stack.load(Ordering::Acquire), value as u64);
-            let (was, will) = (stack_cost(old), stack_cost(new));
-            if will > was {
-                if let Err(code) = node::charge(ctx.dev, will - was) {
-                    return code;
-                }
-            } else {
-                node::uncharge(ctx.dev, was - will);
-            }
-            ctx.stack.store(new, Ordering::Release);
+    match usize::try_from(limit).ok().filter(|&l| l < LIMITS) {
+        Some(LIMIT_STACK_SIZE) => ctx.set_stack(value as u64),
+        Some(other) => {
+            ctx.limits[other].store(value as u64, Ordering::Release);
             SUCCESS
         }
-        1..=LAST_LIMIT => SUCCESS,
-        _ => UNSUPPORTED_LIMIT,
+        None => UNSUPPORTED_LIMIT,
     }
 }
 
@@ -427,10 +440,42 @@ pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: c_int) -> CUres
         Ok(current) => current,
         Err(code) => return code,
     };
-    match limit {
+    match usize::try_from(limit).ok().and_then(|l| ctx.limits.get(l)) {
         // SAFETY: `value` is the caller's out-parameter: null, which `out` refuses, or valid for
         // writes, as the driver API requires.
-        LIMIT_STACK_SIZE => unsafe { out(value, ctx.stack.load(Ordering::Acquire) as usize) },
-        _ => UNSUPPORTED_LIMIT,
+        Some(limit) => unsafe { out(value, limit.load(Ordering::Acquire) as usize) },
+        None => UNSUPPORTED_LIMIT,
+    }
+}
+
+/// Fake kernels: a function handle stands for a kernel that needs that
+/// many bytes of stack per thread. As the driver documents, a launch grows
+/// the stack as needed, and it stays grown ("isn't reset back to the
+/// original value after each launch").
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub extern "C" fn cuLaunchKernel(
+    f: *mut c_void,
+    _grid_x: c_uint,
+    _grid_y: c_uint,
+    _grid_z: c_uint,
+    _block_x: c_uint,
+    _block_y: c_uint,
+    _block_z: c_uint,
+    _shared: c_uint,
+    _stream: *mut c_void,
+    _params: *mut *mut c_void,
+    _extra: *mut *mut c_void,
+) -> CUresult {
+    refuse_after_fork!();
+    let (ctx, _) = match current() {
+        Ok(current) => current,
+        Err(code) => return code,
+    };
+    let needed = f as u64;
+    if ctx.limits[LIMIT_STACK_SIZE].load(Ordering::Acquire) < needed {
+        ctx.set_stack(needed)
+    } else {
+        SUCCESS
     }
 }

@@ -95,6 +95,9 @@ struct Config {
     /// `FAKEGPU_CONTEXT_DELAY_MS`: a context takes its memory this long
     /// before the call that makes it returns (~110 ms on an H100).
     context_delay: std::time::Duration,
+    /// `FAKEGPU_NO_STREAM_GET_DEVICE`: `cuStreamGetDevice` answers as a
+    /// driver before CUDA 12.8 would, by not being there (stream.rs).
+    no_stream_get_device: bool,
 }
 
 fn env_mib(name: &str, default: u64) -> u64 {
@@ -130,6 +133,7 @@ fn config() -> &'static Config {
         pitch_via_export: std::env::var_os("FAKEGPU_PITCH_VIA_EXPORT").is_some(),
         get_state_delay: env_ms("FAKEGPU_GET_STATE_DELAY_MS"),
         context_delay: env_ms("FAKEGPU_CONTEXT_DELAY_MS"),
+        no_stream_get_device: std::env::var_os("FAKEGPU_NO_STREAM_GET_DEVICE").is_some(),
     })
 }
 

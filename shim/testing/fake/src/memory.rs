@@ -311,8 +311,14 @@ fn alloc_on_stream(dptr: *mut CUdeviceptr, size: usize, stream: *mut c_void) -> 
     }
 }
 
-/// Where the pool puts its memory, whatever the current context's device is.
-fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CUresult {
+/// Where the pool puts its memory, whatever the current context's device
+/// is; managed memory that prefers no device goes to the stream's.
+fn alloc_from_pool(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: *mut c_void,
+    stream: *mut c_void,
+) -> CUresult {
     refuse_after_fork!();
     let Some(place) = pool::place_of(pool) else {
         return INVALID_VALUE;
@@ -326,7 +332,10 @@ fn alloc_from_pool(dptr: *mut CUdeviceptr, size: usize, pool: *mut c_void) -> CU
     }
     let made = match place {
         pool::Place::Device(dev) => allocate(Kind::Memory, dev, ctx, size as u64, Owned::Not),
-        pool::Place::Current => allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, Owned::Not),
+        pool::Place::Current => match stream::context_of(stream) {
+            Ok(on) => allocate(Kind::Memory, on.0.dev, ctx, size as u64, Owned::Not),
+            Err(code) => Err(code),
+        },
         pool::Place::Host => allocate_host(size as u64),
     };
     match made {
@@ -465,9 +474,9 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: *mut c_void,
-    _s: *mut c_void,
+    stream: *mut c_void,
 ) -> CUresult {
-    alloc_from_pool(dptr, size, pool)
+    alloc_from_pool(dptr, size, pool, stream)
 }
 
 #[no_mangle]
@@ -475,9 +484,9 @@ pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: *mut c_void,
-    _s: *mut c_void,
+    stream: *mut c_void,
 ) -> CUresult {
-    alloc_from_pool(dptr, size, pool)
+    alloc_from_pool(dptr, size, pool, stream)
 }
 
 #[no_mangle]

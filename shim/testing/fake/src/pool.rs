@@ -15,7 +15,8 @@ type CUmemoryPool = *mut c_void;
 const DEFAULT: usize = 0x00d0_0000;
 /// The default pinned host pool.
 const HOST: usize = DEFAULT + 0x800;
-/// The default managed pool with no preferred location.
+/// The default managed pool with no preferred location; those preferring
+/// a device come after it.
 const MANAGED: usize = DEFAULT + 0x900;
 const FIRST_CREATED: usize = DEFAULT + 0x1000;
 
@@ -77,6 +78,9 @@ pub(crate) fn place_of(pool: CUmemoryPool) -> Option<Place> {
     match handle {
         HOST => Some(Place::Host),
         MANAGED => Some(Place::Current),
+        _ if handle > MANAGED && handle <= MANAGED + crate::config().uuids.len() => {
+            Some(Place::Device(handle - MANAGED - 1))
+        }
         _ => match handle.checked_sub(DEFAULT) {
             Some(dev) if dev < crate::config().uuids.len() => Some(Place::Device(dev)),
             _ => pools().created.get(&handle).copied(),
@@ -84,13 +88,13 @@ pub(crate) fn place_of(pool: CUmemoryPool) -> Option<Place> {
     }
 }
 
-/// The default pool of a place. A managed pool that prefers a device is
-/// that device's pool here: the fake does not migrate memory.
-fn default_of(place: Place) -> CUmemoryPool {
-    (match place {
-        Place::Device(dev) => DEFAULT + dev,
-        Place::Host => HOST,
-        Place::Current => MANAGED,
+/// The default pool of an allocation type at a place.
+fn default_of(alloc_type: c_int, place: Place) -> CUmemoryPool {
+    (match (alloc_type, place) {
+        (ALLOCATION_MANAGED, Place::Device(dev)) => MANAGED + 1 + dev,
+        (_, Place::Device(dev)) => DEFAULT + dev,
+        (_, Place::Host) => HOST,
+        (_, Place::Current) => MANAGED,
     }) as CUmemoryPool
 }
 
@@ -99,7 +103,7 @@ unsafe fn default_pool(pool: *mut CUmemoryPool, dev: CUdevice) -> CUresult {
     match device(dev) {
         // SAFETY: `pool` is the out-parameter our callers were given, null or valid for writes;
         // `out` checks for null.
-        Some(d) => unsafe { out(pool, default_of(Place::Device(d))) },
+        Some(d) => unsafe { out(pool, default_of(ALLOCATION_PINNED, Place::Device(d))) },
         None => INVALID_DEVICE,
     }
 }
@@ -145,7 +149,7 @@ unsafe fn location_pool(
     match Place::of(alloc_type, location.location_type, location.id) {
         // SAFETY: `pool` is the caller's out-parameter: null, which `out` refuses, or valid for
         // writes.
-        Ok(place) => unsafe { out(pool, default_of(place)) },
+        Ok(place) => unsafe { out(pool, default_of(alloc_type, place)) },
         Err(code) => code,
     }
 }

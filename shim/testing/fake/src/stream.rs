@@ -7,7 +7,9 @@ use std::ffi::{c_uint, c_void};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use crate::context::{self, Context};
-use crate::{out, CUcontext, CUresult, INVALID_HANDLE, INVALID_VALUE, SUCCESS};
+use crate::{
+    out, CUcontext, CUdevice, CUresult, INVALID_HANDLE, INVALID_VALUE, NOT_FOUND, SUCCESS,
+};
 
 type CUstream = *mut c_void;
 
@@ -80,6 +82,23 @@ pub unsafe extern "C" fn cuStreamGetCtx(stream: CUstream, pctx: *mut CUcontext) 
         // SAFETY: `pctx` is the caller's out-parameter: null, which `out` refuses, or valid for
         // writes, as the driver API requires.
         Ok((ctx, _)) => unsafe { out(pctx, ctx.handle()) },
+        Err(code) => code,
+    }
+}
+
+/// Drivers before CUDA 12.8 have no `cuStreamGetDevice`; with
+/// `FAKEGPU_NO_STREAM_GET_DEVICE` set, this one answers as if it were not
+/// there.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamGetDevice(stream: CUstream, dev: *mut CUdevice) -> CUresult {
+    refuse_after_fork!();
+    if crate::config().no_stream_get_device {
+        return NOT_FOUND;
+    }
+    match context_of(stream) {
+        // SAFETY: `dev` is the caller's out-parameter: null, which `out` refuses, or valid for
+        // writes, as the driver API requires.
+        Ok((ctx, _)) => unsafe { out(dev, ctx.dev as CUdevice) },
         Err(code) => code,
     }
 }

@@ -98,7 +98,22 @@ pub struct Api {
     pub stream_create: unsafe extern "C" fn(*mut *mut c_void, c_uint) -> CUresult,
     pub set_limit: unsafe extern "C" fn(c_int, usize) -> CUresult,
     pub get_limit: unsafe extern "C" fn(*mut usize, c_int) -> CUresult,
+    pub launch: LaunchFn,
 }
+
+pub type LaunchFn = unsafe extern "C" fn(
+    *mut c_void,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CUresult;
 
 #[repr(C)]
 pub struct Location {
@@ -299,6 +314,7 @@ pub fn load(via: &str, ptsz: bool) -> Api {
             stream_create: cast(get("cuStreamCreate", "cuStreamCreate")),
             set_limit: cast(get("cuCtxSetLimit", "cuCtxSetLimit")),
             get_limit: cast(get("cuCtxGetLimit", "cuCtxGetLimit")),
+            launch: cast(get("cuLaunchKernel", "cuLaunchKernel")),
         }
     }
 }

@@ -455,6 +455,13 @@ unsafe fn cuda<'a>(
                 let got = (api.get_limit)(&mut value, limit);
                 println!("{step} {r} now={value} ({got})");
             }
+            "launch" => {
+                // The fake driver's convention: the function handle is the
+                // stack the kernel needs. Never on a real driver.
+                let stack = num(next()) as usize as *mut c_void;
+                let r = (api.launch)(stack, 1, 1, 1, 1, 1, 1, 0, null, null as _, null as _);
+                println!("{step} {r}");
+            }
             "stream" => {
                 let mut stream = null;
                 let r = (api.stream_create)(&mut stream, 0);
@@ -477,8 +484,9 @@ unsafe fn cuda<'a>(
             "poolalloc" => {
                 let pool = made.get(next()).value as *mut c_void;
                 let bytes = (num(next()) * MIB) as usize;
+                let stream = next().map_or(null, |s| made.get(Some(s)).value as *mut c_void);
                 let mut p = 0u64;
-                let r = (api.alloc_pool)(&mut p, bytes, pool, null);
+                let r = (api.alloc_pool)(&mut p, bytes, pool, stream);
                 made.push(step, r, Made { value: p, size: 0 });
             }
             "forkalloc" => {
