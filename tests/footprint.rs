@@ -667,3 +667,41 @@ fn a_managed_pool_is_charged_on_the_streams_device() {
     assert_eq!(free_at(&lines, 0), CAP - CONTEXT, "device 0");
     assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB, "device 1");
 }
+
+/// Only limits that reserve memory are measured, and only when they
+/// change: the rest pass straight through (the debug log names each
+/// measurement).
+#[test]
+fn only_memory_limits_that_change_are_measured() {
+    let dir = capped_dir(4308);
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .env("GPUMEM_SHIM_LOG", "debug")
+            .args([
+                "limit:5:128",
+                "limit:6:0",
+                "limit:0:1024",
+                "limit:0:2048",
+                "limit:3:4",
+            ]),
+    );
+    assert!(ok, "{stderr}");
+    for expected in [
+        "limit:5:128 0",
+        "limit:0:1024 0",
+        "limit:0:2048 0",
+        "limit:3:4 0",
+    ] {
+        assert!(
+            lines.iter().any(|l| l.starts_with(expected)),
+            "{expected}: {lines:?}"
+        );
+    }
+    let measured: Vec<&str> = stderr
+        .lines()
+        .filter_map(|l| l.split_once("limit ").map(|(_, rest)| rest))
+        .filter_map(|rest| rest.split_once(" set:").map(|(limit, _)| limit))
+        .collect();
+    assert_eq!(measured, ["0", "3"], "{stderr}");
+}

@@ -365,12 +365,11 @@ fn grow(handle: usize, bytes: i128) -> i128 {
 }
 
 /// The limits that reserve device memory: the per-thread stack, the
-/// `printf` FIFO, the device `malloc` heap and the device runtime's
-/// pending launches (`CU_LIMIT_STACK_SIZE`, `_PRINTF_FIFO_SIZE`,
-/// `_MALLOC_HEAP_SIZE`, `_DEV_RUNTIME_PENDING_LAUNCH_COUNT`). The others
-/// (L2 and shared memory settings) are passed through unmeasured: a
-/// measurement window only adds noise to the context's charge.
-const MEMORY_LIMITS: [c_int; 4] = [0x00, 0x01, 0x02, 0x04];
+/// `printf` FIFO, the device `malloc` heap, and the device runtime's sync
+/// depth and pending launches (`CU_LIMIT_STACK_SIZE` … `CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT`,
+/// 0 to 4). The others (L2 and shared memory settings) are passed through
+/// unmeasured: a measurement window only adds noise to the context's charge.
+const MEMORY_LIMITS: std::ops::RangeInclusive<c_int> = 0..=4;
 
 /// A limit of the current context changes (`cuCtxSetLimit`). The stack
 /// size is memory the context holds for every thread the device can run,

@@ -23,6 +23,7 @@ pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 
+const CU_MEM_LOCATION_TYPE_NONE: c_int = 0;
 const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 const CU_MEM_LOCATION_TYPE_HOST: c_int = 2;
 const CU_MEM_LOCATION_TYPE_HOST_NUMA: c_int = 3;
@@ -34,15 +35,19 @@ pub enum Placed {
     Device(CUdevice),
     /// Host memory, host NUMA nodes included: no device's.
     Host,
-    /// No location, or one this shim does not know (CUDA 13.4's locality
-    /// domains of a device, anything newer): charged to the current
-    /// context's device rather than let through uncapped.
+    /// No location (`CU_MEM_LOCATION_TYPE_NONE`, also the invalid one):
+    /// for managed memory, no preferred one.
+    Unset,
+    /// A location this shim does not know (CUDA 13.4's locality domains of
+    /// a device, anything newer): charged to the device of the current
+    /// context (or stream) rather than let through.
     Elsewhere,
 }
 
 impl Placed {
     pub fn of(location_type: c_int, id: c_int) -> Placed {
         match location_type {
+            CU_MEM_LOCATION_TYPE_NONE => Placed::Unset,
             CU_MEM_LOCATION_TYPE_DEVICE => Placed::Device(id),
             CU_MEM_LOCATION_TYPE_HOST
             | CU_MEM_LOCATION_TYPE_HOST_NUMA

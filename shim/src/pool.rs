@@ -39,7 +39,9 @@ impl Location {
     fn of(kind: c_int, placed: Placed) -> Location {
         match (kind, placed) {
             (_, Placed::Device(ordinal)) => Location::Device(ordinal),
-            (CU_MEM_ALLOCATION_TYPE_MANAGED, _) | (_, Placed::Elsewhere) => Location::Current,
+            (CU_MEM_ALLOCATION_TYPE_MANAGED, _) | (_, Placed::Elsewhere | Placed::Unset) => {
+                Location::Current
+            }
             (_, Placed::Host) => Location::Host,
         }
     }

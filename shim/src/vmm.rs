@@ -71,7 +71,8 @@ pub unsafe extern "C" fn cuMemCreate(
         let place = match CUmemAllocationProp::read(prop) {
             Some((_, Placed::Device(ordinal))) => devices::at(ordinal),
             Some((_, Placed::Elsewhere)) => devices::current().map(|site| (site.shim, site.dev)),
-            Some((_, Placed::Host)) | None => None,
+            // No location: the driver refuses it.
+            Some((_, Placed::Host | Placed::Unset)) | None => None,
         };
         let Some((shim, dev)) = place else {
             return call();

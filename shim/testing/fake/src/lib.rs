@@ -9,7 +9,12 @@
 //!   sub-allocated from 2 MiB chunks (one open chunk per thread and device)
 //!   that are given back when their last allocation is freed;
 //! - VMM handles hold their memory until released AND unmapped; arrays take
-//!   what `array::bytes` says; pools allocate on their own device;
+//!   what `array::bytes` says; pools allocate on their own device (host
+//!   pools on none, managed pools that prefer nothing on the stream's);
+//!   stream-ordered memory comes from the stream's device;
+//! - a larger per-thread stack (`cuCtxSetLimit`, or a launch of a fake
+//!   kernel, whose handle is the stack it needs) is reserved for 65536
+//!   threads at once;
 //! - memory runs out at the device's size, counting every process that shares
 //!   `FAKEGPU_NODE_FILE`, and NVML lists those processes by PID (the NVML
 //!   copy asks the `libcuda.so.1` copy for this process's usage through
@@ -28,8 +33,11 @@
 //! (a file the fake drivers of one test share as the node-wide view; without
 //! it the node is this process alone), `FAKEGPU_HEALTH_FILE` (XID events, row
 //! remapping, page retirement and failing devices as NVML reports them; see
-//! `health`) and `FAKEGPU_MEMORY_REPAIR` (`retirement`: pre-Ampere devices that
-//! retire pages; default: devices that remap rows, as A100 and H100).
+//! `health`), `FAKEGPU_MEMORY_REPAIR` (`retirement`: pre-Ampere devices that
+//! retire pages; default: devices that remap rows, as A100 and H100) and
+//! `FAKEGPU_NO_STREAM_GET_DEVICE` (a driver before CUDA 12.8). Test-only
+//! knobs for timing windows: `FAKEGPU_PITCH_VIA_EXPORT`,
+//! `FAKEGPU_GET_STATE_DELAY_MS`, `FAKEGPU_CONTEXT_DELAY_MS` (see `Config`).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
