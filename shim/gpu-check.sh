@@ -437,6 +437,8 @@ footprints() {
     local py="python3 shim/gpu"
     alone torch-fill-at-once "${cap%MiB}" -- $py/fill.py
     alone torch-fill-at-once-no-reconcile "${cap%MiB}" --reconcile-secs 0 -- $py/fill.py
+    # A 4 KiB stack (~792 MiB on an H100) set before filling.
+    alone torch-fill-after-stack "${cap%MiB}" --reconcile-secs 0 -- $py/fill.py --stack-bytes 4096
     alone vmm-create-map-release "${cap%MiB}" --reconcile-secs 0 -- $py/driver.py vmm
     alone arrays "${cap%MiB}" --reconcile-secs 0 -- $py/driver.py arrays
     alone jax-default-prealloc "${cap%MiB}" -- $py/jax_prealloc.py
