@@ -379,7 +379,8 @@ const MEMORY_LIMITS: std::ops::RangeInclusive<c_int> = 0..=4;
 /// before and after. Growth is added to the context's charge, given back
 /// with it; growth past the cap is undone (the old limit set again) and
 /// refused with `CUDA_ERROR_OUT_OF_MEMORY`, as the driver refuses a limit
-/// it has no memory for; a shrink gives back what growth was charged.
+/// it has no memory for, or where it cannot be undone stands, charged
+/// past the cap; a shrink gives back at most what growth was charged.
 /// Only contexts the shim charged carry such changes.
 fn limit_change(
     site: devices::Site,

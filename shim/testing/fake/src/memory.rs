@@ -278,32 +278,30 @@ pub(crate) fn sweep(serial: u64) {
 /// In the current context, which sweeps it when destroyed.
 fn alloc_current(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
     refuse_after_fork!();
-    let ctx = match context::current() {
-        Ok(ctx) => ctx,
-        Err(code) => return code,
-    };
-    if dptr.is_null() {
-        return INVALID_VALUE;
-    }
-    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, Owned::ByContext) {
-        // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
-        // contract, and not null (checked above).
-        Ok(address) => unsafe { out(dptr, address) },
-        Err(code) => code,
-    }
+    alloc_in(context::current(), dptr, size, Owned::ByContext)
 }
 
 /// From the pool of the stream's device, whatever the current context's is.
 fn alloc_on_stream(dptr: *mut CUdeviceptr, size: usize, stream: *mut c_void) -> CUresult {
     refuse_after_fork!();
-    let ctx = match stream::context_of(stream) {
+    alloc_in(stream::context_of(stream), dptr, size, Owned::Not)
+}
+
+/// On the device of context `ctx`, as found for the call.
+fn alloc_in(
+    ctx: Result<(&'static Context, u64), CUresult>,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    owned: Owned,
+) -> CUresult {
+    let ctx = match ctx {
         Ok(ctx) => ctx,
         Err(code) => return code,
     };
     if dptr.is_null() {
         return INVALID_VALUE;
     }
-    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, Owned::Not) {
+    match allocate(Kind::Memory, ctx.0.dev, ctx, size as u64, owned) {
         // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
         // contract, and not null (checked above).
         Ok(address) => unsafe { out(dptr, address) },
