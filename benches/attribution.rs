@@ -230,19 +230,13 @@ fn calibrate_procfs() {
     }
 }
 
-/// This thread's CPU time. (`/proc/thread-self/schedstat` would do without
-/// `unsafe`, but the kernel brings that figure up to date only at scheduler
-/// ticks, and a sweep lasts about one.)
+/// This thread's CPU time, from `CLOCK_THREAD_CPUTIME_ID`.
+/// (`/proc/thread-self/schedstat` brings that figure up to date only at
+/// scheduler ticks, and a sweep lasts about one.)
 fn thread_cpu() -> Duration {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid timespec to write to, and the clock exists on
-    // every Linux.
-    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) } == 0;
-    assert!(ok, "CLOCK_THREAD_CPUTIME_ID");
-    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
+    let now = nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .expect("CLOCK_THREAD_CPUTIME_ID");
+    Duration::from(now)
 }
 
 /// What the sweeps asked of the proc root.

@@ -37,7 +37,6 @@ use gpumem::dra::prepare::DriverConfig;
 use gpumem::dra::service::DraSockets;
 use gpumem::dra::slice;
 use gpumem::dra::DEFAULT_DRIVER_NAME as DRIVER;
-use gpumem::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use gpumem::isolation::accounting::{self, Cap, Durability};
 use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::containers::ContainerName;
@@ -47,7 +46,8 @@ use gpumem::node::gpu::{Gpu, NodeFacts};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::units::MemoryUnit;
 use gpumem::ops::daemon::{self, Common, DaemonError, DraDaemonConfig, CHECKPOINT};
-use gpumem::simulator::dra::{FakeDraKubelet, FakeKubeletError, KUBELET_1_34};
+use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
+use gpumem_testkit::simulator::dra::{FakeDraKubelet, FakeKubeletError, KUBELET_1_34};
 
 const NODE: &str = "h100-node";
 const NODE_UID: &str = "7d0c6e1a-0000-4000-8000-00000000b0a7";

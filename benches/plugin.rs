@@ -8,6 +8,7 @@ mod common;
 
 use common::percentile;
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -23,7 +24,7 @@ use gpumem::node::gpu::Gpu;
 use gpumem::node::inventory::{Inventory, KUBELET_MAX_MESSAGE};
 use gpumem::node::placement::{self, Policy};
 use gpumem::node::units::MemoryUnit;
-use gpumem::simulator::KubeletSim;
+use gpumem_testkit::simulator::KubeletSim;
 use prost::Message;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -193,8 +194,7 @@ async fn daemon_memory() {
     println!("\n# gpumem plugin process memory (release binary, T4 fake node, shim isolation)");
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let node = dir.path().join("t4.toml");
-    std::fs::write(&node, gpumem::ops::demo::DEFAULT_NODE).unwrap();
+    let node = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpus/t4.toml");
     let host = dir.path().join("shim");
     std::fs::create_dir_all(&host).unwrap();
     std::fs::write(

@@ -20,13 +20,3 @@ pub mod extender;
 pub mod isolation;
 pub mod node;
 pub mod ops;
-
-/// An in-process kubelet for `gpumem demo` and the tests. Not part of what
-/// ships (the image is built without the `demo` feature).
-#[cfg(feature = "demo")]
-pub mod simulator;
-
-/// An in-process API server for `gpumem demo` and the tests. Not part of
-/// what ships.
-#[cfg(feature = "demo")]
-pub mod fake_apiserver;

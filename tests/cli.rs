@@ -6,7 +6,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::{fixture, RESOURCE, WAIT};
-use gpumem::simulator::KubeletSim;
+use gpumem_testkit::simulator::KubeletSim;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -31,6 +31,7 @@ fn run(cmd: &mut Command) -> (Output, String) {
     (out, text)
 }
 
+#[cfg(feature = "demo")]
 #[test]
 fn demo_replays_the_notebook_scenario() {
     let (out, text) = run(gpumem().arg("demo"));
@@ -54,6 +55,7 @@ fn demo_replays_the_notebook_scenario() {
     assert!(stdout.contains("NVIDIA_VISIBLE_DEVICES=GPU-6b1c2d3e-0000-4000-8000-000000000400"));
 }
 
+#[cfg(feature = "demo")]
 #[test]
 fn demo_takes_other_nodes() {
     let (out, text) = run(gpumem()
@@ -88,10 +90,12 @@ fn bad_fake_gpu_file_names_file_and_field() {
         "{text}"
     );
 
-    let missing = dir.path().join("absent.toml");
-    let (out, text) = run(gpumem().args(["demo", "--fake-gpus"]).arg(&missing));
-    assert!(!out.status.success());
-    assert!(text.contains("absent.toml"), "{text}");
+    if cfg!(feature = "demo") {
+        let missing = dir.path().join("absent.toml");
+        let (out, text) = run(gpumem().args(["demo", "--fake-gpus"]).arg(&missing));
+        assert!(!out.status.success());
+        assert!(text.contains("absent.toml"), "{text}");
+    }
 }
 
 #[test]
@@ -699,24 +703,27 @@ fn os_errors_are_printed_once_and_name_the_source() {
     );
     assert_eq!(text.matches("os error 2").count(), 1, "{text}");
 
-    let (out, text) = run(gpumem().args(["demo", "--fake-gpus", "/nonexistent/node.toml"]));
-    assert!(!out.status.success());
-    assert_eq!(text.matches("os error 2").count(), 1, "{text}");
+    if cfg!(feature = "demo") {
+        let (out, text) = run(gpumem().args(["demo", "--fake-gpus", "/nonexistent/node.toml"]));
+        assert!(!out.status.success());
+        assert_eq!(text.matches("os error 2").count(), 1, "{text}");
+    }
 }
 
 /// Every flag of every command can be set through the environment, under
 /// GPUMEM_<FLAG> or, where that would clash, GPUMEM_<COMMAND>_<FLAG>.
 #[test]
 fn every_flag_has_an_env_var_named_after_it() {
-    for command in [
+    let commands = [
         "plugin",
         "dra",
-        "demo",
         "exec",
         "inspect",
         "install-shim",
         "extender",
-    ] {
+    ];
+    let demo = cfg!(feature = "demo").then_some("demo");
+    for command in commands.into_iter().chain(demo) {
         let (out, help) = run(gpumem().args([command, "--help"]));
         assert!(out.status.success(), "{help}");
         let options = help.split("\nOptions:\n").nth(1).unwrap();

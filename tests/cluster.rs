@@ -16,9 +16,9 @@ use gpumem::cluster::gpushare::annotation;
 use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
 use gpumem::deviceplugin::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
 use gpumem::deviceplugin::kubelet;
-use gpumem::fake_apiserver::{FakeApiServer, Kind};
 use gpumem::isolation::inject::env;
-use gpumem::simulator::{AdmissionError, KubeletSim};
+use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
+use gpumem_testkit::simulator::{AdmissionError, KubeletSim};
 
 const RESOURCE: &str = "aliyun.com/gpu-mem";
 const NODE: &str = "gpu-node-1";
@@ -148,7 +148,7 @@ impl Drop for Cluster {
     }
 }
 
-fn gpu_of(allocation: &gpumem::simulator::Allocation) -> &str {
+fn gpu_of(allocation: &gpumem_testkit::simulator::Allocation) -> &str {
     allocation.response.envs[env::ALIYUN_IDX].as_str()
 }
 

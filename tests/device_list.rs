@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::cdi::check_cdi_spec;
 use common::{RESOURCE, T4_UUID, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::ContainerAllocateResponse;
-use gpumem::simulator::{Allocation, KubeletSim};
+use gpumem_testkit::simulator::{Allocation, KubeletSim};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -491,6 +491,7 @@ fn the_spec_check_refuses_what_the_cdi_spec_refuses() {
     bad(&|s| s["extra"] = 1.into());
 }
 
+#[cfg(feature = "demo")]
 #[test]
 fn the_demo_shows_what_each_strategy_gives() {
     // The shim, the fake driver and the probe: the demo's containers then

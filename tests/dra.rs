@@ -16,9 +16,9 @@ use serde_json::{json, Value};
 use common::cdi::check_cdi_spec;
 use common::{fixture, T4_UUID};
 use gpumem::dra::claims::{ClaimRef, Prepared};
-use gpumem::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
-use gpumem::simulator::dra::{DraVersion, FakeDraKubelet, KUBELET_1_33, KUBELET_1_34};
-use gpumem::simulator::{ClaimUse, KubeletSim};
+use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
+use gpumem_testkit::simulator::dra::{DraVersion, FakeDraKubelet, KUBELET_1_33, KUBELET_1_34};
+use gpumem_testkit::simulator::{ClaimUse, KubeletSim};
 
 const NODE: &str = "gpu-node-1";
 const NODE_UID: &str = "3f1b7c2e-8d4a-4e6b-9c1d-2a5e7f9b0c43";

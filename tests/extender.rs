@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use gpumem::cluster::gpushare::annotation;
 use gpumem::cluster::node::GPUS_ANNOTATION;
-use gpumem::fake_apiserver::{FakeApiServer, Kind};
+use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 
 const RESOURCE: &str = "aliyun.com/gpu-mem";
 /// Generous: bounds waits for events, times nothing.

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use common::{shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::Device;
 use gpumem::node::inventory::GpuKey;
-use gpumem::simulator::KubeletSim;
+use gpumem_testkit::simulator::KubeletSim;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tempfile::TempDir;

@@ -5,7 +5,7 @@ mod common;
 
 use common::{field, run_lines, shim_kit, Node, MIB, RESOURCE};
 use gpumem::isolation::inject::{Isolation, ShimConfig};
-use gpumem::simulator::AdmissionError;
+use gpumem_testkit::simulator::AdmissionError;
 use tonic::Code;
 
 fn shim_isolation(host: &std::path::Path, state: &std::path::Path) -> Isolation {

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use common::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::PluginConfig;
-use gpumem::fake_apiserver::{FakeApiServer, Kind};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem::isolation::reconcile::FakeProcesses;
@@ -20,7 +19,8 @@ use gpumem::node::placement::Policy;
 use gpumem::node::units::MemoryUnit;
 use gpumem::ops::daemon::{self, Common, DaemonConfig};
 use gpumem::ops::status::NodeStatus;
-use gpumem::simulator::KubeletSim;
+use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
+use gpumem_testkit::simulator::KubeletSim;
 use tempfile::TempDir;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -461,7 +461,8 @@ async fn wait_until_removed(dir: &Path, what: &str) {
 async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     let grace = Duration::from_millis(800);
     let (d, _host, _state) = Daemon::with_shim(grace).await;
-    let dir_of = |a: &gpumem::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
+    let dir_of =
+        |a: &gpumem_testkit::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
     let done = dir_of(&d.k().admit("done", "main", RESOURCE, 4).await.unwrap());
     let running = dir_of(&d.k().admit("running", "main", RESOURCE, 4).await.unwrap());
     let orphan = dir_of(&d.k().admit("orphan", "main", RESOURCE, 4).await.unwrap());

@@ -15,7 +15,7 @@ use gpumem::deviceplugin::plugin::SOCKET_NAME;
 use gpumem::node::inventory::DeviceId;
 use gpumem::node::placement::Policy;
 use gpumem::node::units::MemoryUnit;
-use gpumem::simulator::{AdmissionError, KubeletSim};
+use gpumem_testkit::simulator::{AdmissionError, KubeletSim};
 use tonic::Code;
 
 #[tokio::test]

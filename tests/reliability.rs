@@ -16,7 +16,7 @@ use gpumem::deviceplugin::api::deviceplugin::{
 use gpumem::node::gpu::FakeGpus;
 use gpumem::node::placement::Policy;
 use gpumem::node::units::MemoryUnit;
-use gpumem::simulator::KubeletSim;
+use gpumem_testkit::simulator::KubeletSim;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tonic::Code;

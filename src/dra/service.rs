@@ -485,12 +485,12 @@ impl SocketId {
     }
 }
 
-#[cfg(all(test, feature = "demo"))]
+#[cfg(test)]
 mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::simulator::dra::{
+    use gpumem_testkit::simulator::dra::{
         wait_for_socket, DraVersion, FakeDraKubelet, FakeKubeletError, KUBELET_1_33, KUBELET_1_34,
     };
 

@@ -843,8 +843,8 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::fake_apiserver::{FakeApiServer, Kind};
     use crate::node::gpu::{FakeGpus, GpuSource};
+    use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 
     const NODE: &str = "gpu-node-1";
     const NODE_UID: &str = "3f1b7c2e-8d4a-4e6b-9c1d-2a5e7f9b0c43";

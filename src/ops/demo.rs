@@ -20,7 +20,7 @@ use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
-use crate::simulator::{AdmissionError, Allocation, KubeletSim};
+use gpumem_testkit::simulator::{AdmissionError, Allocation, KubeletSim};
 
 mod dra;
 mod scheduling;

@@ -19,7 +19,7 @@ use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
 use gpumem::node::resource::ResourceName;
 use gpumem::node::units::MemoryUnit;
-use gpumem::simulator::KubeletSim;
+use gpumem_testkit::simulator::KubeletSim;
 use tempfile::TempDir;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;

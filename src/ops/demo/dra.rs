@@ -17,13 +17,13 @@ use crate::dra::claims::ClaimRef;
 use crate::dra::prepare::DriverConfig;
 use crate::dra::service::DraSockets;
 use crate::dra::DEFAULT_DRIVER_NAME;
-use crate::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use crate::isolation::cdi::{self, SpecDir};
 use crate::node::gpu::NodeFacts;
 use crate::node::inventory::Inventory;
 use crate::ops::daemon::{self, Common, DraDaemonConfig};
 use crate::ops::demo::{driver_dir, node_isolation, run_tenant, Applied, DemoError, TenantKit};
-use crate::simulator::dra::{FakeDraKubelet, KUBELET_1_34};
+use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
+use gpumem_testkit::simulator::dra::{FakeDraKubelet, KUBELET_1_34};
 
 const NODE: &str = "t4-node";
 const NODE_UID: &str = "7d0c6e1a-0000-4000-8000-00000000d7a0";
@@ -106,7 +106,7 @@ async fn scenario(
 ) -> Result<(), DemoError> {
     let fail = |what: &str, err: &dyn std::fmt::Display| DemoError::Dra(format!("{what}: {err}"));
     let socket = sockets.registration_socket();
-    crate::simulator::dra::wait_for_socket(&socket, STARTUP)
+    gpumem_testkit::simulator::dra::wait_for_socket(&socket, STARTUP)
         .await
         .map_err(|e| fail("registration", &e))?;
     let kubelet = FakeDraKubelet::register(&socket, KUBELET_1_34)

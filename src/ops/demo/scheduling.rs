@@ -26,7 +26,6 @@ use crate::cluster::client::{self, ADMISSION_CALL_BOUND};
 use crate::cluster::gpushare::{annotation, Extender};
 use crate::cluster::pods::NodePods;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig};
-use crate::fake_apiserver::{FakeApiServer, Kind};
 use crate::isolation::inject::DeviceListStrategy;
 use crate::node::gpu::{FakeGpus, GpuSource};
 use crate::node::inventory::Inventory;
@@ -36,7 +35,8 @@ use crate::node::units::MemoryUnit;
 use crate::ops::demo::{
     allocated_gpu, driver_dir, node_isolation, run_tenant, Applied, DemoError, TenantKit, STARTUP,
 };
-use crate::simulator::{KubeletSim, NAMESPACE};
+use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
+use gpumem_testkit::simulator::{KubeletSim, NAMESPACE};
 
 /// Two Tesla V100-SXM2-16GB as NVML reports them.
 const TWO_V100: &str = r#"

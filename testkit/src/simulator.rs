@@ -30,26 +30,27 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use crate::deviceplugin::api::deviceplugin::registration_server::{
-    Registration, RegistrationServer,
-};
-use crate::deviceplugin::api::deviceplugin::{
+use crate::unix;
+use gpumem_kubelet_api::deviceplugin::device_plugin_client::DevicePluginClient;
+use gpumem_kubelet_api::deviceplugin::registration_server::{Registration, RegistrationServer};
+use gpumem_kubelet_api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
     ContainerPreferredAllocationRequest, Device, DevicePluginOptions, Empty,
     PreferredAllocationRequest, RegisterRequest, HEALTHY, VERSION,
 };
-use crate::deviceplugin::api::podresources::pod_resources_lister_server::{
+use gpumem_kubelet_api::podresources::pod_resources_lister_server::{
     PodResourcesLister, PodResourcesListerServer,
 };
-use crate::deviceplugin::api::podresources::{
+use gpumem_kubelet_api::podresources::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, ClaimResource, ContainerDevices,
     ContainerResources, DynamicResource, GetPodResourcesRequest, GetPodResourcesResponse,
     ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
 };
-use crate::deviceplugin::kubelet::{self, KUBELET_SOCKET};
-use crate::node::resource::ResourceName;
 
+/// kubelet's registration socket, in the device plugin directory.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+/// kubelet's device checkpoint, in the device plugin directory.
+pub const CHECKPOINT: &str = "kubelet_internal_checkpoint";
 /// kubelet dials a registering plugin with this timeout.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 /// The pod-resources socket, relative to the simulator's directory (on a
@@ -272,7 +273,7 @@ impl Shared {
             "Data": {"PodDeviceEntries": entries, "RegisteredDevices": registered},
             "Checksum": 0,
         });
-        let path = self.dir.join(crate::deviceplugin::checkpoint::FILE_NAME);
+        let path = self.dir.join(CHECKPOINT);
         let staging = self.dir.join(".kubelet_internal_checkpoint.tmp");
         // A simulator's write that fails shows as a test failure elsewhere.
         if std::fs::write(&staging, file.to_string()).is_ok() {
@@ -392,15 +393,18 @@ impl Registration for RegistrationService {
                 request.version
             )));
         }
-        if let Err(err) = request.resource_name.parse::<ResourceName>() {
-            return Err(Status::unknown(err.to_string()));
+        if !is_extended_resource_name(&request.resource_name) {
+            return Err(Status::unknown(format!(
+                "invalid extended resource name: {:?}",
+                request.resource_name
+            )));
         }
         // Go's filepath.Join: an absolute endpoint is appended, not used as is.
         let socket = self
             .shared
             .dir
             .join(request.endpoint.trim_start_matches('/'));
-        let channel = tokio::time::timeout(DIAL_TIMEOUT, kubelet::connect(&socket))
+        let channel = tokio::time::timeout(DIAL_TIMEOUT, unix::connect(&socket))
             .await
             .map_err(|_| Status::unknown(format!("dial {}: timed out", socket.display())))?
             .map_err(|e| Status::unknown(format!("dial {}: {e}", socket.display())))?;
@@ -834,4 +838,37 @@ impl Drop for KubeletSim {
     fn drop(&mut self) {
         self.life.cancel();
     }
+}
+
+/// kubelet's `IsExtendedResourceName`: not a native resource (no domain, or
+/// a `kubernetes.io` one), not a `requests.` quota name, and `requests.` +
+/// the name a qualified name (DNS-subdomain prefix, `/`, 1-63 characters of
+/// `[A-Za-z0-9._-]` starting and ending alphanumeric).
+fn is_extended_resource_name(name: &str) -> bool {
+    let Some((prefix, local)) = name.split_once('/') else {
+        return false;
+    };
+    if name.contains("kubernetes.io/") || name.starts_with("requests.") {
+        return false;
+    }
+    let prefix = format!("requests.{prefix}");
+    let label = |l: &str| {
+        let b = l.as_bytes();
+        !b.is_empty()
+            && b.len() <= 63
+            && b.iter()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+            && b[0] != b'-'
+            && b[b.len() - 1] != b'-'
+    };
+    let local_ok = {
+        let b = local.as_bytes();
+        !b.is_empty()
+            && b.len() <= 63
+            && b.iter()
+                .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(c))
+            && b[0].is_ascii_alphanumeric()
+            && b[b.len() - 1].is_ascii_alphanumeric()
+    };
+    prefix.len() <= 253 && prefix.split('.').all(label) && local_ok
 }

@@ -21,12 +21,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tonic::transport::Channel;
 
-use crate::deviceplugin::kubelet;
-use crate::dra::api::pluginregistration::{
+use gpumem_kubelet_api::dra::{v1, v1beta1};
+pub use gpumem_kubelet_api::dra::{ClaimRef, Prepared, PreparedDevice, Unprepared};
+use gpumem_kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse, DRA_PLUGIN,
 };
-use crate::dra::api::{v1, v1beta1};
-use crate::dra::claims::{ClaimRef, Prepared, PreparedDevice, Unprepared};
+
+use crate::unix;
 
 /// The DRA versions of kubelets 1.34 to 1.37.
 pub const KUBELET_1_34: &[&str] = &[v1::SERVICE, v1beta1::SERVICE];
@@ -284,7 +285,7 @@ async fn connect_endpoint(
     };
     // Through the DRA socket kubelet sends `localhost` as `:authority`,
     // which a tonic channel does too.
-    let channel = tokio::time::timeout(CALL_TIMEOUT, kubelet::connect(&endpoint))
+    let channel = tokio::time::timeout(CALL_TIMEOUT, unix::connect(&endpoint))
         .await
         .map_err(|_| format!("dial {}: timed out", endpoint.display()))?
         .map_err(|err| {
@@ -640,7 +641,7 @@ fn integer(block: &mut Vec<u8>, flags: u8, bits: u32, value: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dra::api::pluginregistration::registration_server::{
+    use gpumem_kubelet_api::pluginregistration::registration_server::{
         Registration, RegistrationServer,
     };
     use tokio_stream::wrappers::UnixListenerStream;

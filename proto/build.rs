@@ -1,0 +1,20 @@
+//! Compiles the kubelet APIs in this directory (device plugin, pod resources,
+//! DRA, plugin registration) into `OUT_DIR` with a vendored `protoc`, so a fresh
+//! machine needs no system protobuf compiler.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Always use the vendored compiler: a system protoc may be missing or too old.
+    std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
+    let protos = [
+        "deviceplugin/v1beta1/api.proto",
+        "podresources/v1/api.proto",
+        "dra/v1/api.proto",
+        "dra/v1beta1/api.proto",
+        "pluginregistration/v1/api.proto",
+    ];
+    tonic_prost_build::configure().compile_protos(&protos, &["."])?;
+    for proto in protos {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    Ok(())
+}
