@@ -303,6 +303,10 @@ fn the_drivers_answers_are_matched_to_its_exports_by_identity() {
         "cuGetProcAddress(cuMemAlloc, 12080, 2) -> cuMemAlloc_v2 (Export)",
         // The per-thread default stream variant is its own hook.
         "cuGetProcAddress(cuMemAllocAsync, 12080, 2) -> cuMemAllocAsync_ptsz (Export)",
+        // Asked as CUDA 2.0, the 32-bit-era functions are hooks of their own.
+        "cuGetProcAddress(cuMemAlloc, 2000, 2) -> cuMemAlloc (Export)",
+        "cuGetProcAddress(cuMemAllocPitch, 2000, 2) -> cuMemAllocPitch (Export)",
+        "cuGetProcAddress(cuMemFree, 2000, 2) -> cuMemFree (Export)",
     ] {
         assert!(stderr.contains(expected), "missing {expected}:\n{stderr}");
     }
@@ -348,6 +352,68 @@ fn the_allocation_that_would_pass_the_cap_fails_on_every_path() {
         assert!(
             lines.contains(&"alloc:400 2 #4".to_owned()),
             "{via:?}: {lines:?}"
+        );
+    }
+}
+
+/// The 32-bit-era entry points (`cuMemAlloc`, `cuMemAllocPitch`,
+/// `cuMemFree` before CUDA 3.2: an `unsigned int` pointer) are still
+/// exported, and `cuGetProcAddress` hands them out to a caller asking as
+/// CUDA 2.0: an allocation through them is charged like one through `_v2`,
+/// refused past the cap, and given back by a free of either ABI.
+#[test]
+fn the_32_bit_era_allocations_are_capped_by_name_and_by_old_version() {
+    // Small enough that the cap, not the 4 GiB those pointers reach, refuses.
+    let cap = 2154 * MIB;
+    let dir = capped_dir(2154);
+    let left = |charged_mib: u64| {
+        format!(
+            "info 0 free={} total={cap}",
+            cap - CONTEXT - charged_mib * MIB
+        )
+    };
+    for via in ["dlsym", "gpa", "gpa11"] {
+        let lines = probe(
+            dir.path(),
+            &[
+                "--via",
+                via,
+                "v1alloc:1500",
+                "info",
+                // 1854 MiB are left after the context: neither fits.
+                "v1alloc:400",
+                "v1pitch:1048576:400",
+                "v1free:0",
+                "info",
+                "v1pitch:1048576:1000",
+                "info",
+                "v1free:3",
+                "v1alloc:1800",
+                "info",
+                // A v1 allocation freed through cuMemFree_v2.
+                "free:4",
+                "info",
+            ],
+        );
+        assert_eq!(
+            lines,
+            [
+                "context 0".to_owned(),
+                "v1alloc:1500 0 #0".to_owned(),
+                left(1500),
+                "v1alloc:400 2 #1".to_owned(),
+                "v1pitch:1048576:400 2 #2 pitch=0".to_owned(),
+                "v1free:0 0".to_owned(),
+                left(0),
+                "v1pitch:1048576:1000 0 #3 pitch=1048576".to_owned(),
+                left(1000),
+                "v1free:3 0".to_owned(),
+                "v1alloc:1800 0 #4".to_owned(),
+                left(1800),
+                "free:4 0".to_owned(),
+                left(0),
+            ],
+            "--via {via}"
         );
     }
 }

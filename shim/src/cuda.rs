@@ -14,6 +14,10 @@ use crate::track::{self, Allocation, Allocations, Inserted};
 pub type CUresult = c_int;
 pub type CUdevice = c_int;
 pub type CUdeviceptr = c_ulonglong;
+/// The device pointer of the 32-bit-era entry points (CUDA before 3.2,
+/// `CUdeviceptr_v1` in cuda.h).
+#[allow(non_camel_case_types)]
+pub type CUdeviceptr_v1 = c_uint;
 pub type CUcontext = *mut c_void;
 pub type CUstream = *mut c_void;
 pub type CUmemoryPool = *mut c_void;
@@ -163,12 +167,18 @@ fn record(table: &Allocations, shim: &Shim, allocation: Allocation) -> u64 {
     taken
 }
 
+/// A device pointer the driver writes: 64-bit, or 32-bit for the entry
+/// points before CUDA 3.2. Recorded widened; the address is the same.
+trait DevicePtr: Copy + Default + Into<u64> {}
+impl DevicePtr for CUdeviceptr {}
+impl DevicePtr for CUdeviceptr_v1 {}
+
 /// An allocation of `bytesize` at `site` (none: not capped), written to
 /// `dptr` by the driver.
-fn sized(
+fn sized<P: DevicePtr>(
     site: Option<Site>,
-    dptr: *mut CUdeviceptr,
-    bytesize: usize,
+    dptr: *mut P,
+    bytesize: u64,
     call: impl FnOnce() -> CUresult,
     undo: impl FnOnce(u64) -> CUresult,
 ) -> CUresult {
@@ -176,17 +186,49 @@ fn sized(
         Some(site) => allocate(
             &ALLOCATIONS,
             site,
-            bytesize as u64,
+            bytesize,
             call,
-            || Some((written(dptr)?, bytesize as u64)),
+            || Some((written(dptr)?.into(), bytesize)),
             |ptr| {
                 let result = undo(ptr);
-                cleared(dptr, 0);
+                cleared(dptr, P::default());
                 result
             },
         ),
         None => call(),
     }
+}
+
+/// A pitched allocation of `height` rows of `width` bytes, written to
+/// `dptr` by the driver, with the pitch it chose (read by `pitch`). The
+/// pitch is only known afterwards: the usual 512-byte alignment is charged
+/// now and settled once the driver answers.
+fn pitched<P: DevicePtr>(
+    dptr: *mut P,
+    pitch: impl FnOnce() -> Option<u64>,
+    (width, height): (u64, u64),
+    call: impl FnOnce() -> CUresult,
+    undo: impl FnOnce(u64) -> CUresult,
+) -> CUresult {
+    let Some(site) = devices::current() else {
+        return call();
+    };
+    let estimate = width.next_multiple_of(512).saturating_mul(height);
+    allocate(
+        &ALLOCATIONS,
+        site,
+        estimate,
+        call,
+        || {
+            let size = pitch()?.saturating_mul(height);
+            Some((written(dptr)?.into(), size))
+        },
+        |ptr| {
+            let result = undo(ptr);
+            cleared(dptr, P::default());
+            result
+        },
+    )
 }
 
 /// A free: forget the record first (so an address reused by a racing
@@ -229,11 +271,34 @@ fn free_now(ptr: u64) -> CUresult {
     call()
 }
 
+/// Frees `ptr`, made through a 32-bit-era entry point, with the real
+/// `cuMemFree` of that ABI, or `cuMemFree_v2` where there is none.
+fn free_now_v1(ptr: u64) -> CUresult {
+    let Ok(dptr) = CUdeviceptr_v1::try_from(ptr) else {
+        return free_now(ptr);
+    };
+    real!(let call = cuMemFree(dptr) else free_now(ptr));
+    call()
+}
+
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
     real!(let call = cuMemAlloc_v2(dptr, bytesize) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, |call| {
-        sized(devices::current(), dptr, bytesize, call, free_now)
+        sized(devices::current(), dptr, bytesize as u64, call, free_now)
+    })
+}
+
+/// The 32-bit-era `cuMemAlloc` (CUDA 2.0's ABI, `PFN_cuMemAlloc_v2000` in
+/// cudaTypedefs.h). cuda.h maps the name to `cuMemAlloc_v2` for code built
+/// against it, but the driver still exports it, and `cuGetProcAddress`
+/// hands it to a caller asking as CUDA before 3.2: a ctypes program that
+/// names `cuMemAlloc` reaches it. Charged exactly as `cuMemAlloc_v2`.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc(dptr: *mut CUdeviceptr_v1, bytesize: c_uint) -> CUresult {
+    real!(let call = cuMemAlloc(dptr, bytesize) else CUDA_ERROR_NOT_INITIALIZED);
+    guarded(call, |call| {
+        sized(devices::current(), dptr, bytesize.into(), call, free_now_v1)
     })
 }
 
@@ -247,7 +312,7 @@ pub unsafe extern "C" fn cuMemAllocManaged(
     // Charged in full, though managed memory may live on the host: a
     // container must not be able to page its neighbours out.
     guarded(call, |call| {
-        sized(devices::current(), dptr, bytesize, call, free_now)
+        sized(devices::current(), dptr, bytesize as u64, call, free_now)
     })
 }
 
@@ -261,37 +326,43 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 ) -> CUresult {
     real!(let call = cuMemAllocPitch_v2(dptr, pitch, width, height, element_size)
         else CUDA_ERROR_NOT_INITIALIZED);
-    guarded(call, |call| {
-        let Some(site) = devices::current() else {
-            return call();
-        };
-        // The pitch is only known afterwards: estimate the usual 512-byte
-        // alignment now and settle once the driver answers.
-        let estimate = (width as u64)
-            .next_multiple_of(512)
-            .saturating_mul(height as u64);
-        allocate(
-            &ALLOCATIONS,
-            site,
-            estimate,
-            call,
-            || {
-                let size = (written(pitch)? as u64).saturating_mul(height as u64);
-                Some((written(dptr)?, size))
-            },
-            |ptr| {
-                let result = free_now(ptr);
-                cleared(dptr, 0);
-                result
-            },
-        )
-    })
+    let size = (width as u64, height as u64);
+    let chosen = || written(pitch).map(|p| p as u64);
+    guarded(call, |call| pitched(dptr, chosen, size, call, free_now))
+}
+
+/// The 32-bit-era `cuMemAllocPitch` (`PFN_cuMemAllocPitch_v2000`), reached
+/// as `cuMemAlloc` is; charged as `cuMemAllocPitch_v2`.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch(
+    dptr: *mut CUdeviceptr_v1,
+    pitch: *mut c_uint,
+    width: c_uint,
+    height: c_uint,
+    element_size: c_uint,
+) -> CUresult {
+    real!(let call = cuMemAllocPitch(dptr, pitch, width, height, element_size)
+        else CUDA_ERROR_NOT_INITIALIZED);
+    let size = (width.into(), height.into());
+    let chosen = || written(pitch).map(u64::from);
+    guarded(call, |call| pitched(dptr, chosen, size, call, free_now_v1))
 }
 
 #[cfg_attr(not(test), no_mangle)]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     real!(let call = cuMemFree_v2(dptr) else CUDA_ERROR_NOT_INITIALIZED);
     guarded(call, |call| free(&ALLOCATIONS, ops::shim, dptr, call))
+}
+
+/// The 32-bit-era `cuMemFree` (`PFN_cuMemFree_v2000`): gives back what a
+/// 32-bit-era allocation was charged (either ABI's free finds it: the
+/// record is by address).
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn cuMemFree(dptr: CUdeviceptr_v1) -> CUresult {
+    real!(let call = cuMemFree(dptr) else CUDA_ERROR_NOT_INITIALIZED);
+    guarded(call, |call| {
+        free(&ALLOCATIONS, ops::shim, dptr.into(), call)
+    })
 }
 
 /// Stream-ordered allocations from the stream's device's pool: charged
@@ -309,7 +380,7 @@ macro_rules! alloc_async {
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
             guarded(call, |call| {
-                sized(devices::of_stream(stream), dptr, bytesize, call, undo)
+                sized(devices::of_stream(stream), dptr, bytesize as u64, call, undo)
             })
         }
     };
@@ -331,7 +402,9 @@ macro_rules! alloc_from_pool {
             real!(let call = $name(dptr, bytesize, pool, stream) else CUDA_ERROR_NOT_INITIALIZED);
             // SAFETY: frees the allocation just made, on its stream.
             let undo = |ptr| unsafe { $free(ptr, stream) };
-            guarded(call, |call| sized(pool::site(pool, stream), dptr, bytesize, call, undo))
+            guarded(call, |call| {
+                sized(pool::site(pool, stream), dptr, bytesize as u64, call, undo)
+            })
         }
     };
 }
@@ -512,6 +585,47 @@ mod tests {
             CUDA_SUCCESS
         );
         assert_eq!(shim.own_charges(0), 2 * MIB);
+    }
+
+    /// A 32-bit-era allocation (`cuMemAlloc` before CUDA 3.2) is recorded
+    /// at the address its 32-bit pointer holds, so either ABI's free gives
+    /// it back; one undone is undone at that address, and only its 4 bytes
+    /// are cleared.
+    #[test]
+    fn a_32_bit_era_allocation_is_charged_at_its_address_and_undone_in_its_width() {
+        let shim = Shim::for_test(7 * MIB);
+        let site = || {
+            Some(Site {
+                shim,
+                dev: 0,
+                ctx: 1,
+            })
+        };
+        let write = |out: *mut CUdeviceptr_v1, at: u32| {
+            move || {
+                // SAFETY: a valid out-pointer on the test's stack.
+                unsafe { *out = at };
+                CUDA_SUCCESS
+            }
+        };
+        let mut out: [CUdeviceptr_v1; 2] = [0, 0xdead];
+        let dptr = out.as_mut_ptr();
+        let made = sized(site(), dptr, 2 * MIB, write(dptr, 0x40_0000), UNDONE);
+        assert_eq!((made, out[0]), (CUDA_SUCCESS, 0x40_0000));
+        assert_eq!(shim.own_charges(0), 2 * MIB);
+        // 4 MiB at 1 MiB covers three chunks: 8 MiB with the first, past
+        // the 7 MiB cap.
+        let undone = std::cell::Cell::new(0);
+        let refused = sized(site(), dptr, 4 * MIB, write(dptr, 0x10_0000), |ptr| {
+            undone.set(ptr);
+            CUDA_SUCCESS
+        });
+        assert_eq!(refused, CUDA_ERROR_OUT_OF_MEMORY);
+        assert_eq!(undone.get(), 0x10_0000);
+        assert_eq!(out, [0, 0xdead], "cleared in its own width");
+        assert_eq!(shim.own_charges(0), 2 * MIB);
+        let freed = free(&ALLOCATIONS, || Some(shim), 0x40_0000, MADE);
+        assert_eq!((freed, shim.own_charges(0)), (CUDA_SUCCESS, 0));
     }
 
     /// A child forked while another thread of a process without an

@@ -58,9 +58,12 @@ macro_rules! hooks {
 }
 
 hooks! {
+    cuda::cuMemAlloc since 0;
     cuda::cuMemAlloc_v2 since 3020;
+    cuda::cuMemAllocPitch since 0;
     cuda::cuMemAllocPitch_v2 since 3020;
     cuda::cuMemAllocManaged since 6000;
+    cuda::cuMemFree since 0;
     cuda::cuMemFree_v2 since 3020;
     cuda::cuMemAllocAsync since 11020;
     cuda::cuMemAllocAsync_ptsz since 11020;
@@ -194,7 +197,7 @@ mod tests {
             assert_eq!(Hooked::from_name(h.name().to_bytes()), Some(h));
         }
         for other in [
-            &b"cuMemAlloc"[..],
+            &b"cuMemAlloc_v1"[..],
             b"cuMemAlloc_v2x",
             b"curl_easy_init",
             b"nvmlInit_v2",
@@ -236,6 +239,15 @@ mod tests {
             Hooked::candidates(b"cuMemAlloc_v2").collect::<Vec<_>>(),
             [Hooked::cuMemAlloc_v2]
         );
+        // The 32-bit-era function keeps the base name as its own.
+        assert_eq!(
+            Hooked::candidates(b"cuMemAlloc").collect::<Vec<_>>(),
+            [Hooked::cuMemAlloc, Hooked::cuMemAlloc_v2]
+        );
+        assert_eq!(
+            Hooked::candidates(b"cuMemFree").collect::<Vec<_>>(),
+            [Hooked::cuMemFree, Hooked::cuMemFree_v2]
+        );
     }
 
     #[test]
@@ -249,11 +261,16 @@ mod tests {
             Some(Hooked::cuMemAlloc_v2),
             "no _ptsz variant: the flag changes nothing"
         );
-        assert_eq!(
-            Hooked::documented(b"cuMemAlloc", 3000, 0),
-            None,
-            "v1 ABI left alone"
-        );
+        // Before 3.2, the 32-bit-era ABI (PFN_cuMemAlloc_v2000).
+        for (symbol, v1) in [
+            (&b"cuMemAlloc"[..], Hooked::cuMemAlloc),
+            (b"cuMemAllocPitch", Hooked::cuMemAllocPitch),
+            (b"cuMemFree", Hooked::cuMemFree),
+        ] {
+            assert_eq!(Hooked::documented(symbol, 3010, 0), Some(v1));
+            assert_eq!(Hooked::documented(symbol, 2000, 2), Some(v1));
+            assert_ne!(Hooked::documented(symbol, 3020, 0), Some(v1));
+        }
         assert_eq!(
             Hooked::documented(b"cuMemAlloc_v2", 12000, 0),
             None,

@@ -7,7 +7,11 @@
 //!   destroying one frees it and every allocation and array made in it;
 //! - allocations of 2 MiB or more take whole 2 MiB pages; smaller ones are
 //!   sub-allocated from 2 MiB chunks (one open chunk per thread and device)
-//!   that are given back when their last allocation is freed;
+//!   that are given back when their last allocation is freed; the
+//!   32-bit-era `cuMemAlloc`/`cuMemAllocPitch` (before CUDA 3.2, by name or
+//!   through `cuGetProcAddress`) take whole pages below 4 GiB, so their
+//!   `unsigned int` pointer is the whole address (a model: what a real
+//!   driver does with them in a 64-bit process was never measured);
 //! - VMM handles hold their memory until released AND unmapped; arrays take
 //!   what `array::bytes` says; pools allocate on their own device (host
 //!   pools on none, managed pools that prefer nothing on the stream's);

@@ -17,7 +17,7 @@ use crate::context::{self, Context};
 use crate::node::{self, MAX_DEVICES};
 use crate::{
     config, out, pool, stream, CUdeviceptr, CUresult, INVALID_CONTEXT, INVALID_VALUE, NOT_FOUND,
-    PAGE, SUCCESS,
+    OUT_OF_MEMORY, PAGE, SUCCESS,
 };
 
 /// Small allocations are rounded up to this.
@@ -38,6 +38,8 @@ pub(crate) enum Kind {
 enum Cost {
     Pages(u64),
     Chunk(Arc<Chunk>),
+    /// Whole pages below 4 GiB, for the 32-bit-era entry points (`low`).
+    Low(u64),
     /// From a host pool: no device memory.
     Host,
 }
@@ -51,12 +53,51 @@ struct Allocation {
 }
 
 impl Allocation {
-    fn give_back(self) {
+    /// Frees it; `address` is where it was.
+    fn give_back(self, address: u64) {
         match self.cost {
             Cost::Pages(bytes) => node::uncharge(self.dev, bytes),
             Cost::Chunk(chunk) => chunk.leave(),
+            Cost::Low(bytes) => {
+                low::give(address, bytes);
+                node::uncharge(self.dev, bytes);
+            }
             Cost::Host => {}
         }
+    }
+}
+
+/// The address space below 4 GiB, where the 32-bit-era entry points
+/// (`cuMemAlloc` and `cuMemAllocPitch` before CUDA 3.2) put what they
+/// allocate: their `unsigned int` pointer holds every address there. Whole
+/// pages, first fit, reused once freed; page 0 is never handed out (0 is
+/// no allocation).
+mod low {
+    use std::sync::Mutex;
+
+    use crate::PAGE;
+
+    const PAGES: usize = (1 << 32) / PAGE as usize;
+
+    static TAKEN: Mutex<[bool; PAGES]> = Mutex::new([false; PAGES]);
+
+    fn taken() -> std::sync::MutexGuard<'static, [bool; PAGES]> {
+        TAKEN.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The address of `bytes` (whole pages) of free space, if there is a run.
+    pub(super) fn take(bytes: u64) -> Option<u64> {
+        let pages = usize::try_from(bytes / PAGE).ok()?;
+        let mut taken = taken();
+        let first = (1..PAGES.checked_sub(pages)? + 1)
+            .find(|&first| taken[first..first + pages].iter().all(|t| !t))?;
+        taken[first..first + pages].fill(true);
+        Some(first as u64 * PAGE)
+    }
+
+    pub(super) fn give(address: u64, bytes: u64) {
+        let (first, pages) = ((address / PAGE) as usize, (bytes / PAGE) as usize);
+        taken()[first..first + pages].fill(false);
     }
 }
 
@@ -240,12 +281,47 @@ pub(crate) fn allocate(
         ctx: serial,
         cost,
     };
+    enter(address, allocation, ctx, owned)
+}
+
+/// Takes `bytes` in whole pages below 4 GiB, in the current context: the
+/// 32-bit-era entry points' allocations.
+fn allocate_low(bytes: u64) -> Result<u32, CUresult> {
+    let (ctx, serial) = context::current()?;
+    if bytes == 0 {
+        return Err(INVALID_VALUE);
+    }
+    let pages = bytes.next_multiple_of(PAGE);
+    node::charge(ctx.dev, pages)?;
+    let Some(address) = low::take(pages) else {
+        node::uncharge(ctx.dev, pages);
+        return Err(OUT_OF_MEMORY);
+    };
+    let allocation = Allocation {
+        kind: Kind::Memory,
+        dev: ctx.dev,
+        ctx: serial,
+        cost: Cost::Low(pages),
+    };
+    // Below 4 GiB (`low::take`): the whole address.
+    enter(address, allocation, ctx, Owned::ByContext).map(|address| address as u32)
+}
+
+/// Records `allocation`, made at `address` in `ctx`; undone if that
+/// context was destroyed meanwhile (its sweep may have passed this shard
+/// already).
+fn enter(
+    address: u64,
+    allocation: Allocation,
+    ctx: &Context,
+    owned: Owned,
+) -> Result<u64, CUresult> {
+    let serial = allocation.ctx;
     shard_of(address).insert(address, allocation);
-    // Destroyed meanwhile: its sweep may have passed this shard already.
     if owned == Owned::ByContext && ctx.serial() != serial {
         let swept = shard_of(address).remove(&address);
         if let Some(allocation) = swept {
-            allocation.give_back();
+            allocation.give_back(address);
         }
         return Err(INVALID_CONTEXT);
     }
@@ -260,18 +336,16 @@ pub(crate) fn release(address: u64, kind: Kind) -> CUresult {
         _ => return INVALID_VALUE,
     };
     drop(shard);
-    allocation.give_back();
+    allocation.give_back(address);
     SUCCESS
 }
 
 /// Frees everything made in the context spell `serial`.
 pub(crate) fn sweep(serial: u64) {
     for shard in shards() {
-        let swept: Vec<Allocation> = lock(shard)
-            .extract_if(|_, a| a.ctx == serial)
-            .map(|(_, a)| a)
-            .collect();
-        swept.into_iter().for_each(Allocation::give_back);
+        let swept: Vec<(u64, Allocation)> =
+            lock(shard).extract_if(|_, a| a.ctx == serial).collect();
+        swept.into_iter().for_each(|(at, a)| a.give_back(at));
     }
 }
 
@@ -382,18 +456,57 @@ pub unsafe extern "C" fn cuMemAlloc_v3(
     alloc_current(dptr, size)
 }
 
-/// The 32-bit-era `cuMemAlloc` (v1 ABI): exported as the real driver does;
-/// the shim must never treat it as the v2 function.
+/// The 32-bit-era `cuMemAlloc` (CUDA 2.0's ABI, `PFN_cuMemAlloc_v2000`:
+/// an `unsigned int` pointer and size), exported as the real driver does
+/// and handed out by `cuGetProcAddress` for versions before 3.2: in the
+/// current context, below 4 GiB, so the pointer is the whole address (any
+/// free of it, of either ABI, finds it).
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc(dptr: *mut c_uint, size: c_uint) -> CUresult {
-    let mut wide: CUdeviceptr = 0;
-    let r = alloc_current(&mut wide, size as usize);
-    if r == SUCCESS {
-        // SAFETY: `dptr` is the caller's out-parameter, which `cuMemAlloc` requires valid for
-        // writes.
-        unsafe { *dptr = wide as c_uint };
+    refuse_after_fork!();
+    if dptr.is_null() {
+        return INVALID_VALUE;
     }
-    r
+    match allocate_low(u64::from(size)) {
+        // SAFETY: `dptr` is the caller's out-parameter, valid for writes under the driver API's
+        // contract, and not null (checked above).
+        Ok(address) => unsafe { out(dptr, address) },
+        Err(code) => code,
+    }
+}
+
+/// The 32-bit-era `cuMemAllocPitch` (`PFN_cuMemAllocPitch_v2000`): as the
+/// v2 function pitches, below 4 GiB as `cuMemAlloc` allocates.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocPitch(
+    dptr: *mut c_uint,
+    pitch: *mut c_uint,
+    width: c_uint,
+    height: c_uint,
+    _element: c_uint,
+) -> CUresult {
+    refuse_after_fork!();
+    if dptr.is_null() || pitch.is_null() {
+        return INVALID_VALUE;
+    }
+    let Ok(p) = c_uint::try_from(u64::from(width).next_multiple_of(512)) else {
+        return INVALID_VALUE;
+    };
+    match allocate_low(u64::from(p) * u64::from(height)) {
+        // SAFETY: both are the caller's out-parameters, valid for writes under the driver API's
+        // contract, and not null (checked above).
+        Ok(address) => unsafe {
+            *pitch = p;
+            out(dptr, address)
+        },
+        Err(code) => code,
+    }
+}
+
+/// The 32-bit-era `cuMemFree` (`PFN_cuMemFree_v2000`).
+#[no_mangle]
+pub extern "C" fn cuMemFree(dptr: c_uint) -> CUresult {
+    free(u64::from(dptr))
 }
 
 /// An allocation made through whatever the process's `cuMemAlloc_v2`

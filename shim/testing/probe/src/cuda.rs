@@ -99,7 +99,19 @@ pub struct Api {
     pub set_limit: unsafe extern "C" fn(c_int, usize) -> CUresult,
     pub get_limit: unsafe extern "C" fn(*mut usize, c_int) -> CUresult,
     pub launch: LaunchFn,
+    /// The 32-bit-era (CUDA 2.0 ABI) `cuMemAlloc`, `cuMemAllocPitch` and
+    /// `cuMemFree`: by those names, or asked for as CUDA 2.0; `None` where
+    /// the driver has none.
+    pub alloc_v1: Option<unsafe extern "C" fn(*mut c_uint, c_uint) -> CUresult>,
+    pub pitch_v1: Option<PitchV1Fn>,
+    pub free_v1: Option<unsafe extern "C" fn(c_uint) -> CUresult>,
 }
+
+pub type PitchV1Fn =
+    unsafe extern "C" fn(*mut c_uint, *mut c_uint, c_uint, c_uint, c_uint) -> CUresult;
+
+/// The CUDA version before 3.2's 64-bit device pointers.
+const LEGACY_VERSION: c_int = 2000;
 
 pub type LaunchFn = unsafe extern "C" fn(
     *mut c_void,
@@ -315,6 +327,9 @@ pub fn load(via: &str, ptsz: bool) -> Api {
             set_limit: cast(get("cuCtxSetLimit", "cuCtxSetLimit")),
             get_limit: cast(get("cuCtxGetLimit", "cuCtxGetLimit")),
             launch: cast(get("cuLaunchKernel", "cuLaunchKernel")),
+            alloc_v1: cast(resolver.optional("cuMemAlloc", "cuMemAlloc", LEGACY_VERSION)),
+            pitch_v1: cast(resolver.optional("cuMemAllocPitch", "cuMemAllocPitch", LEGACY_VERSION)),
+            free_v1: cast(resolver.optional("cuMemFree", "cuMemFree", LEGACY_VERSION)),
         }
     }
 }

@@ -2,7 +2,7 @@
 //! pushes its pointer, handle, address range, array, pool or context on one
 //! index list that later steps name by index.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
@@ -150,6 +150,55 @@ impl Probe {
     }
 }
 
+/// The 32-bit-era entry points (`v1alloc:MIB`, `v1pitch:W:H`, `v1free:I`),
+/// which the driver must have.
+///
+/// # Safety
+/// As for `cuda`.
+unsafe fn legacy<'a>(
+    api: &Api,
+    made: &mut Index,
+    step: &str,
+    kind: &str,
+    mut next: impl FnMut() -> Option<&'a str>,
+) {
+    let missing = || -> ! { fail(&format!("{step}: the driver has no 32-bit-era entry point")) };
+    let mut p: c_uint = 0;
+    // SAFETY: the caller's guarantee: functions of the documented v1 ABI,
+    // out-parameters on this stack, pointers the driver returned earlier.
+    unsafe {
+        match kind {
+            "v1alloc" => {
+                let bytes = (num(next()) * MIB) as c_uint;
+                let r = api.alloc_v1.unwrap_or_else(|| missing())(&mut p, bytes);
+                made.push(
+                    step,
+                    r,
+                    Made {
+                        value: p.into(),
+                        size: 0,
+                    },
+                );
+            }
+            "v1pitch" => {
+                let (w, h) = (num(next()) as c_uint, num(next()) as c_uint);
+                let mut pitch: c_uint = 0;
+                let r = api.pitch_v1.unwrap_or_else(|| missing())(&mut p, &mut pitch, w, h, 4);
+                println!("{step} {r} #{} pitch={pitch}", made.0.len());
+                made.0.push(Made {
+                    value: if r == 0 { p.into() } else { 0 },
+                    size: 0,
+                });
+            }
+            _ => {
+                let p = made.get(next()).value as c_uint;
+                let r = api.free_v1.unwrap_or_else(|| missing())(p);
+                println!("{step} {r}");
+            }
+        }
+    }
+}
+
 /// The steps that need the driver (loaded, with `context R` printed, at the
 /// first of them).
 unsafe fn cuda<'a>(
@@ -185,6 +234,7 @@ unsafe fn cuda<'a>(
                 };
                 made.push(step, r, Made { value: p, size: 0 });
             }
+            "v1alloc" | "v1pitch" | "v1free" => legacy(api, made, step, kind, &mut next),
             "pitch" => {
                 let (w, h) = (num(next()) as usize, num(next()) as usize);
                 let mut p = 0u64;
