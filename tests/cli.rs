@@ -98,6 +98,167 @@ fn bad_fake_gpu_file_names_file_and_field() {
     }
 }
 
+/// Runs `cmd` to its end, or kills it after `limit` and fails: a check that
+/// regresses into a hang fails instead of hanging the suite. Output goes to
+/// files, so a chatty child never blocks on a full pipe.
+fn run_within(cmd: &mut Command, limit: Duration) -> (std::process::ExitStatus, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{cmd:?} still running after {limit:?}: {}",
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&out).unwrap() + &std::fs::read_to_string(&err).unwrap();
+    (status, text)
+}
+
+/// `gpumem plugin` on a fake GPU file: exits at once when the file is refused.
+fn plugin_on(dir: &std::path::Path, file: &std::path::Path) -> Command {
+    let mut cmd = gpumem();
+    cmd.args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+        .arg("--kubelet-dir")
+        .arg(dir)
+        .arg("--fake-gpus")
+        .arg(file);
+    cmd
+}
+
+#[test]
+fn absurd_gpu_sizes_are_refused_naming_the_field_and_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("node.toml");
+    // 1e10 MiB took 26 s and 1.3 GB before failing; 1e12 and u64::MAX
+    // aborted on an allocation failure. 16 TiB + 1 MiB is the first size
+    // refused.
+    for memory_mib in [
+        "10000000000",
+        "1000000000000",
+        "18446744073709551615",
+        "16777217",
+    ] {
+        std::fs::write(
+            &file,
+            format!(
+                "[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 15079\n\
+                 [[gpu]]\nuuid = \"GPU-b\"\nname = \"Huge\"\nmemory_mib = {memory_mib}\n"
+            ),
+        )
+        .unwrap();
+        let (status, text) = run_within(&mut plugin_on(dir.path(), &file), WAIT);
+        assert_eq!(status.code(), Some(1), "{memory_mib}: {status:?} {text}");
+        assert!(
+            text.contains(&format!(
+                "{}: gpu[1].memory_mib: {memory_mib} MiB",
+                file.display()
+            )) && text.contains("at most 16777216 MiB (16 TiB)"),
+            "{memory_mib}: {text}"
+        );
+    }
+    // As large as a GPU may be: accepted (the demo runs on it) ...
+    let gpu = "[[gpu]]\nuuid = \"GPU-6b1c2d3e-0000-4000-8000-000000000401\"\n\
+               name = \"Huge\"\nmemory_mib = 16777216\n";
+    std::fs::write(&file, gpu).unwrap();
+    let (status, text) = run_within(gpumem().args(["demo", "--fake-gpus"]).arg(&file), WAIT);
+    assert!(status.success(), "{text}");
+    assert!(text.contains("tf-notebook-1  admitted: GPU0"), "{text}");
+    // ... but not a process said to use more than that.
+    std::fs::write(
+        &file,
+        format!("{gpu}[[gpu.process]]\npid = 7\nused_mib = 16777217\n"),
+    )
+    .unwrap();
+    let (status, text) = run_within(&mut plugin_on(dir.path(), &file), WAIT);
+    assert_eq!(status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("gpu[0].process[0].used_mib: 16777217 MiB")
+            && text.contains("at most 16777216 MiB (16 TiB)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_fake_gpu_file_that_is_not_a_regular_file_is_refused_without_reading_it() {
+    let dir = tempfile::tempdir().unwrap();
+    // A FIFO nobody writes: opening it for reading blocked for ever.
+    let fifo = dir.path().join("fifo.toml");
+    nix::unistd::mkfifo(
+        &fifo,
+        nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+    )
+    .unwrap();
+    let sub = dir.path().join("dir.toml");
+    std::fs::create_dir(&sub).unwrap();
+    for (path, kind) in [
+        (fifo.as_path(), "a FIFO"),
+        (sub.as_path(), "a directory"),
+        (std::path::Path::new("/dev/null"), "a character device"),
+    ] {
+        let (status, text) = run_within(&mut plugin_on(dir.path(), path), WAIT);
+        assert_eq!(status.code(), Some(1), "{kind}: {text}");
+        assert!(
+            text.contains(&format!("{}: {kind}, not a regular file", path.display())),
+            "{kind}: {text}"
+        );
+        let (status, text) = run_within(gpumem().args(["demo", "--fake-gpus"]).arg(path), WAIT);
+        assert_eq!(status.code(), Some(1), "demo, {kind}: {text}");
+        assert!(text.contains("not a regular file"), "demo, {kind}: {text}");
+    }
+    // A regular file too large to be a description of GPUs (sparse: it
+    // costs no disk) is refused before it is read into memory.
+    let big = dir.path().join("big.toml");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let (status, text) = run_within(&mut plugin_on(dir.path(), &big), WAIT);
+    assert_eq!(status.code(), Some(1), "{text}");
+    assert!(
+        text.contains(&format!("{}: 1073741824 bytes", big.display()))
+            && text.contains("at most 16777216"),
+        "{text}"
+    );
+}
+
+#[test]
+fn absurd_gpu_sizes_from_nvml_are_refused_naming_the_bound() {
+    // The fake driver doubles as libnvidia-ml.so.1, reporting 1e12 MiB.
+    let dir = tempfile::tempdir().unwrap();
+    let (status, text) = run_within(
+        gpumem()
+            .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .env("LD_LIBRARY_PATH", &common::shim_kit().driver_dir)
+            .env("FAKEGPU_MEMORY_MIB", "1000000000000"),
+        WAIT,
+    );
+    assert_eq!(status.code(), Some(1), "{status:?} {text}");
+    assert!(
+        text.contains(&format!(
+            "GPU 0 ({}): NVML reports 1000000000000 MiB",
+            common::T4_UUID
+        )) && text.contains("at most 16777216 MiB (16 TiB)"),
+        "{text}"
+    );
+}
+
 #[test]
 fn without_nvml_the_error_points_to_fake_gpus() {
     let dir = tempfile::tempdir().unwrap();
@@ -178,6 +339,54 @@ fn mib_units_that_cannot_fit_kubelets_limit_are_refused_with_advice() {
         text.contains("4194304-byte limit") && text.contains("--memory-unit GiB"),
         "{text}"
     );
+}
+
+#[tokio::test]
+async fn a_rejected_allocate_logs_one_short_line_however_many_ids_it_names() {
+    use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
+    use gpumem::deviceplugin::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let log = dir.path().join("plugin.log");
+    let child = gpumem()
+        .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(fixture("t4"))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let child = common::Killed(child);
+    assert!(kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_some());
+    let channel = gpumem::deviceplugin::kubelet::connect(&dir.path().join("gpumem.sock"))
+        .await
+        .unwrap();
+    // 1M IDs once wrote one 48 MB line; 50,000 wrote 600 KB.
+    let ids: Vec<String> = (0..50_000).map(|i| format!("deadbeef-{i}")).collect();
+    let err = DevicePluginClient::new(channel)
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+        })
+        .await
+        .unwrap_err();
+    // Logged before the answer left.
+    drop(child);
+    let logs = std::fs::read_to_string(&log).unwrap();
+    let rejected = logs
+        .lines()
+        .find(|l| l.contains("Allocate rejected"))
+        .unwrap_or_else(|| panic!("no rejection logged: {logs}"));
+    assert!(
+        rejected.len() < 2048 && rejected.contains("(50000 in all)"),
+        "{} bytes: {}",
+        rejected.len(),
+        &rejected[..rejected.len().min(400)]
+    );
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    kubelet.stop().await;
 }
 
 #[test]

@@ -294,6 +294,74 @@ async fn bad_allocate_requests_are_rejected_and_the_plugin_keeps_serving() {
 }
 
 #[tokio::test]
+async fn thousands_of_bad_ids_get_a_short_invalid_argument_naming_a_few_and_the_count() {
+    let node = Node::start("v100x2", MemoryUnit::GiB, Policy::Binpack).await;
+    let devices = node.devices().await;
+    let mut client = node.client().await;
+    // Listing every ID overflowed the HTTP/2 trailer the status travels in:
+    // the client saw a protocol error, not InvalidArgument.
+    let unknown: Vec<String> = (0..5000).map(|i| format!("deadbeef-{i}")).collect();
+    let short = |err: &tonic::Status, what: &str| {
+        assert_eq!(err.code(), Code::InvalidArgument, "{what}: {err:?}");
+        let message = err.message();
+        assert!(message.len() < 1024, "{what}: {} bytes", message.len());
+        message.to_owned()
+    };
+
+    let allocate = |ids: Vec<String>| AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+    };
+    let err = client
+        .allocate(allocate(unknown.clone()))
+        .await
+        .unwrap_err();
+    let message = short(&err, "unknown");
+    assert!(
+        message.contains("deadbeef-0, deadbeef-1, deadbeef-2")
+            && message.contains("and 4995 more (5000 in all)")
+            && !message.contains("deadbeef-4999"),
+        "{message}"
+    );
+
+    let twice = vec![devices[0].id.clone(); 5000];
+    let err = client.allocate(allocate(twice)).await.unwrap_err();
+    let message = short(&err, "repeated");
+    assert!(
+        message.contains(&devices[0].id) && message.contains("(4999 in all)"),
+        "{message}"
+    );
+
+    // One ID of a megabyte is cut short too.
+    let long = vec!["x".repeat(1 << 20)];
+    let err = client.allocate(allocate(long)).await.unwrap_err();
+    let message = short(&err, "long");
+    assert!(
+        message.contains(&format!("{}…", "x".repeat(64))),
+        "{message}"
+    );
+
+    let err = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: unknown.clone(),
+                must_include_device_i_ds: vec![],
+                allocation_size: 1,
+            }],
+        })
+        .await
+        .unwrap_err();
+    let message = short(&err, "preferred");
+    assert!(message.contains("and 4995 more (5000 in all)"), "{message}");
+
+    // The plugin still serves.
+    client
+        .allocate(allocate(vec![devices[0].id.clone()]))
+        .await
+        .unwrap();
+    node.stop().await;
+}
+
+#[tokio::test]
 async fn re_registers_after_kubelet_restarts() {
     let mut node = Node::start("t4", MemoryUnit::GiB, Policy::Binpack).await;
     node.devices().await;

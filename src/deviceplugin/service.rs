@@ -21,7 +21,7 @@ use crate::deviceplugin::api::deviceplugin::{
 };
 use crate::isolation::inject::{self, DeviceListStrategy, InjectError, Isolation};
 use crate::node::inventory::Inventory;
-use crate::node::placement::{self, PlacementError, Policy};
+use crate::node::placement::{self, IdSample, PlacementError, Policy};
 
 /// The options we register with and report from GetDevicePluginOptions.
 pub fn plugin_options() -> DevicePluginOptions {
@@ -282,10 +282,9 @@ async fn confirm_all(
 ) -> Result<(), Status> {
     for req in &request.container_requests {
         let assignment = placement::assign(inv, &req.devices_ids)?;
-        extender
-            .confirm(inv, assignment)
-            .await
-            .inspect_err(|err| warn!(ids = ?req.devices_ids, %err, "Allocate rejected"))?;
+        extender.confirm(inv, assignment).await.inspect_err(
+            |err| warn!(ids = %IdSample::of(&req.devices_ids), %err, "Allocate rejected"),
+        )?;
     }
     Ok(())
 }
@@ -307,7 +306,7 @@ fn allocate_all(
     let mut container_responses = Vec::with_capacity(requests.len());
     for req in &requests {
         let assignment = placement::assign(inv, &req.devices_ids).inspect_err(|err| {
-            warn!(ids = ?req.devices_ids, %err, "Allocate rejected");
+            warn!(ids = %IdSample::of(&req.devices_ids), %err, "Allocate rejected");
         })?;
         let gpu = &inv.gpus()[assignment.gpu];
         info!(

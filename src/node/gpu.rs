@@ -2,9 +2,29 @@
 //! TOML-described fake node for the demo, tests and GPU-less development.
 
 use std::collections::{HashMap, HashSet};
+use std::fs::FileType;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use nix::libc;
 use serde::Deserialize;
+
+/// The most memory one GPU may have, in MiB: 16 TiB. The largest GPUs
+/// today hold 288 GB (B300, MI355X) and those announced about 1 TB, so a
+/// size past 16 times that is a typo or a driver gone wrong, not a GPU.
+/// Believing one would ask for billions of device IDs (each unit is one):
+/// the bound keeps a GPU at 16,384 GiB units.
+pub const MAX_GPU_MEMORY_MIB: u64 = 16 << 20;
+
+/// The largest fake GPU file read: hundreds of thousands of `[[gpu]]`
+/// entries, far beyond any node, yet a bounded amount of memory.
+pub const MAX_FAKE_FILE_BYTES: u64 = 16 << 20;
+
+/// What a size over [`MAX_GPU_MEMORY_MIB`] is told.
+fn over_bound(mib: u64) -> String {
+    format!("{mib} MiB is larger than any GPU: at most {MAX_GPU_MEMORY_MIB} MiB (16 TiB)")
+}
 
 /// One physical GPU as the plugin sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,6 +46,13 @@ pub enum GpuError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("fake GPU file {path}: {kind}, not a regular file; give a TOML file")]
+    NotRegular { path: PathBuf, kind: &'static str },
+    #[error(
+        "fake GPU file {path}: {bytes} bytes; a fake GPU file may hold at most \
+         {MAX_FAKE_FILE_BYTES} bytes"
+    )]
+    TooBig { path: PathBuf, bytes: u64 },
     #[error("fake GPU file {path}: {message}")]
     Parse { path: PathBuf, message: String },
     #[error("fake GPU file {path}: gpu[{position}].{field}: {message}")]
@@ -44,6 +71,29 @@ pub enum GpuError {
         "NVML found no GPU on this node; pass --fake-gpus FILE to describe GPUs in a TOML file"
     )]
     NoGpus,
+    #[error("GPU {index} ({uuid}): NVML reports {}; is the driver healthy?", over_bound(*.memory_mib))]
+    Oversized {
+        index: u32,
+        uuid: String,
+        memory_mib: u64,
+    },
+}
+
+/// The article and name of a file type other than a regular file's.
+fn describe(kind: FileType) -> &'static str {
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else {
+        "something other than a file"
+    }
 }
 
 /// The seam where hardware enters: everything above it runs without a GPU.
@@ -82,7 +132,9 @@ pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 /// `used_mib` standing in for NVML's per-process usage, and `cgroup`,
 /// `mountinfo` and `stat` for what `/proc/<pid>/cgroup`, `mountinfo` and
 /// `stat` say of that process; optional top-level `driver_version` (`"580.65.06"`) and
-/// `cuda_driver_version` (`"13.0"`)).
+/// `cuda_driver_version` (`"13.0"`)). Sizes are at most
+/// [`MAX_GPU_MEMORY_MIB`], and the file a regular one of at most
+/// [`MAX_FAKE_FILE_BYTES`].
 #[derive(Debug, Clone)]
 pub struct FakeGpus {
     gpus: Vec<Gpu>,
@@ -143,11 +195,50 @@ fn major_minor(text: &str) -> Option<(u32, u32)> {
 
 impl FakeGpus {
     /// Reads and validates a fake GPU file; errors name the file and field.
+    /// Only a regular file of at most [`MAX_FAKE_FILE_BYTES`] is read.
     pub fn from_file(path: &Path) -> Result<Self, GpuError> {
-        let text = std::fs::read_to_string(path).map_err(|source| GpuError::Read {
+        let read = |source| GpuError::Read {
             path: path.to_owned(),
             source,
-        })?;
+        };
+        let regular = |kind: FileType| {
+            if kind.is_file() {
+                Ok(())
+            } else {
+                Err(GpuError::NotRegular {
+                    path: path.to_owned(),
+                    kind: describe(kind),
+                })
+            }
+        };
+        // Looked at before it is opened: opening a FIFO for reading waits
+        // for a writer, and opening a device can act on it.
+        regular(std::fs::metadata(path).map_err(read)?.file_type())?;
+        // Opened so that it cannot block, and looked at again through the
+        // descriptor: the path may name something else by now.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path)
+            .map_err(read)?;
+        let metadata = file.metadata().map_err(read)?;
+        regular(metadata.file_type())?;
+        let too_big = |bytes| GpuError::TooBig {
+            path: path.to_owned(),
+            bytes,
+        };
+        if metadata.len() > MAX_FAKE_FILE_BYTES {
+            return Err(too_big(metadata.len()));
+        }
+        let mut text = String::new();
+        // The file may grow while it is read.
+        file.take(MAX_FAKE_FILE_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(read)?;
+        let bytes = text.len() as u64;
+        if bytes > MAX_FAKE_FILE_BYTES {
+            return Err(too_big(bytes));
+        }
         Self::parse(&text, path)
     }
 
@@ -223,6 +314,9 @@ impl FakeGpus {
                     "must be greater than 0".into(),
                 ));
             }
+            if entry.memory_mib > MAX_GPU_MEMORY_MIB {
+                return Err(field(position, "memory_mib", over_bound(entry.memory_mib)));
+            }
             if entry.name.trim().is_empty() {
                 return Err(field(position, "name", "must not be empty".into()));
             }
@@ -233,6 +327,13 @@ impl FakeGpus {
                         position,
                         &format!("process[{i}].pid"),
                         "must be greater than 0".into(),
+                    ));
+                }
+                if p.used_mib > MAX_GPU_MEMORY_MIB {
+                    return Err(field(
+                        position,
+                        &format!("process[{i}].used_mib"),
+                        over_bound(p.used_mib),
                     ));
                 }
                 if memory
@@ -325,7 +426,7 @@ impl GpuSource for NvmlGpus {
         if count == 0 {
             return Err(GpuError::NoGpus);
         }
-        let mut gpus = Vec::with_capacity(count as usize);
+        let mut gpus = Vec::with_capacity(count.min(64) as usize);
         let mut failed = None;
         for index in 0..count {
             let read = || -> Result<Gpu, nvml_wrapper::error::NvmlError> {
@@ -338,10 +439,19 @@ impl GpuSource for NvmlGpus {
                     healthy: true,
                 })
             };
+            // A GPU that fell off the bus, or reports a size no GPU has, must
+            // not keep the node's others from kubelet across a restart.
             match read() {
+                Ok(gpu) if gpu.memory_mib > MAX_GPU_MEMORY_MIB => {
+                    let err = GpuError::Oversized {
+                        index,
+                        uuid: gpu.uuid,
+                        memory_mib: gpu.memory_mib,
+                    };
+                    tracing::error!(gpu = index, %err, "this GPU is not advertised until gpumem restarts; the node's other GPUs are");
+                    failed.get_or_insert(err);
+                }
                 Ok(gpu) => gpus.push(gpu),
-                // A GPU that fell off the bus must not keep the node's
-                // others from kubelet across a restart.
                 Err(err) => {
                     tracing::error!(gpu = index, %err, "cannot read this GPU (lost, or needing a reset?): it is not advertised until gpumem restarts; the node's other GPUs are");
                     failed.get_or_insert(GpuError::Nvml(format!("GPU {index}: {err}")));

@@ -4,8 +4,6 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use prost::Message;
-
 use crate::deviceplugin::api::deviceplugin::{self as dp, ListAndWatchResponse};
 use crate::node::gpu::Gpu;
 use crate::node::units::{cap_mib, MemoryUnit};
@@ -99,7 +97,8 @@ pub enum InventoryError {
     },
     #[error(
         "{devices} devices in {unit} units encode to up to {bytes} bytes per ListAndWatch message \
-         (with every GPU Unhealthy), over kubelet's {limit}-byte limit; use --memory-unit GiB"
+         (with every GPU Unhealthy), over kubelet's {limit}-byte limit; {}",
+        too_large_advice(*.unit)
     )]
     TooLarge {
         devices: usize,
@@ -117,6 +116,14 @@ pub enum InventoryError {
         gpus: Vec<(String, u64)>,
         unit: MemoryUnit,
     },
+}
+
+fn too_large_advice(unit: MemoryUnit) -> &'static str {
+    match unit {
+        MemoryUnit::MiB => "use --memory-unit GiB",
+        // Only GPUs far larger than any made, or very many, get here.
+        MemoryUnit::GiB => "this node has more GPU memory than one resource can advertise",
+    }
 }
 
 fn describe_small(gpus: &[(String, u64)]) -> String {
@@ -183,21 +190,44 @@ impl Inventory {
         // ("Unhealthy" is 2 bytes longer than "Healthy" per device). A
         // health change resends the whole list, and one kubelet cannot
         // receive ends the stream: kubelet drops the plugin's devices.
-        let mut worst = inventory.clone();
-        for gpu in &mut worst.gpus {
-            gpu.gpu.healthy = false;
-        }
-        let bytes = worst.list_and_watch().encoded_len();
+        // Counted, not built: this is what bounds the devices any list
+        // holds (about 160,000), however many units the GPUs would make.
+        let bytes = inventory.worst_list_len();
         // Leave room for gRPC's 5-byte frame header.
-        if bytes + 5 > KUBELET_MAX_MESSAGE {
+        if bytes.saturating_add(5) > KUBELET_MAX_MESSAGE as u64 {
             return Err(InventoryError::TooLarge {
                 devices: inventory.device_count(),
                 unit,
-                bytes,
+                bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
                 limit: KUBELET_MAX_MESSAGE,
             });
         }
         Ok(inventory)
+    }
+
+    /// The encoded length of [`Inventory::list_and_watch`] with every GPU
+    /// Unhealthy, worked out from the unit counts. A device ID is the 8-digit
+    /// key, `-` and the unit number, so devices differ only in how many
+    /// digits their unit number has.
+    fn worst_list_len(&self) -> u64 {
+        use prost::encoding::{encoded_len_varint as varint, key_len};
+        let health = dp::UNHEALTHY.len() as u64;
+        let string = |tag, len: u64| (key_len(tag) as u64) + varint(len) as u64 + len;
+        self.gpus
+            .iter()
+            .map(|gpu| {
+                let units = u64::from(gpu.units);
+                let mut total = 0u64;
+                // Units [low, high) have `digits` digits.
+                let (mut low, mut high, mut digits) = (0u64, 10u64, 1u64);
+                while low < units {
+                    let device = string(1, 8 + 1 + digits) + string(2, health);
+                    total += (units.min(high) - low) * string(1, device);
+                    (low, high, digits) = (high, high * 10, digits + 1);
+                }
+                total
+            })
+            .sum()
     }
 
     /// This inventory with one GPU's health changed; `None` when the UUID is
@@ -259,6 +289,7 @@ impl Inventory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prost::Message;
 
     fn gpu(index: u32, uuid: &str, memory_mib: u64) -> Gpu {
         Gpu {
@@ -369,6 +400,41 @@ mod tests {
                 "{mib}"
             );
         }
+    }
+
+    #[test]
+    fn the_worst_list_is_counted_as_prost_encodes_it() {
+        // Unit counts on each side of a change in digits, on two GPUs.
+        for units in [1u64, 9, 10, 11, 99, 100, 101, 1000, 10_001] {
+            let gpus = vec![gpu(0, "GPU-a", units), gpu(1, "GPU-b", 3 * units + 1)];
+            let inv = Inventory::new(gpus, MemoryUnit::MiB).unwrap();
+            let mut sick = inv.with_health("GPU-a", false).unwrap();
+            sick = sick.with_health("GPU-b", false).unwrap();
+            let encoded = sick.list_and_watch().encoded_len() as u64;
+            assert_eq!(inv.worst_list_len(), encoded, "{units}");
+        }
+    }
+
+    #[test]
+    fn too_many_units_are_refused_without_listing_them() {
+        // u32::MAX units of one GPU: counted in no time, never allocated.
+        let start = std::time::Instant::now();
+        let err = Inventory::new(vec![gpu(0, "GPU-x", u64::MAX)], MemoryUnit::MiB).unwrap_err();
+        assert!(start.elapsed() < std::time::Duration::from_secs(1));
+        assert!(
+            matches!(err, InventoryError::TooLarge { devices, .. } if devices == u32::MAX as usize),
+            "{err}"
+        );
+        // In GiB units the advice is not to use GiB units.
+        let huge: Vec<_> = (0..12)
+            .map(|i| gpu(i, &format!("GPU-{i}"), 16 << 20))
+            .collect();
+        let err = Inventory::new(huge, MemoryUnit::GiB).unwrap_err();
+        assert!(
+            err.to_string()
+                .ends_with("more GPU memory than one resource can advertise"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -57,12 +57,12 @@ pub enum PlacementError {
     Empty,
     #[error("allocation_size {0} is not a positive number of units")]
     BadSize(i64),
-    #[error("unknown device IDs (not advertised by this plugin): {}", .0.join(", "))]
-    Unknown(Vec<String>),
-    #[error("device IDs listed more than once: {}", .0.join(", "))]
-    Duplicate(Vec<String>),
+    #[error("unknown device IDs (not advertised by this plugin): {0}")]
+    Unknown(IdSample),
+    #[error("device IDs listed more than once: {0}")]
+    Duplicate(IdSample),
     #[error("device IDs span GPUs ({}); all units of a container must be on one GPU", describe_spread(.0))]
-    SpansGpus(Vec<(u32, Vec<String>)>),
+    SpansGpus(Vec<(u32, IdSample)>),
     #[error("{must} must-include device IDs exceed allocation_size {size}")]
     MustIncludeTooMany { must: usize, size: usize },
     #[error("no single GPU has {size} free units (free units per GPU: {})", describe_free(.free))]
@@ -79,12 +79,68 @@ impl PlacementError {
     }
 }
 
-fn describe_spread(groups: &[(u32, Vec<String>)]) -> String {
+fn describe_spread(groups: &[(u32, IdSample)]) -> String {
     let parts: Vec<_> = groups
         .iter()
-        .map(|(index, ids)| format!("GPU{index}: {}", ids.join(", ")))
+        .map(|(index, ids)| format!("GPU{index}: {ids}"))
         .collect();
     parts.join("; ")
+}
+
+/// Device IDs a message or log line names before it only counts the rest.
+const NAMED_IDS: usize = 5;
+/// Characters of one ID shown: ours are 19 at most, kubelet's 63.
+const ID_CHARS: usize = 64;
+
+/// The first few of a list of device IDs and how many it holds: what an
+/// error or a log line says of a request's IDs. A request may name any
+/// number of any length, and a gRPC status travels in an HTTP/2 trailer
+/// that holds a few KiB, so naming them all turns InvalidArgument into a
+/// protocol error (and writes a log line as long as the request).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IdSample {
+    /// At most [`NAMED_IDS`], each cut to [`ID_CHARS`] characters with
+    /// control characters escaped.
+    pub named: Vec<String>,
+    /// How many the whole list holds.
+    pub count: usize,
+}
+
+impl IdSample {
+    pub fn of<S: AsRef<str>>(ids: impl IntoIterator<Item = S>) -> Self {
+        let mut named = Vec::new();
+        let mut count = 0;
+        for id in ids {
+            if named.len() < NAMED_IDS {
+                named.push(shown(id.as_ref()));
+            }
+            count += 1;
+        }
+        IdSample { named, count }
+    }
+}
+
+/// `id` as a message shows it: escaped, so it cannot forge a log line,
+/// and cut short.
+fn shown(id: &str) -> String {
+    let mut escaped = id.chars().flat_map(char::escape_debug);
+    let mut text: String = escaped.by_ref().take(ID_CHARS).collect();
+    if escaped.next().is_some() {
+        text.push('…');
+    }
+    text
+}
+
+/// `a, b, c`, or `a, b, c, d, e and 95 more (100 in all)`.
+impl fmt::Display for IdSample {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.named.join(", "))?;
+        let more = self.count.saturating_sub(self.named.len());
+        if more > 0 {
+            write!(f, " and {more} more ({} in all)", self.count)?;
+        }
+        Ok(())
+    }
 }
 
 fn describe_free(free: &[(u32, usize)]) -> String {
@@ -117,17 +173,17 @@ fn group(inv: &Inventory, ids: &[String], strict: bool) -> Result<Groups, Placem
         match inv.resolve(text) {
             Some((id, gpu)) => {
                 if !groups.entry(gpu).or_default().insert(id) && strict {
-                    duplicate.push(text.clone());
+                    duplicate.push(text.as_str());
                 }
             }
-            None => unknown.push(text.clone()),
+            None => unknown.push(text.as_str()),
         }
     }
     if !unknown.is_empty() {
-        return Err(PlacementError::Unknown(unknown));
+        return Err(PlacementError::Unknown(IdSample::of(unknown)));
     }
     if !duplicate.is_empty() {
-        return Err(PlacementError::Duplicate(duplicate));
+        return Err(PlacementError::Duplicate(IdSample::of(duplicate)));
     }
     Ok(groups)
 }
@@ -139,7 +195,7 @@ fn spans(inv: &Inventory, groups: &Groups) -> PlacementError {
             .map(|(&gpu, ids)| {
                 (
                     inv.gpus()[gpu].gpu.index,
-                    ids.iter().map(ToString::to_string).collect(),
+                    IdSample::of(ids.iter().map(ToString::to_string)),
                 )
             })
             .collect(),
@@ -338,7 +394,7 @@ mod tests {
         );
         assert!(matches!(
             prefer(&inv, Policy::Binpack, &["nope".into()], &[], 1),
-            Err(PlacementError::Unknown(u)) if u == ["nope"]
+            Err(PlacementError::Unknown(u)) if u.named == ["nope"] && u.count == 1
         ));
         let must = [ids(&inv, 0, 0..1), ids(&inv, 1, 0..1)].concat();
         assert!(matches!(
@@ -349,6 +405,31 @@ mod tests {
             prefer(&inv, Policy::Binpack, &available, &ids(&inv, 0, 0..3), 2),
             Err(PlacementError::MustIncludeTooMany { must: 3, size: 2 })
         ));
+    }
+
+    #[test]
+    fn id_samples_name_a_few_ids_cut_short_and_count_them_all() {
+        let few = IdSample::of(["a", "b"]);
+        assert_eq!(few.to_string(), "a, b");
+        let many: Vec<String> = (0..100).map(|i| format!("id-{i}")).collect();
+        assert_eq!(
+            IdSample::of(&many).to_string(),
+            "id-0, id-1, id-2, id-3, id-4 and 95 more (100 in all)"
+        );
+        let long = "x".repeat(1000);
+        assert_eq!(
+            IdSample::of([long.as_str()]).to_string(),
+            format!("{}…", "x".repeat(ID_CHARS))
+        );
+        assert_eq!(
+            IdSample::of(["x".repeat(ID_CHARS)]).to_string(),
+            "x".repeat(ID_CHARS)
+        );
+        // A newline cannot start a log line of its own.
+        assert_eq!(
+            IdSample::of(["a\nWARN forged"]).to_string(),
+            "a\\nWARN forged"
+        );
     }
 
     #[test]
