@@ -235,6 +235,86 @@ async fn allocate_refuses_devices_on_another_gpu_than_the_extenders() {
     assert_eq!(c.annotations("on-one")[annotation::ASSIGNED], "false");
 }
 
+/// PATCHes of pod `name` the fake API server has seen.
+fn pod_patches(c: &Cluster, name: &str) -> usize {
+    let path = format!("PATCH /api/v1/namespaces/default/pods/{name}");
+    c.api
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with(&path))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_on_the_assigned_write_is_retried_and_allocate_succeeds() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    c.assumed_by_extender("lost", 4, 1, 100);
+    c.assumed_by_extender("landed", 4, 0, 200);
+    // The first write is lost: answered 500, not stored.
+    c.api.fail_next_writes(Kind::Pod, 1, false);
+    let placed = c
+        .kubelet
+        .admit("lost", "main", RESOURCE, 4)
+        .await
+        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()));
+    assert_eq!(gpu_of(&placed), "1");
+    let annotations = c.annotations("lost");
+    assert_eq!(annotations[annotation::ASSIGNED], "true", "{annotations}");
+    assert_eq!(annotations[annotation::IDX], "1");
+    assert_eq!(pod_patches(&c, "lost"), 2, "{:?}", c.api.requests());
+    let log = c.log();
+    assert!(
+        log.contains("retrying") && log.contains("etcdserver: request timed out (injected)"),
+        "each retry is logged with the server's message:\n{log}"
+    );
+
+    // The write is stored but its answer is a 500: reading the pod again
+    // shows gpumem's own write, which is success, not a pod gone.
+    c.api.fail_next_writes(Kind::Pod, 1, true);
+    let placed = c
+        .kubelet
+        .admit("landed", "main", RESOURCE, 4)
+        .await
+        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()));
+    assert_eq!(gpu_of(&placed), "0");
+    assert_eq!(c.annotations("landed")[annotation::ASSIGNED], "true");
+    assert_eq!(pod_patches(&c, "landed"), 1, "{:?}", c.api.requests());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_keeps_failing_fails_allocate_within_the_bound_saying_why() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    c.assumed_by_extender("doomed", 4, 1, 100);
+    c.api.fail_next_writes(Kind::Pod, u32::MAX, false);
+    let started = Instant::now();
+    let err = c
+        .kubelet
+        .admit("doomed", "main", RESOURCE, 4)
+        .await
+        .unwrap_err();
+    let took = started.elapsed();
+    let AdmissionError::Allocate(status) = err else {
+        panic!("expected Allocate to fail, got {err}; log:\n{}", c.log());
+    };
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    let message = status.message();
+    assert!(
+        message.contains("default/doomed")
+            && message.contains("500")
+            && message.contains("etcdserver: request timed out (injected)")
+            && message.contains("5s"),
+        "{message}"
+    );
+    // The 5 s bound, plus the candidate lookup and a slow machine's slack.
+    assert!(took < Duration::from_secs(9), "took {took:?}");
+    assert!(
+        pod_patches(&c, "doomed") > 2,
+        "retried with backoff: {:?}",
+        c.api.requests()
+    );
+    assert_eq!(c.annotations("doomed")[annotation::ASSIGNED], "false");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_extender_placed_pods_get_gpushares_annotations() {
     let c = Cluster::start(&[]).await;

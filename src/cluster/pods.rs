@@ -7,15 +7,22 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
+use kube::core::Status;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
 use serde_json::json;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 /// Writes that lose a race with another writer are tried this often.
 const CONFLICT_RETRIES: usize = 5;
+
+/// The first wait after the API server fails a write (500); each next
+/// wait doubles, up to the most below, until the call's bound is spent.
+const SERVER_ERROR_BACKOFF: Duration = Duration::from_millis(100);
+const SERVER_ERROR_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 pub struct NodePods {
@@ -33,6 +40,18 @@ pub enum PodsError {
     Api(#[from] kube::Error),
     #[error("pod {namespace}/{name} was changed by others {CONFLICT_RETRIES} times while gpumem updated it")]
     Conflicts { namespace: String, name: String },
+    #[error(
+        "the API server failed {failures} tries to update pod {namespace}/{name} within {bound:?}, \
+         the last with {} {}: {}",
+        .last.code, .last.reason, .last.message
+    )]
+    ServerErrors {
+        namespace: String,
+        name: String,
+        failures: usize,
+        bound: Duration,
+        last: Box<Status>,
+    },
 }
 
 impl NodePods {
@@ -117,7 +136,12 @@ impl NodePods {
     /// Merges `annotations` into the pod, but only while `still` holds for
     /// the pod as stored: each try names the resourceVersion it read, so a
     /// write by someone else in between is a conflict, read again. Returns
-    /// `Ok(None)` when `still` no longer holds.
+    /// `Ok(None)` when `still` no longer holds, and the pod when it already
+    /// carries `annotations` (a write whose answer was lost may have landed).
+    ///
+    /// The client retries 429, 503 and 504 itself; a 500 (etcd timed out,
+    /// an admission webhook failed) is retried here with backoff, as the API
+    /// conventions ask, all within `bound`.
     pub async fn annotate_if(
         &self,
         namespace: &str,
@@ -127,39 +151,135 @@ impl NodePods {
         bound: Duration,
     ) -> Result<Option<Pod>, PodsError> {
         let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
-        let attempt = async {
-            for _ in 0..CONFLICT_RETRIES {
-                let pod = api.get(name).await?;
-                if !still(&pod) {
-                    return Ok(None);
+        let deadline = Instant::now() + bound;
+        let mut conflicts = 0;
+        let mut failures = 0;
+        let mut backoff = SERVER_ERROR_BACKOFF;
+        let mut last_failure: Option<Box<Status>> = None;
+        loop {
+            let tried =
+                tokio::time::timeout_at(deadline, annotate_once(&api, name, annotations, &still))
+                    .await;
+            let err = match tried {
+                Ok(Ok(done)) => return Ok(done),
+                Ok(Err(err)) => err,
+                Err(_) => {
+                    return Err(match last_failure {
+                        Some(last) => PodsError::ServerErrors {
+                            namespace: namespace.to_owned(),
+                            name: name.to_owned(),
+                            failures,
+                            bound,
+                            last,
+                        },
+                        None => PodsError::Timeout(bound),
+                    })
                 }
-                let patch = json!({
-                    "metadata": {
-                        "resourceVersion": pod.metadata.resource_version,
-                        "annotations": annotations,
+            };
+            match err {
+                kube::Error::Api(status) if status.code == 409 => {
+                    conflicts += 1;
+                    if conflicts == CONFLICT_RETRIES {
+                        return Err(PodsError::Conflicts {
+                            namespace: namespace.to_owned(),
+                            name: name.to_owned(),
+                        });
                     }
-                });
-                match api
-                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    Ok(pod) => return Ok(Some(pod)),
-                    Err(kube::Error::Api(status)) if status.code == 409 => {
-                        debug!(
-                            namespace,
-                            name, "pod changed while annotating it; reading it again"
-                        )
-                    }
-                    Err(err) => return Err(err.into()),
+                    debug!(
+                        namespace,
+                        name, "pod changed while annotating it; reading it again"
+                    )
                 }
+                kube::Error::Api(status) if status.code == 500 => {
+                    failures += 1;
+                    let wait = backoff;
+                    backoff = (backoff * 2).min(SERVER_ERROR_BACKOFF_MAX);
+                    if Instant::now() + wait >= deadline {
+                        return Err(PodsError::ServerErrors {
+                            namespace: namespace.to_owned(),
+                            name: name.to_owned(),
+                            failures,
+                            bound,
+                            last: status,
+                        });
+                    }
+                    warn!(
+                        namespace,
+                        name,
+                        code = status.code,
+                        reason = %status.reason,
+                        server = %status.message,
+                        failures,
+                        retry_in = ?wait,
+                        "the API server failed while gpumem annotated the pod; retrying"
+                    );
+                    last_failure = Some(status);
+                    tokio::time::sleep(wait).await;
+                }
+                err => return Err(err.into()),
             }
-            Err(PodsError::Conflicts {
-                namespace: namespace.to_owned(),
-                name: name.to_owned(),
-            })
-        };
-        tokio::time::timeout(bound, attempt)
-            .await
-            .map_err(|_| PodsError::Timeout(bound))?
+        }
+    }
+}
+
+/// One read and conditional write of [`NodePods::annotate_if`].
+async fn annotate_once(
+    api: &Api<Pod>,
+    name: &str,
+    annotations: &serde_json::Map<String, serde_json::Value>,
+    still: &impl Fn(&Pod) -> bool,
+) -> Result<Option<Pod>, kube::Error> {
+    let pod = api.get(name).await?;
+    if carries(&pod, annotations) {
+        return Ok(Some(pod));
+    }
+    if !still(&pod) {
+        return Ok(None);
+    }
+    let patch = json!({
+        "metadata": {
+            "resourceVersion": pod.metadata.resource_version,
+            "annotations": annotations,
+        }
+    });
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(Some)
+}
+
+/// Whether the pod's annotations already say what a merge of
+/// `annotations` would (a null removes a key).
+fn carries(pod: &Pod, annotations: &serde_json::Map<String, serde_json::Value>) -> bool {
+    let have = pod.metadata.annotations.as_ref();
+    annotations.iter().all(|(key, value)| {
+        let current = have.and_then(|a| a.get(key));
+        match value {
+            serde_json::Value::String(want) => current == Some(want),
+            serde_json::Value::Null => current.is_none(),
+            _ => false,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(annotations: serde_json::Value) -> Pod {
+        serde_json::from_value(json!({"metadata": {"name": "p", "annotations": annotations}}))
+            .unwrap()
+    }
+
+    #[test]
+    fn a_pod_carries_a_merge_only_where_every_key_already_says_so() {
+        let ours = json!({"a": "1", "gone": null});
+        let ours = ours.as_object().unwrap();
+        assert!(carries(&pod(json!({"a": "1", "other": "x"})), ours));
+        assert!(!carries(&pod(json!({"a": "2"})), ours), "another value");
+        assert!(
+            !carries(&pod(json!({"a": "1", "gone": "x"})), ours),
+            "a key to remove"
+        );
+        assert!(!carries(&pod(json!({})), ours));
     }
 }

@@ -132,6 +132,9 @@ struct Store {
     requests: Vec<String>,
     /// Writes to answer with 409 before applying any, for retry tests.
     conflicts: u32,
+    /// Writes of one kind to answer with 500: how many, and whether each
+    /// is applied first.
+    failing_writes: Option<(Kind, u32, bool)>,
     /// Bindings to leave unanswered and unapplied, as an overloaded server
     /// would, for timeout tests.
     hung_bindings: u32,
@@ -347,6 +350,14 @@ impl FakeApiServer {
     /// someone else wrote the object first.
     pub fn conflict_next_writes(&self, n: u32) {
         self.shared.lock().conflicts = n;
+    }
+
+    /// Answers the next `n` writes of `kind` (patch, replace, binding) with
+    /// 500 InternalError, as a server whose etcd timed out does. Where
+    /// `applied`, each write is stored first, as when etcd committed it
+    /// but the answer was lost.
+    pub fn fail_next_writes(&self, kind: Kind, n: u32, applied: bool) {
+        self.shared.lock().failing_writes = Some((kind, n, applied));
     }
 
     /// Leaves the next `n` pod bindings unanswered (until the client gives
@@ -951,6 +962,23 @@ fn write(
         store.conflicts -= 1;
         return conflict(format!("{MODIFIED} (injected)")).into_response();
     }
+    let fail = match &mut store.failing_writes {
+        Some((k, n, applied)) if *k == kind && *n > 0 => {
+            *n -= 1;
+            Some(*applied)
+        }
+        _ => None,
+    };
+    let internal_error = || {
+        status_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "Internal error occurred: etcdserver: request timed out (injected)",
+        )
+    };
+    if fail == Some(false) {
+        return internal_error();
+    }
     let key = (kind, ns.to_owned(), name.to_owned());
     let Some(old) = store.objects.get(&key) else {
         return not_found(kind, name);
@@ -972,6 +1000,9 @@ fn write(
     drop(store);
     if let Some(change) = change {
         let _ = s.changes.send(change);
+    }
+    if fail == Some(true) {
+        return internal_error();
     }
     axum::Json(stored).into_response()
 }
