@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use serde_json::{json, Value};
 
 use common::cdi::check_cdi_spec;
@@ -369,6 +370,53 @@ async fn registers_with_kubelets_that_speak_v1_and_those_that_speak_only_v1beta1
     let status = driver.status().await;
     assert_eq!(status["registered"], true, "{status}");
     assert_eq!(status["dra"]["driver"], DRIVER, "{status}");
+}
+
+/// Every name that appeared in `dir` (created, or renamed in) since
+/// `watch` began, as kubelet's plugin watcher is told of them.
+fn names_that_appeared(watch: &Inotify) -> Vec<String> {
+    let mut names = Vec::new();
+    loop {
+        match watch.read_events() {
+            Ok(events) => names.extend(
+                events
+                    .into_iter()
+                    .filter_map(|e| e.name)
+                    .map(|n| n.to_string_lossy().into_owned()),
+            ),
+            Err(nix::errno::Errno::EAGAIN) => return names,
+            Err(err) => panic!("reading inotify events: {err}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn kubelets_plugin_watcher_sees_only_the_final_registration_socket() {
+    let host = Host::new();
+    let api = api().await;
+    // kubelet stats each new entry before it checks for a leading dot: any
+    // other name, even a hidden one renamed away, logs an error there.
+    let watch = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).unwrap();
+    watch
+        .add_watch(
+            &host.path("registry"),
+            AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO,
+        )
+        .unwrap();
+    let mut first = Driver::start(&host, &api).await;
+    // A killed driver leaves its socket: the next one replaces it.
+    first.kill();
+    let second = Driver::start(&host, &api).await;
+    FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_34)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", second.log()));
+    let names = names_that_appeared(&watch);
+    let final_name = format!("{DRIVER}-reg.sock");
+    assert!(!names.is_empty(), "no socket appeared");
+    assert!(
+        names.iter().all(|n| *n == final_name),
+        "kubelet's plugin watcher would see {names:?}"
+    );
 }
 
 #[tokio::test]

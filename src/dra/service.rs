@@ -423,10 +423,18 @@ async fn teardown(served: Vec<Served>, stop: &CancellationToken) -> Option<DraEr
 }
 
 /// Binds a fresh socket at `path`, replacing a stale one (a socket nobody
-/// serves, left by a process that died). The socket is bound and listening
-/// under a hidden name first, then renamed into place: kubelet's plugin
-/// watcher dials a socket the moment it appears and ignores names that
-/// start with a dot, so it never finds one that refuses connections.
+/// serves, left by a process that died), under its final name at once.
+///
+/// kubelet's plugin watcher stats every entry that appears in its registry,
+/// and in any directory below it, before it looks at the name: a temporary
+/// name there, even a hidden one, is renamed away first and kubelet logs
+/// `stat file … failed`. Nor can the socket be bound outside the registry
+/// and renamed in: the DaemonSet mounts the registry on its own (hostPath),
+/// and rename(2) does not cross mounts, even of one filesystem (`EXDEV`).
+/// Binding in place is what the watcher's README asks and what
+/// k8s.io/dynamic-resource-allocation's kubeletplugin does; the listener
+/// listens as it binds, and kubelet dials from a reconciler that tries
+/// again a second later should it ever come between the two.
 async fn bind(path: &Path) -> Result<(UnixListener, SocketId), DraError> {
     if UnixStream::connect(path).await.is_ok() {
         return Err(DraError::SocketInUse {
@@ -437,23 +445,22 @@ async fn bind(path: &Path) -> Result<(UnixListener, SocketId), DraError> {
         path: path.to_owned(),
         source,
     };
-    // Short, so it fits the 108-byte socket path wherever the real one
-    // does; a crashed start's leftovers go first.
     remove_staging_sockets(path);
-    let staging = path.with_file_name(format!(".gpumem-{}.sock", std::process::id()));
-    let listener = UnixListener::bind(&staging).map_err(bind_err)?;
-    if let Err(err) = std::fs::rename(&staging, path) {
-        let _ = std::fs::remove_file(&staging);
-        return Err(bind_err(err));
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => return Err(bind_err(err)),
     }
+    let listener = UnixListener::bind(path).map_err(bind_err)?;
     let id = SocketId::of(path)
         .ok_or_else(|| bind_err(io::Error::other("socket vanished right after bind")))?;
     Ok((listener, id))
 }
 
-/// Removes the hidden staging sockets (`.gpumem-<pid>.sock`) that a start
-/// cut off between bind and rename left beside `path`. Only one front end
-/// runs per node (its lock is held by now), so none is another's.
+/// Removes the hidden staging sockets (`.gpumem-<pid>.sock`) that earlier
+/// versions, which bound under such a name and renamed it into place, left
+/// beside `path` when a start was cut off between the two. Only one front
+/// end runs per node (its lock is held by now), so none is another's.
 fn remove_staging_sockets(path: &Path) {
     let Some(dir) = path.parent() else { return };
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -825,13 +832,16 @@ mod tests {
         let sockets = sockets_in(dir.path());
         std::fs::create_dir(&sockets.registry_dir).unwrap();
         std::fs::create_dir_all(sockets.dra_socket().parent().unwrap()).unwrap();
-        // Left by a process that died: files nobody listens on.
+        // Left by a process that died: files nobody listens on, and an
+        // earlier version's staging socket.
         for path in [sockets.dra_socket(), sockets.registration_socket()] {
             drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
             assert!(path.exists());
         }
+        let staging = sockets.registry_dir.join(".gpumem-1.sock");
+        drop(std::os::unix::net::UnixListener::bind(&staging).unwrap());
         let driver = Driver::start_in(dir, sockets).await;
-        // Bound under hidden names, then renamed: none is left behind.
+        // No hidden socket is made, and none is left behind.
         for dir in [
             &driver.sockets.registry_dir,
             driver.sockets.dra_socket().parent().unwrap(),
