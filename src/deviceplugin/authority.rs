@@ -17,6 +17,11 @@
 //! is re-encoded as literals without indexing. The server's table is then
 //! never used again, so it cannot disagree with the client's. Writes pass
 //! through untouched.
+//!
+//! This file can go when h2's server accepts such an authority: hyperium/h2
+//! pull request 487 ("Do not require authority for UNIX domain sockets") is
+//! still open as of November 2026. Until then, and while kubelets of 1.25 and
+//! older or plugin-watcher dials can reach us, the rewrite stays.
 
 use std::borrow::Cow;
 use std::io;

@@ -7,6 +7,7 @@
 //! image is built without it (the `demo` feature is off there).
 
 pub mod fake_apiserver;
+pub mod h2c;
 pub mod simulator;
 
 mod unix;

@@ -17,8 +17,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use prost::Message;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
 use tonic::transport::Channel;
 
 use gpumem_kubelet_api::dra::{v1, v1beta1};
@@ -27,6 +25,7 @@ use gpumem_kubelet_api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse, DRA_PLUGIN,
 };
 
+use crate::h2c::{grpc_go_authority, Authority, RawGrpc, FIRST_DYNAMIC};
 use crate::unix;
 
 /// The DRA versions of kubelets 1.34 to 1.37.
@@ -323,80 +322,31 @@ pub async fn wait_for_socket(path: &Path, timeout: Duration) -> Result<(), FakeK
     }
 }
 
-/// grpc-go's `:authority` for a target that is a bare path: the path with
-/// every character RFC 3986 does not allow in an authority percent-encoded
-/// (grpc-go's `encodeAuthority`).
-fn grpc_go_authority(path: &Path) -> String {
-    let mut out = String::new();
-    for &b in path.as_os_str().as_encoded_bytes() {
-        let allowed = b.is_ascii_alphanumeric() || b"-_.~!$&'()*+,;=:[]@".contains(&b);
-        if allowed {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-const DATA: u8 = 0x0;
-const HEADERS: u8 = 0x1;
-const RST_STREAM: u8 = 0x3;
-const SETTINGS: u8 = 0x4;
-const PING: u8 = 0x6;
-const GOAWAY: u8 = 0x7;
-const WINDOW_UPDATE: u8 = 0x8;
-const CONTINUATION: u8 = 0x9;
-const END_STREAM: u8 = 0x1;
-const ACK: u8 = 0x1;
-const END_HEADERS: u8 = 0x4;
-const PADDED: u8 = 0x8;
-const PRIORITY: u8 = 0x20;
-/// The first index of HPACK's dynamic table, past the 61 static entries.
-const FIRST_DYNAMIC: usize = 62;
-/// A header block from our own server stays far below this.
-const MAX_BLOCK: usize = 64 * 1024;
-
-/// kubelet's plugin watcher connection, below tonic: tonic's client cannot
-/// send a socket path as `:authority` (`http::uri::Authority` refuses it),
-/// so this speaks just enough HTTP/2 for unary gRPC calls.
+/// kubelet's plugin watcher connection: grpc-go's default `:authority` for
+/// a bare path (the path, percent-encoded), added to the client's HPACK
+/// table by the first request and referred to by the next.
 struct RegistrationConnection {
     path: PathBuf,
-    stream: UnixStream,
-    /// Mirrors the server's HPACK encoder, across all streams.
-    decoder: loona_hpack::Decoder<'static>,
+    raw: RawGrpc,
     authority: String,
     /// Whether the authority is in our (the client's) HPACK table yet: only
     /// it is ever added, so it is always at [`FIRST_DYNAMIC`].
     authority_indexed: bool,
-    next_stream: u32,
-}
-
-struct Frame {
-    kind: u8,
-    flags: u8,
-    stream: u32,
-    payload: Vec<u8>,
 }
 
 impl RegistrationConnection {
     async fn connect(path: &Path) -> Result<RegistrationConnection, FakeKubeletError> {
-        let connect_err = |source| FakeKubeletError::Connect {
-            path: path.to_owned(),
-            source,
-        };
-        let mut stream = UnixStream::connect(path).await.map_err(connect_err)?;
-        let mut hello = PREFACE.to_vec();
-        push_frame(&mut hello, SETTINGS, 0, 0, &[]);
-        stream.write_all(&hello).await.map_err(connect_err)?;
+        let raw = RawGrpc::connect(path)
+            .await
+            .map_err(|source| FakeKubeletError::Connect {
+                path: path.to_owned(),
+                source,
+            })?;
         Ok(RegistrationConnection {
             path: path.to_owned(),
-            stream,
-            decoder: loona_hpack::Decoder::new(),
+            raw,
             authority: grpc_go_authority(path),
             authority_indexed: false,
-            next_stream: 1,
         })
     }
 
@@ -406,11 +356,20 @@ impl RegistrationConnection {
         request: &impl Message,
     ) -> Result<A, FakeKubeletError> {
         let message = request.encode_to_vec();
-        let reason = match tokio::time::timeout(CALL_TIMEOUT, self.exchange(method, &message)).await
-        {
-            Ok(Ok(body)) => match A::decode(&body[..]) {
-                Ok(answer) => return Ok(answer),
-                Err(err) => format!("cannot decode the answer: {err}"),
+        let authority = if self.authority_indexed {
+            Authority::Table(FIRST_DYNAMIC)
+        } else {
+            Authority::Indexed(&self.authority)
+        };
+        let call = self.raw.call(method, authority, &message);
+        let answered = tokio::time::timeout(CALL_TIMEOUT, call).await;
+        // The request's header block added the authority to our table.
+        self.authority_indexed = true;
+        let reason = match answered {
+            Ok(Ok(reply)) => match reply.message().map(A::decode) {
+                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Err(err)) => format!("cannot decode the answer: {err}"),
+                Err(reason) => reason,
             },
             Ok(Err(reason)) => reason,
             Err(_) => format!("no answer within {CALL_TIMEOUT:?}"),
@@ -421,221 +380,6 @@ impl RegistrationConnection {
             reason,
         })
     }
-
-    /// One unary call: the answer's message, or why there is none.
-    async fn exchange(&mut self, method: &str, message: &[u8]) -> Result<Vec<u8>, String> {
-        let id = self.next_stream;
-        self.next_stream += 2;
-        let mut block = vec![0x83, 0x86]; // :method POST, :scheme http
-        literal(&mut block, 0x00, ":path", method);
-        if self.authority_indexed {
-            integer(&mut block, 0x80, 7, FIRST_DYNAMIC);
-        } else {
-            // As grpc-go's encoder: a literal added to the table.
-            literal(&mut block, 0x40, ":authority", &self.authority);
-            self.authority_indexed = true;
-        }
-        literal(&mut block, 0x00, "content-type", "application/grpc");
-        literal(&mut block, 0x00, "te", "trailers");
-        let len = u32::try_from(message.len()).map_err(|_| "request too large".to_owned())?;
-        let mut body = vec![0];
-        body.extend_from_slice(&len.to_be_bytes());
-        body.extend_from_slice(message);
-        let mut out = Vec::new();
-        push_frame(&mut out, HEADERS, END_HEADERS, id, &block);
-        push_frame(&mut out, DATA, END_STREAM, id, &body);
-        self.write(&out).await?;
-
-        let mut fields: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        let mut body = Vec::new();
-        loop {
-            let frame = self.read_frame().await?;
-            match frame.kind {
-                SETTINGS if frame.flags & ACK == 0 => {
-                    let mut ack = Vec::new();
-                    push_frame(&mut ack, SETTINGS, ACK, 0, &[]);
-                    self.write(&ack).await?;
-                }
-                PING if frame.flags & ACK == 0 => {
-                    let mut pong = Vec::new();
-                    push_frame(&mut pong, PING, ACK, 0, &frame.payload);
-                    self.write(&pong).await?;
-                }
-                GOAWAY => return Err(format!("connection closed by the server (GOAWAY, error code {})", code_at(&frame.payload, 4))),
-                RST_STREAM if frame.stream == id => {
-                    return Err(format!(
-                        "stream reset by the server with error code {} (1 is PROTOCOL_ERROR: an :authority it refused?)",
-                        code_at(&frame.payload, 0)
-                    ))
-                }
-                HEADERS => {
-                    let block = self.header_block(&frame).await?;
-                    let decoded = self
-                        .decoder
-                        .decode(&block)
-                        .map_err(|err| format!("answer headers do not decode: {err:?}"))?;
-                    if frame.stream == id {
-                        fields.extend(decoded);
-                        if frame.flags & END_STREAM != 0 {
-                            return grpc_answer(&fields, &body);
-                        }
-                    }
-                }
-                DATA if frame.stream == id => {
-                    let data = unpadded(&frame)?;
-                    body.extend_from_slice(data);
-                    // Give the flow-control window back: the connection is
-                    // reused for the next call.
-                    if !frame.payload.is_empty() {
-                        let len = u32::try_from(frame.payload.len()).unwrap_or(u32::MAX);
-                        let mut update = Vec::new();
-                        push_frame(&mut update, WINDOW_UPDATE, 0, 0, &len.to_be_bytes());
-                        self.write(&update).await?;
-                    }
-                    if frame.flags & END_STREAM != 0 {
-                        return grpc_answer(&fields, &body);
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-
-    /// The header block a HEADERS frame starts, with its CONTINUATIONs.
-    async fn header_block(&mut self, frame: &Frame) -> Result<Vec<u8>, String> {
-        let mut block = unpadded(frame)?.to_vec();
-        if frame.flags & PRIORITY != 0 {
-            block = block.get(5..).ok_or("HEADERS too short")?.to_vec();
-        }
-        let mut flags = frame.flags;
-        while flags & END_HEADERS == 0 {
-            let more = self.read_frame().await?;
-            if more.kind != CONTINUATION || more.stream != frame.stream {
-                return Err(format!("frame of type {} inside a header block", more.kind));
-            }
-            block.extend_from_slice(&more.payload);
-            if block.len() > MAX_BLOCK {
-                return Err("answer headers too large".to_owned());
-            }
-            flags = more.flags;
-        }
-        Ok(block)
-    }
-
-    async fn read_frame(&mut self) -> Result<Frame, String> {
-        let closed = |err: std::io::Error| format!("connection lost: {err}");
-        let mut head = [0; 9];
-        self.stream.read_exact(&mut head).await.map_err(closed)?;
-        let [l0, l1, l2, kind, flags, s0, s1, s2, s3] = head;
-        let len = usize::from(l0) << 16 | usize::from(l1) << 8 | usize::from(l2);
-        let mut payload = vec![0; len];
-        self.stream.read_exact(&mut payload).await.map_err(closed)?;
-        Ok(Frame {
-            kind,
-            flags,
-            stream: u32::from_be_bytes([s0, s1, s2, s3]) & 0x7fff_ffff,
-            payload,
-        })
-    }
-
-    async fn write(&mut self, bytes: &[u8]) -> Result<(), String> {
-        self.stream
-            .write_all(bytes)
-            .await
-            .map_err(|err| format!("connection lost: {err}"))
-    }
-}
-
-/// The message of a finished call, or its gRPC error.
-fn grpc_answer(fields: &[(Vec<u8>, Vec<u8>)], body: &[u8]) -> Result<Vec<u8>, String> {
-    let field = |name: &str| {
-        fields
-            .iter()
-            .rev()
-            .find(|(n, _)| n == name.as_bytes())
-            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
-    };
-    match field("grpc-status").as_deref() {
-        Some("0") => {}
-        Some(code) => {
-            return Err(format!(
-                "gRPC status {code}: {}",
-                field("grpc-message").unwrap_or_default()
-            ))
-        }
-        None => return Err("the answer has no grpc-status".to_owned()),
-    }
-    // One length-prefixed, uncompressed message.
-    let (head, rest) = body
-        .split_at_checked(5)
-        .ok_or("the answer has no message")?;
-    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]);
-    let len = usize::try_from(len).map_err(|_| "message too large".to_owned())?;
-    if head[0] != 0 {
-        return Err("the answer is compressed".to_owned());
-    }
-    rest.get(..len)
-        .map(<[u8]>::to_vec)
-        .ok_or_else(|| "the answer's message is cut short".to_owned())
-}
-
-/// A DATA or HEADERS payload without its padding.
-fn unpadded(frame: &Frame) -> Result<&[u8], String> {
-    if frame.flags & PADDED == 0 {
-        return Ok(&frame.payload);
-    }
-    let (&pad, rest) = frame.payload.split_first().ok_or("empty padded frame")?;
-    let keep = rest
-        .len()
-        .checked_sub(usize::from(pad))
-        .ok_or("padding longer than the frame")?;
-    Ok(&rest[..keep])
-}
-
-/// The 32-bit error code at `at` in a frame's payload (0 when cut short).
-fn code_at(payload: &[u8], at: usize) -> u32 {
-    payload
-        .get(at..at + 4)
-        .and_then(|b| b.try_into().ok())
-        .map_or(0, u32::from_be_bytes)
-}
-
-fn push_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
-    // Our frames are a few hundred bytes: far within the 24-bit length.
-    let len = u32::try_from(payload.len())
-        .unwrap_or(u32::MAX)
-        .to_be_bytes();
-    out.extend_from_slice(&len[1..]);
-    out.extend_from_slice(&[kind, flags]);
-    out.extend_from_slice(&stream.to_be_bytes());
-    out.extend_from_slice(payload);
-}
-
-/// An HPACK literal with a literal name; `kind` 0x40 adds it to the table,
-/// 0x00 does not (RFC 7541 §6.2). No Huffman coding.
-fn literal(block: &mut Vec<u8>, kind: u8, name: &str, value: &str) {
-    block.push(kind);
-    for s in [name, value] {
-        integer(block, 0, 7, s.len());
-        block.extend_from_slice(s.as_bytes());
-    }
-}
-
-/// An HPACK integer in an `bits`-bit prefix after `flags` (RFC 7541 §5.1).
-fn integer(block: &mut Vec<u8>, flags: u8, bits: u32, value: usize) {
-    let max = (1usize << bits) - 1;
-    if value < max {
-        // Below `max`, so it fits the prefix.
-        block.push(flags | value as u8);
-        return;
-    }
-    block.push(flags | max as u8);
-    let mut rest = value - max;
-    while rest >= 0x80 {
-        block.push(0x80 | (rest & 0x7f) as u8);
-        rest >>= 7;
-    }
-    block.push(rest as u8);
 }
 
 #[cfg(test)]
@@ -645,30 +389,6 @@ mod tests {
         Registration, RegistrationServer,
     };
     use tokio_stream::wrappers::UnixListenerStream;
-
-    #[test]
-    fn the_authority_is_the_path_percent_encoded_as_grpc_go_does() {
-        assert_eq!(
-            grpc_go_authority(Path::new(
-                "/var/lib/kubelet/plugins_registry/gpumem.io-reg.sock"
-            )),
-            "%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2Fgpumem.io-reg.sock"
-        );
-        assert_eq!(grpc_go_authority(Path::new("/a b%~")), "%2Fa%20b%25~");
-    }
-
-    #[test]
-    fn hpack_integers_cross_the_prefix() {
-        let encoded = |flags, bits, value| {
-            let mut block = Vec::new();
-            integer(&mut block, flags, bits, value);
-            block
-        };
-        assert_eq!(encoded(0x80, 7, 62), [0xbe]);
-        assert_eq!(encoded(0, 7, 127), [0x7f, 0]);
-        // RFC 7541 C.1.2: 1337 in a 5-bit prefix.
-        assert_eq!(encoded(0, 5, 1337), [0x1f, 0x9a, 0x0a]);
-    }
 
     struct Accepting;
 
