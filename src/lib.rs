@@ -13,6 +13,7 @@
 // ListAndWatch's device list (and checks kubelet's message limit at start)
 // and inject builds the Allocate response. Clean-up learns who holds what
 // through a seam (`cleanup::Holders`) each front end fills.
+pub mod atomic_file;
 pub mod cluster;
 pub mod deviceplugin;
 pub mod dra;

@@ -40,13 +40,14 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs;
-use std::io::{self, Write as _};
-use std::os::unix::fs::PermissionsExt;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{de, Deserialize, Deserializer, Serialize};
 use serde_json::{Map, Value};
+
+use crate::atomic_file::{self, Durability};
 
 /// Where Linux publishes the ID of the running boot.
 pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
@@ -583,16 +584,9 @@ impl Checkpoint {
         let write = || -> io::Result<()> {
             // Created on demand: nothing else makes the driver's directory.
             fs::create_dir_all(&dir)?;
-            let mut staging = tempfile::Builder::new()
-                .prefix(&staging_prefix(&name))
-                .suffix(STAGING_SUFFIX)
-                .tempfile_in(&dir)?;
-            staging
-                .as_file()
-                .set_permissions(fs::Permissions::from_mode(MODE))?;
-            staging.write_all(&text)?;
-            staging.persist(&self.path).map_err(|e| e.error)?;
-            Ok(())
+            let staging = (staging_prefix(&name), STAGING_SUFFIX);
+            let staging = (staging.0.as_str(), staging.1);
+            atomic_file::replace(&self.path, &text, MODE, staging, Durability::Unsynced)
         };
         write().map_err(io_err)
     }
@@ -679,6 +673,8 @@ fn file_name<'de, D: Deserializer<'de>>(deserializer: D) -> Result<String, D::Er
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
     use serde_json::json;
 

@@ -3,7 +3,7 @@
 //! by whichever process starts first.
 
 use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -13,6 +13,8 @@ use nix::libc;
 
 use gpumem_layout::protocol::{self, AccountingFile, Snapshot};
 use gpumem_layout::{self as layout, DeviceSpec};
+
+use crate::atomic_file;
 
 const MIB: u64 = 1 << 20;
 
@@ -63,16 +65,11 @@ pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
     prepare_with(dir, caps, Durability::Synced)
 }
 
-/// Whether a new accounting file is on disk before `prepare` returns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Durability {
-    /// fsynced: the device plugin's containers are restarted after a reboot
-    /// from kubelet's cached Allocate answers, with the file as it is.
-    Synced,
-    /// Left to the page cache: what only a reboot can lose, and a reboot
-    /// makes it again (the DRA driver prepares every claim anew).
-    Unsynced,
-}
+/// Whether a new accounting file is on disk before `prepare` returns:
+/// synced for the device plugin, whose containers are restarted after a
+/// reboot from kubelet's cached Allocate answers with the file as it is;
+/// unsynced for the DRA driver, which prepares every claim anew after one.
+pub use crate::atomic_file::Durability;
 
 /// `prepare`, with the file as durable as `durability` says.
 pub fn prepare_with(
@@ -100,26 +97,15 @@ pub fn prepare_with(
         }
     }
     // A unique staging file: concurrent Allocate calls must not share one.
-    let write = || -> io::Result<()> {
-        let mut staging = tempfile::Builder::new()
-            .prefix(".accounting.")
-            .tempfile_in(dir)?;
-        staging.write_all(&layout::encode(&devices, layout::DEFAULT_SLOTS))?;
-        if durability == Durability::Synced {
-            staging.as_file().sync_all()?;
-        }
-        // Opened read-write by processes of any uid in the container: the
-        // shim's record locks need write access.
-        staging
-            .as_file()
-            .set_permissions(fs::Permissions::from_mode(0o666))?;
-        staging.persist(&path).map_err(|e| e.error)?;
-        Ok(())
-    };
-    write().map_err(|source| AccountingError::Io {
-        path: path.clone(),
-        source,
-    })?;
+    // Opened read-write by processes of any uid in the container: the
+    // shim's record locks need write access.
+    let bytes = layout::encode(&devices, layout::DEFAULT_SLOTS);
+    atomic_file::replace(&path, &bytes, 0o666, (".accounting.", ""), durability).map_err(
+        |source| AccountingError::Io {
+            path: path.clone(),
+            source,
+        },
+    )?;
     Ok(path)
 }
 

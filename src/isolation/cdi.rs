@@ -7,11 +7,12 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::{self, Write as _};
-use std::os::unix::fs::PermissionsExt;
+use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+use crate::atomic_file::{self, Durability};
 
 /// Our vendor and classes: the device plugin's devices are
 /// `gpumem.io/container=<container>`, the DRA driver's
@@ -284,18 +285,11 @@ impl SpecDir {
         }
         let write = || -> io::Result<()> {
             fs::create_dir_all(&self.dir)?;
-            let mut staging = tempfile::Builder::new()
-                .prefix(&format!(".{}", self.prefix()))
-                .suffix(".tmp")
-                .tempfile_in(&self.dir)?;
-            staging.write_all(&text)?;
-            staging.as_file().sync_all()?;
-            // Tools that list CDI devices need not be root.
-            staging
-                .as_file()
-                .set_permissions(fs::Permissions::from_mode(0o644))?;
-            staging.persist(&path).map_err(|e| e.error)?;
-            Ok(())
+            // Tools that list CDI devices need not be root. Synced: the
+            // runtime reads it when kubelet restarts the container, which
+            // may be after a reboot.
+            let staging = format!(".{}", self.prefix());
+            atomic_file::replace(&path, &text, 0o644, (&staging, ".tmp"), Durability::Synced)
         };
         write().map_err(|source| CdiError::Write { path, source })?;
         Ok(true)
@@ -352,6 +346,8 @@ impl SpecDir {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
 
     fn edits() -> ContainerEdits {

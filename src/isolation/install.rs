@@ -7,11 +7,12 @@
 //! half of one.
 
 use std::fs;
-use std::io::{self, Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 use object::{Architecture, Object, ObjectKind, ObjectSymbol};
+
+use crate::atomic_file::{self, Durability};
 
 use crate::isolation::inject::{CONTAINER_SHIM_DIR, PRELOAD_LIST, SHIM_LIBRARY};
 
@@ -158,20 +159,11 @@ pub fn shim_defect(bytes: &[u8]) -> Result<(), ShimDefect> {
     Err(ShimDefect::NotOurs)
 }
 
-/// Writes `bytes` to a temporary file beside `target`, syncs it, and
-/// renames it over `target`.
+/// Writes `bytes` beside `target`, syncs it, and renames it over `target`:
+/// every container started after a reboot loads what is there.
 fn replace(target: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    let dir = target.parent().unwrap_or(Path::new("."));
-    let mut staging = tempfile::Builder::new()
-        .prefix(".gpumem-install.")
-        .tempfile_in(dir)?;
-    staging.write_all(bytes)?;
-    staging
-        .as_file()
-        .set_permissions(fs::Permissions::from_mode(mode))?;
-    staging.as_file().sync_all()?;
-    staging.persist(target).map_err(|e| e.error)?;
-    Ok(())
+    let staging = (".gpumem-install.", "");
+    atomic_file::replace(target, bytes, mode, staging, Durability::Synced)
 }
 
 #[cfg(test)]
