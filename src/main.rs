@@ -15,11 +15,11 @@ use gpumem::dra;
 use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
-use gpumem::isolation::reconcile::{self, ProcessUsage};
-use gpumem::node::gpu::{FakeGpus, Gpu, GpuSource, NvmlGpus};
+use gpumem::node::hardware::Hardware;
 use gpumem::node::health::{self, XidList};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
+use gpumem::node::processes::{self, ProcessUsage};
 use gpumem::node::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
 use gpumem::node::units::{MemorySize, MemoryUnit};
 use gpumem::ops::daemon::{self, DaemonConfig};
@@ -229,12 +229,12 @@ impl DeviceListMode {
 }
 
 impl ReconcileArgs {
-    fn source(&self, fake_gpus: Option<&Path>) -> Option<(Box<dyn ProcessUsage>, Duration)> {
+    fn source(&self, hardware: &Hardware) -> Option<(Box<dyn ProcessUsage>, Duration)> {
         if self.reconcile_secs == 0 {
             return None;
         }
         let every = Duration::from_secs(self.reconcile_secs);
-        reconcile::source_for(fake_gpus).map(|source| (source, every))
+        processes::source_for(hardware).map(|source| (source, every))
     }
 }
 
@@ -690,15 +690,6 @@ fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
     line
 }
 
-/// GPUs from a fake file, or from NVML.
-fn discover(fake_gpus: Option<&Path>) -> anyhow::Result<Vec<Gpu>> {
-    let source: Box<dyn GpuSource> = match fake_gpus {
-        Some(path) => Box::new(FakeGpus::from_file(path)?),
-        None => Box::new(NvmlGpus),
-    };
-    Ok(source.discover()?)
-}
-
 impl NodeArgs {
     fn isolation(&self) -> Isolation {
         match self.isolation {
@@ -714,7 +705,8 @@ impl NodeArgs {
 
 async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     let unit = args.resource.memory_unit;
-    let daemon = args.daemon.start(unit).await?;
+    let hardware = Hardware::new(args.daemon.node.fake_gpus.as_deref());
+    let daemon = args.daemon.start(&hardware, unit).await?;
     info!(
         %unit,
         placement = %args.placement.placement,
@@ -748,11 +740,9 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
         anyhow::bail!("--node-name (GPUMEM_NODE_NAME) is empty: the DRA driver publishes this node's GPUs under its name");
     }
     let unit = args.memory_unit;
-    let facts = match args.daemon.node.fake_gpus.as_deref() {
-        Some(path) => FakeGpus::from_file(path)?.facts(),
-        None => NvmlGpus.facts(),
-    };
-    let daemon = args.daemon.start(unit).await?;
+    let hardware = Hardware::new(args.daemon.node.fake_gpus.as_deref());
+    let facts = hardware.facts()?;
+    let daemon = args.daemon.start(&hardware, unit).await?;
     info!(
         driver = %args.driver_name,
         node = %args.node_name,
@@ -797,8 +787,8 @@ struct Started {
 impl DaemonArgs {
     /// Discovers the GPUs, binds the HTTP endpoint (so a bad address fails
     /// before anything starts) and installs the signal handlers.
-    async fn start(&self, unit: MemoryUnit) -> anyhow::Result<Started> {
-        let inventory = Inventory::new(discover(self.node.fake_gpus.as_deref())?, unit)?;
+    async fn start(&self, hardware: &Hardware, unit: MemoryUnit) -> anyhow::Result<Started> {
+        let inventory = Inventory::new(hardware.discover()?, unit)?;
         for g in inventory.gpus() {
             info!(
                 index = g.gpu.index,
@@ -819,14 +809,14 @@ impl DaemonArgs {
             None => None,
         };
         let health = health::watch_for(
-            self.node.fake_gpus.as_deref(),
+            hardware,
             &self.ignore_xids.0,
             Duration::from_secs(self.health_recovery_secs),
         );
         let shutdown = CancellationToken::new();
         tokio::spawn(stop_on_signal(shutdown.clone()));
         let reconcile = match self.node.isolation {
-            IsolationMode::Shim => self.reconcile.source(self.node.fake_gpus.as_deref()),
+            IsolationMode::Shim => self.reconcile.source(hardware),
             IsolationMode::None => None,
         };
         Ok(Started {
@@ -874,7 +864,8 @@ async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {
 
 async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
     let only_selected = !args.gpus.is_empty();
-    let gpus = exec::select(discover(args.fake_gpus.as_deref())?, &args.gpus)?;
+    let hardware = Hardware::new(args.fake_gpus.as_deref());
+    let gpus = exec::select(hardware.discover()?, &args.gpus)?;
     let mem_mib = args.mem.mib;
     // Most likely a typo or the wrong node; still run, as one cap for
     // mixed GPUs is legitimate.
@@ -893,7 +884,7 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
         shim: exec::find_shim(args.shim, "--shim")?,
         context_charge_mib: args.context.context_charge_mib,
         only_selected,
-        reconcile: args.reconcile.source(args.fake_gpus.as_deref()),
+        reconcile: args.reconcile.source(&hardware),
         command: args.command,
     })
     .await;
@@ -943,10 +934,8 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
             if let Some(Err(err)) = fallback {
                 tracing::info!(%err, "reading the node directly");
             }
-            let inventory = Inventory::new(
-                discover(args.node.fake_gpus.as_deref())?,
-                args.resource.memory_unit,
-            )?;
+            let hardware = Hardware::new(args.node.fake_gpus.as_deref());
+            let inventory = Inventory::new(hardware.discover()?, args.resource.memory_unit)?;
             let resource = args.resource.resource_name.to_string();
             let holdings = PodResources::new(&args.node.pod_resources_socket, &resource)
                 .holdings()

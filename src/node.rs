@@ -1,10 +1,13 @@
-//! The node model: the GPUs, how their memory becomes units, where a
-//! container's units come from, and whether a GPU is healthy. Knows nothing
-//! of kubelet, the shim or the cluster.
+//! The node model: the GPUs (all hardware through one door, `hardware`), how
+//! their memory becomes units, where a container's units come from, whether a
+//! GPU is healthy and which processes hold its memory. Knows nothing of
+//! kubelet, the shim or the cluster.
 
 pub mod gpu;
+pub mod hardware;
 pub mod health;
 pub mod inventory;
 pub mod placement;
+pub mod processes;
 pub mod resource;
 pub mod units;

@@ -11,7 +11,7 @@ use common::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
-use gpumem::isolation::reconcile::FakeProcesses;
+use gpumem::node::processes::FakeProcesses;
 use gpumem::node::gpu::{FakeGpus, GpuSource};
 use gpumem::node::health::FakeHealth;
 use gpumem::node::inventory::Inventory;
@@ -1188,7 +1188,7 @@ async fn without_pod_resources_the_state_dir_still_shows_each_container() {
 /// NVML answers played back in order.
 struct Script(std::collections::VecDeque<u64>, u32);
 
-impl gpumem::isolation::reconcile::ProcessUsage for Script {
+impl gpumem::node::processes::ProcessUsage for Script {
     fn usage(&mut self) -> Result<gpumem::node::gpu::ProcessMemory, gpumem::node::gpu::GpuError> {
         let mib = self.0.pop_front().expect("script long enough");
         Ok([(

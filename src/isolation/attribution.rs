@@ -87,12 +87,6 @@ pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
     found.into_iter().map(|(_, name)| name).collect()
 }
 
-/// The text of `<proc_root>/<pid>/<name>` (`/proc` on a node); `None` once
-/// the process is gone.
-pub fn proc_file(proc_root: &Path, pid: u32, name: &str) -> Option<String> {
-    std::fs::read_to_string(proc_root.join(pid.to_string()).join(name)).ok()
-}
-
 /// What the `/proc` files of the processes NVML lists say of them, read at
 /// most once per sweep, and kept from one sweep to the next for as long as
 /// the process lives: its mounts and cgroup are set up before it can reach a
@@ -310,6 +304,7 @@ fn is_uid(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::processes::proc_file;
 
     #[test]
     fn a_process_on_its_way_out_is_told_by_its_state_or_flags() {

@@ -20,115 +20,8 @@ use crate::isolation::attribution::{self, Owner};
 use crate::isolation::enforce::{
     self, Actions, Enforcer, Footprint, Notice, Noticed, Notices, OverCapAction,
 };
-use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
-
-/// The seam where per-process GPU memory enters: NVML on a node, the fake
-/// GPU file in tests and the demo.
-pub trait ProcessUsage: Send + 'static {
-    /// Device memory per process on each GPU, by UUID and host PID.
-    fn usage(&mut self) -> Result<ProcessMemory, GpuError>;
-
-    /// What `/proc/<pid>/<name>` says of a listed process (`cgroup`,
-    /// `mountinfo`): where attribution reads who it belongs to.
-    fn proc_file(&self, pid: u32, name: &str) -> Option<String> {
-        attribution::proc_file(Path::new("/proc"), pid, name)
-    }
-}
-
-/// NVML's running compute processes (about 26 µs per GPU on an H100).
-pub struct NvmlProcesses {
-    nvml: nvml_wrapper::Nvml,
-}
-
-impl NvmlProcesses {
-    pub fn new() -> Result<Self, GpuError> {
-        let nvml = nvml_wrapper::Nvml::init().map_err(|e| GpuError::Nvml(e.to_string()))?;
-        Ok(NvmlProcesses { nvml })
-    }
-}
-
-impl ProcessUsage for NvmlProcesses {
-    fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
-        use nvml_wrapper::enums::device::UsedGpuMemory;
-        let nvml_err = |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(e.to_string());
-        let mut memory = ProcessMemory::new();
-        for index in 0..self.nvml.device_count().map_err(nvml_err)? {
-            // A GPU that does not answer is left out: its containers keep
-            // what was published for them (health reports the GPU itself).
-            let answer = self
-                .nvml
-                .device_by_index(index)
-                .and_then(|device| Ok((device.uuid()?, device.running_compute_processes()?)));
-            let (uuid, processes) = match answer {
-                Ok(answer) => answer,
-                Err(err) => {
-                    debug!(gpu = index, %err, "no per-process memory for this GPU");
-                    continue;
-                }
-            };
-            let per_pid = memory.entry(uuid).or_default();
-            for process in processes {
-                // Unavailable (some virtualised setups): nothing to compare.
-                if let UsedGpuMemory::Used(bytes) = process.used_gpu_memory {
-                    let total = per_pid.entry(process.pid).or_default();
-                    *total = total.saturating_add(bytes);
-                }
-            }
-        }
-        Ok(memory)
-    }
-}
-
-/// The `[[gpu.process]]` tables of a fake GPU file, re-read on every call
-/// so tests can change them while the daemon runs; a process's `cgroup`
-/// and `mountinfo` there stand in for its files under `/proc/<pid>/`.
-pub struct FakeProcesses {
-    path: PathBuf,
-    last: Option<FakeGpus>,
-}
-
-impl FakeProcesses {
-    pub fn new(path: &Path) -> Self {
-        FakeProcesses {
-            path: path.to_owned(),
-            last: None,
-        }
-    }
-}
-
-impl ProcessUsage for FakeProcesses {
-    fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
-        let fake = FakeGpus::from_file(&self.path)?;
-        let memory = fake.processes().clone();
-        self.last = Some(fake);
-        Ok(memory)
-    }
-
-    fn proc_file(&self, pid: u32, name: &str) -> Option<String> {
-        match self
-            .last
-            .as_ref()
-            .and_then(|fake| fake.proc_file(pid, name))
-        {
-            Some(text) => Some(text.to_owned()),
-            None => attribution::proc_file(Path::new("/proc"), pid, name),
-        }
-    }
-}
-
-/// The per-process usage source for a GPU source: the fake file, or NVML.
-pub fn source_for(fake_gpus: Option<&Path>) -> Option<Box<dyn ProcessUsage>> {
-    match fake_gpus {
-        Some(path) => Some(Box::new(FakeProcesses::new(path))),
-        None => match NvmlProcesses::new() {
-            Ok(source) => Some(Box::new(source)),
-            Err(err) => {
-                warn!(%err, "untracked GPU memory is not reconciled");
-                None
-            }
-        },
-    }
-}
+use crate::node::gpu::ProcessMemory;
+use crate::node::processes::ProcessUsage;
 
 /// The live processes of a file that NVML lists on its device `dev`, as
 /// (pid, what NVML shows, what the process charged), less those in
@@ -931,6 +824,8 @@ pub async fn run(
 mod tests {
     use super::*;
     use crate::isolation::accounting::{LiveProcess, Usage};
+    use crate::node::gpu::GpuError;
+    use crate::node::processes::FakeProcesses;
 
     const MIB: u64 = 1 << 20;
     const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";

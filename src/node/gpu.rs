@@ -413,13 +413,21 @@ impl GpuSource for FakeGpus {
 
 /// The real node, through NVML (libnvidia-ml is loaded at run time, so the
 /// binary starts on machines without it and can say what to do instead).
-#[derive(Debug, Default)]
-pub struct NvmlGpus;
+pub struct NvmlGpus<'a> {
+    /// The process's NVML, or why it could not be initialised.
+    nvml: Result<&'a nvml_wrapper::Nvml, &'a str>,
+}
 
-impl GpuSource for NvmlGpus {
+impl<'a> NvmlGpus<'a> {
+    /// Reads through the process's NVML ([`crate::node::hardware::LazyNvml`]).
+    pub fn new(nvml: Result<&'a nvml_wrapper::Nvml, &'a str>) -> Self {
+        NvmlGpus { nvml }
+    }
+}
+
+impl GpuSource for NvmlGpus<'_> {
     fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
-        use nvml_wrapper::Nvml;
-        let nvml = Nvml::init().map_err(|e| GpuError::Nvml(e.to_string()))?;
+        let nvml = self.nvml.map_err(|e| GpuError::Nvml(e.to_owned()))?;
         let count = nvml
             .device_count()
             .map_err(|e| GpuError::Nvml(e.to_string()))?;
@@ -465,8 +473,8 @@ impl GpuSource for NvmlGpus {
     }
 
     fn facts(&self) -> NodeFacts {
-        use nvml_wrapper::{cuda_driver_version_major, cuda_driver_version_minor, Nvml};
-        let nvml = match Nvml::init() {
+        use nvml_wrapper::{cuda_driver_version_major, cuda_driver_version_minor};
+        let nvml = match self.nvml {
             Ok(nvml) => nvml,
             Err(err) => {
                 tracing::warn!(%err, "NVML is not usable; publishing GPUs without driver facts");

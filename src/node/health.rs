@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::node::gpu::{FakeGpus, GpuSource};
+use crate::node::hardware::Hardware;
 use crate::node::inventory::Inventory;
 
 /// XIDs caused by applications, not hardware: the GPU stays usable. The
@@ -223,12 +224,14 @@ enum Finding {
 
 impl NvmlHealth {
     /// Registers for critical XID events on every GPU that takes them.
-    pub fn new(ignored: &[u64], recovery: Duration) -> Result<Self, crate::node::gpu::GpuError> {
+    /// `nvml` lives as long as the process: the event set borrows it.
+    pub fn new(
+        nvml: &'static nvml_wrapper::Nvml,
+        ignored: &[u64],
+        recovery: Duration,
+    ) -> Result<Self, crate::node::gpu::GpuError> {
         let nvml_err =
             |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(e.to_string());
-        // Lives as long as the process: the event set borrows it.
-        let nvml: &'static nvml_wrapper::Nvml =
-            Box::leak(Box::new(nvml_wrapper::Nvml::init().map_err(nvml_err)?));
         let count = nvml.device_count().map_err(nvml_err)?;
         // A GPU that cannot be read is not advertised (see `NvmlGpus`):
         // the others are watched.
@@ -628,15 +631,18 @@ fn applied(inv: &Inventory, change: &HealthChange) -> Option<Inventory> {
     inv.with_health(&change.uuid, change.healthy)
 }
 
-/// The health watch for a GPU source: the fake file, or NVML.
+/// The health watch for the hardware: the fake file, or NVML.
 pub fn watch_for(
-    fake_gpus: Option<&Path>,
+    hardware: &Hardware,
     ignored: &[u64],
     recovery: Duration,
 ) -> Option<Box<dyn HealthWatch>> {
-    match fake_gpus {
-        Some(path) => Some(Box::new(FakeHealth::new(path))),
-        None => match NvmlHealth::new(ignored, recovery) {
+    match hardware {
+        Hardware::Fake(path) => Some(Box::new(FakeHealth::new(path))),
+        Hardware::Nvml(nvml) => match nvml
+            .usable()
+            .and_then(|nvml| NvmlHealth::new(nvml, ignored, recovery))
+        {
             Ok(watch) => Some(Box::new(watch)),
             Err(err) => {
                 warn!(%err, "GPU health checks disabled");

@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use crate::isolation::accounting::{self, AccountingError, Cap};
 use crate::isolation::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
 use crate::isolation::install::{self, ShimError};
-use crate::isolation::reconcile::{self, ProcessUsage, Reconciler};
+use crate::isolation::reconcile::{self, Reconciler};
+use crate::node::processes::ProcessUsage;
 use crate::node::gpu::Gpu;
 
 pub struct ExecConfig {
