@@ -31,6 +31,13 @@ pub const CDI_VERSION: &str = "0.5.0";
 /// Where runtimes look for specs that change at run time (`/etc/cdi` holds
 /// static ones; a spec in `/var/run/cdi` wins over one there).
 pub const DEFAULT_SPEC_DIR: &str = "/var/run/cdi";
+
+/// Where NVIDIA's CDI spec for the node's GPUs is looked for beside gpumem's
+/// own specs in `spec_dir`: `nvidia-ctk cdi generate` writes
+/// /etc/cdi/nvidia.yaml, NVIDIA's DaemonSet the runtime's directory.
+pub fn nvidia_spec_dirs(spec_dir: &Path) -> Vec<PathBuf> {
+    vec![PathBuf::from("/etc/cdi"), spec_dir.to_owned()]
+}
 /// Mount options for what a container reads only: a bind mount that cannot
 /// carry set-uid programs or device nodes (the options NVIDIA's generated
 /// specs use for driver files).

@@ -29,11 +29,11 @@ use crate::isolation::containers::ContainerName;
 use crate::isolation::enforce::{Notice, Noticed, OverCapAction};
 use crate::isolation::inject::{Isolation, ShimConfig};
 use crate::isolation::reconcile::{self, Reconciler};
-use crate::node::processes::ProcessUsage;
 use crate::node::gpu::NodeFacts;
 use crate::node::health::{self, HealthWatch};
 use crate::node::inventory::Inventory;
 use crate::node::placement;
+use crate::node::processes::ProcessUsage;
 use crate::ops::metrics::{self, FrontEnd, Observed};
 
 pub struct DaemonConfig {
@@ -625,4 +625,21 @@ pub async fn run_dra(
     stop.cancel();
     while tasks.join_next().await.is_some() {}
     Ok(result?)
+}
+
+/// SIGTERM (kubelet stopping the pod) or SIGINT fans out to one token.
+pub async fn stop_on_signal(shutdown: CancellationToken) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; SIGTERM will not stop gpumem cleanly");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = int.recv() => tracing::info!("SIGINT: stopping"),
+    }
+    shutdown.cancel();
 }

@@ -15,8 +15,8 @@ use crate::isolation::accounting::{self, AccountingError, Cap};
 use crate::isolation::inject::{env, CONTAINER_SHIM_DIR, SHIM_LIBRARY};
 use crate::isolation::install::{self, ShimError};
 use crate::isolation::reconcile::{self, Reconciler};
-use crate::node::processes::ProcessUsage;
 use crate::node::gpu::Gpu;
+use crate::node::processes::ProcessUsage;
 
 pub struct ExecConfig {
     /// Cap per GPU, MiB.
@@ -162,6 +162,51 @@ pub struct Finished {
     pub refusals: u64,
     /// Highest usage of the accounting file's life, MiB.
     pub peak_mib: u64,
+}
+
+impl Finished {
+    /// Why the command may have failed with out-of-memory, where the cap
+    /// of `mem_mib` refused allocations; `shared` is `--state-dir`, whose
+    /// file counts refusals per GPU, not per process.
+    pub fn refusal_report(&self, mem_mib: u64, shared: Option<&Path>) -> Option<String> {
+        if self.refusals == 0 {
+            return None;
+        }
+        let whose = match shared {
+            Some(dir) => format!(
+                " while the command ran, by it or another command sharing --state-dir {}",
+                dir.display()
+            ),
+            None => String::new(),
+        };
+        Some(format!(
+            "gpumem: {} GPU allocation(s) refused at the {mem_mib} MiB cap{whose} (peak use {} MiB)",
+            self.refusals, self.peak_mib
+        ))
+    }
+
+    /// gpumem's exit code: the command's; for a command killed by a
+    /// signal, 128 + the signal, as shells report it.
+    pub fn exit_code(&self) -> u8 {
+        let code = self
+            .status
+            .code()
+            .or_else(|| {
+                std::os::unix::process::ExitStatusExt::signal(&self.status).map(|s| 128 + s)
+            })
+            .unwrap_or(1);
+        u8::try_from(code).unwrap_or(1)
+    }
+}
+
+/// The warning for a GPU the cap does not limit: most likely a typo or the
+/// wrong node, though one cap for mixed GPUs is legitimate.
+pub fn cap_warning(gpu: &Gpu, mem_mib: u64) -> String {
+    format!(
+        "gpumem: warning: --mem {mem_mib} MiB is more than GPU {} ({}) has, {} MiB, so it \
+         does not limit the command there",
+        gpu.index, gpu.name, gpu.memory_mib
+    )
 }
 
 /// Runs the command with the shim preloaded until it exits. SIGTERM is

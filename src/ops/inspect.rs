@@ -10,6 +10,13 @@ use hyper::Request;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
+use crate::deviceplugin::podresources::PodResources;
+use crate::isolation::inject::Isolation;
+use crate::node::gpu::GpuError;
+use crate::node::hardware::Hardware;
+use crate::node::inventory::{Inventory, InventoryError};
+use crate::node::resource::ResourceName;
+use crate::node::units::MemoryUnit;
 use crate::ops::status::NodeStatus;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -22,6 +29,58 @@ pub enum InspectError {
     Status { addr: SocketAddr, status: u16 },
     #[error("the plugin at {addr} sent a status this gpumem cannot read: {message}")]
     Decode { addr: SocketAddr, message: String },
+}
+
+/// What keeps `inspect` from reading the node directly.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeReadError {
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error(transparent)]
+    Inventory(#[from] InventoryError),
+}
+
+/// What the node looks like, read directly where it is not asked of the
+/// running plugin.
+pub struct DirectRead<'a> {
+    pub hardware: &'a Hardware,
+    pub unit: MemoryUnit,
+    pub resource_name: &'a ResourceName,
+    pub pod_resources_socket: &'a std::path::Path,
+    pub isolation: &'a Isolation,
+}
+
+/// The node's status: from the running plugin at `plugin` (its
+/// `--metrics-addr`) where it answers, otherwise read directly (GPUs,
+/// pod-resources, accounting files).
+pub async fn status(
+    plugin: Option<SocketAddr>,
+    node: DirectRead<'_>,
+) -> Result<NodeStatus, NodeReadError> {
+    let from_plugin = match plugin {
+        Some(addr) => Some(fetch(local(addr)).await),
+        None => None,
+    };
+    match from_plugin {
+        Some(Ok(status)) => Ok(status),
+        fallback => {
+            if let Some(Err(err)) = fallback {
+                tracing::info!(%err, "reading the node directly");
+            }
+            let inventory = Inventory::new(node.hardware.discover()?, node.unit)?;
+            let resource = node.resource_name.to_string();
+            let holdings = PodResources::new(node.pod_resources_socket, &resource)
+                .holdings()
+                .await;
+            Ok(NodeStatus::build(
+                &inventory,
+                &resource,
+                false,
+                holdings,
+                node.isolation,
+            ))
+        }
+    }
 }
 
 /// The address to ask: a wildcard listen address means this host.
