@@ -24,14 +24,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpumem::isolation::accounting::{self, Cap};
-use gpumem::isolation::attribution;
 use gpumem::isolation::containers::{ContainerName, Containers};
 use gpumem::isolation::enforce::{self, OverCapAction};
 use gpumem::isolation::reconcile::Reconciler;
 use gpumem::node::gpu::{Gpu, GpuError, ProcessMemory};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Assignment;
-use gpumem::node::processes::ProcessUsage;
+use gpumem::node::processes::{self, ProcessUsage};
 use gpumem::node::units::MemoryUnit;
 use gpumem_layout::protocol::StateWord;
 use nix::fcntl::{fcntl, FcntlArg};
@@ -177,7 +176,7 @@ fn main() {
         ),
         ("the sweep's /proc reads, replayed", &|| {
             for (pid, name) in &requested {
-                attribution::proc_file(&node.proc_root(), *pid, name);
+                processes::proc_file(&node.proc_root(), *pid, name);
             }
         }),
     ];
@@ -286,10 +285,10 @@ impl ProcessUsage for Sampled {
 
     fn proc_file(&self, pid: u32, name: &str) -> Option<String> {
         if !self.stats.timing.load(Relaxed) {
-            return attribution::proc_file(&self.proc_root, pid, name);
+            return processes::proc_file(&self.proc_root, pid, name);
         }
         let started = Instant::now();
-        let text = attribution::proc_file(&self.proc_root, pid, name);
+        let text = processes::proc_file(&self.proc_root, pid, name);
         let stats = &self.stats;
         stats
             .read_ns
