@@ -248,11 +248,13 @@ impl DeviceListMode {
 }
 
 impl ReconcileArgs {
+    /// How often to reconcile; `None`: off.
+    pub fn every(&self) -> Option<Duration> {
+        (self.reconcile_secs != 0).then(|| Duration::from_secs(self.reconcile_secs))
+    }
+
     pub fn source(&self, hardware: &Hardware) -> Option<(Box<dyn ProcessUsage>, Duration)> {
-        if self.reconcile_secs == 0 {
-            return None;
-        }
-        let every = Duration::from_secs(self.reconcile_secs);
+        let every = self.every()?;
         processes::source_for(hardware).map(|source| (source, every))
     }
 }
@@ -632,6 +634,29 @@ impl NodeArgs {
                 context_charge_mib: self.context.context_charge_mib,
             }),
             IsolationMode::None => Isolation::None,
+        }
+    }
+}
+
+impl DaemonArgs {
+    /// What `daemon::start` needs from the flags both front ends share.
+    pub fn node<'a>(&'a self, hardware: &'a Hardware, unit: MemoryUnit) -> daemon::NodeConfig<'a> {
+        daemon::NodeConfig {
+            hardware,
+            unit,
+            metrics_addr: &self.metrics_addr,
+            ignore_xids: &self.ignore_xids.0,
+            health_recovery: Duration::from_secs(self.health_recovery_secs),
+            reconcile: match self.node.isolation {
+                IsolationMode::Shim => self.reconcile.every(),
+                IsolationMode::None => None,
+            },
+            state_dir: self.node.state_dir.clone(),
+            state_grace: Duration::from_secs(self.state_grace_secs),
+            over_cap: (
+                self.over_cap_action,
+                Duration::from_secs(self.over_cap_grace_secs),
+            ),
         }
     }
 }

@@ -13,10 +13,6 @@ use tracing::info;
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::dra;
 use gpumem::isolation::cdi::{self, SpecDir};
-use gpumem::node::hardware::Hardware;
-use gpumem::node::health;
-use gpumem::node::inventory::Inventory;
-use gpumem::node::units::MemoryUnit;
 use gpumem::ops::daemon::{self, DaemonConfig};
 #[cfg(feature = "demo")]
 use gpumem::ops::demo::{self, DemoConfig};
@@ -25,8 +21,7 @@ use gpumem::ops::inspect;
 use gpumem::ops::metrics;
 
 use cli::{
-    Cli, Command, DaemonArgs, DraArgs, ExecArgs, ExtenderArgs, InspectArgs, IsolationMode,
-    LogFormat, OutputFormat, PluginArgs,
+    Cli, Command, DraArgs, ExecArgs, ExtenderArgs, InspectArgs, LogFormat, OutputFormat, PluginArgs,
 };
 
 fn main() -> ExitCode {
@@ -123,7 +118,7 @@ fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
 async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     let unit = args.resource.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
-    let daemon = args.daemon.start(&hardware, unit).await?;
+    let daemon = daemon::start(args.daemon.node(&hardware, unit)).await?;
     info!(
         %unit,
         placement = %args.placement.placement,
@@ -159,7 +154,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
     let unit = args.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
     let facts = hardware.facts()?;
-    let daemon = args.daemon.start(&hardware, unit).await?;
+    let daemon = daemon::start(args.daemon.node(&hardware, unit)).await?;
     info!(
         driver = %args.driver_name,
         node = %args.node_name,
@@ -191,67 +186,6 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
     };
     daemon::run_dra(config, daemon.inventory, daemon.health, daemon.shutdown).await?;
     Ok(())
-}
-
-/// A front end's daemon, ready to start: what `DaemonArgs` gave.
-struct Started {
-    inventory: Inventory,
-    health: Option<Box<dyn health::HealthWatch>>,
-    common: daemon::Common,
-    shutdown: CancellationToken,
-}
-
-impl DaemonArgs {
-    /// Discovers the GPUs, binds the HTTP endpoint (so a bad address fails
-    /// before anything starts) and installs the signal handlers.
-    async fn start(&self, hardware: &Hardware, unit: MemoryUnit) -> anyhow::Result<Started> {
-        let inventory = Inventory::new(hardware.discover()?, unit)?;
-        for g in inventory.gpus() {
-            info!(
-                index = g.gpu.index,
-                name = %g.gpu.name,
-                uuid = %g.gpu.uuid,
-                memory_mib = g.gpu.memory_mib,
-                units = g.units,
-                id_prefix = %g.key,
-                "GPU"
-            );
-        }
-        let metrics = match metrics::parse_address(&self.metrics_addr)? {
-            Some(addr) => Some(
-                tokio::net::TcpListener::bind(addr)
-                    .await
-                    .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?,
-            ),
-            None => None,
-        };
-        let health = health::watch_for(
-            hardware,
-            &self.ignore_xids.0,
-            Duration::from_secs(self.health_recovery_secs),
-        );
-        let shutdown = CancellationToken::new();
-        tokio::spawn(daemon::stop_on_signal(shutdown.clone()));
-        let reconcile = match self.node.isolation {
-            IsolationMode::Shim => self.reconcile.source(hardware),
-            IsolationMode::None => None,
-        };
-        Ok(Started {
-            inventory,
-            health,
-            common: daemon::Common {
-                state_dir: self.node.state_dir.clone(),
-                metrics,
-                state_grace: Duration::from_secs(self.state_grace_secs),
-                reconcile,
-                over_cap: Some((
-                    self.over_cap_action,
-                    Duration::from_secs(self.over_cap_grace_secs),
-                )),
-            },
-            shutdown,
-        })
-    }
 }
 
 async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {

@@ -30,10 +30,12 @@ use crate::isolation::enforce::{Notice, Noticed, OverCapAction};
 use crate::isolation::inject::{Isolation, ShimConfig};
 use crate::isolation::reconcile::{self, Reconciler};
 use crate::node::gpu::NodeFacts;
+use crate::node::hardware::Hardware;
 use crate::node::health::{self, HealthWatch};
 use crate::node::inventory::Inventory;
 use crate::node::placement;
-use crate::node::processes::ProcessUsage;
+use crate::node::processes::{self, ProcessUsage};
+use crate::node::units::MemoryUnit;
 use crate::ops::metrics::{self, FrontEnd, Observed};
 
 pub struct DaemonConfig {
@@ -106,6 +108,90 @@ fn lock_front_end(
             errno => err(errno.into()),
         },
     )
+}
+
+/// What both front ends start the same way, from the flags they share.
+pub struct NodeConfig<'a> {
+    pub hardware: &'a Hardware,
+    pub unit: MemoryUnit,
+    /// `--metrics-addr`, not yet parsed.
+    pub metrics_addr: &'a str,
+    /// XIDs that do not make a GPU unhealthy.
+    pub ignore_xids: &'a [u64],
+    pub health_recovery: Duration,
+    /// How often to reconcile per-process usage; `None`: off.
+    pub reconcile: Option<Duration>,
+    pub state_dir: PathBuf,
+    pub state_grace: Duration,
+    pub over_cap: (OverCapAction, Duration),
+}
+
+/// A front end's daemon, ready to run: what [`start`] gave.
+pub struct Started {
+    pub inventory: Inventory,
+    pub health: Option<Box<dyn HealthWatch>>,
+    pub common: Common,
+    pub shutdown: CancellationToken,
+}
+
+/// What keeps a front end's daemon from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Gpu(#[from] crate::node::gpu::GpuError),
+    #[error(transparent)]
+    Inventory(#[from] crate::node::inventory::InventoryError),
+    #[error(transparent)]
+    Address(#[from] metrics::BadAddress),
+    #[error("--metrics-addr {addr}: cannot listen: {source}")]
+    Listen {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// Discovers the GPUs, binds the HTTP endpoint (so a bad address fails
+/// before anything starts) and installs the signal handlers.
+pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
+    let hardware = config.hardware;
+    let inventory = Inventory::new(hardware.discover()?, config.unit)?;
+    for g in inventory.gpus() {
+        tracing::info!(
+            index = g.gpu.index,
+            name = %g.gpu.name,
+            uuid = %g.gpu.uuid,
+            memory_mib = g.gpu.memory_mib,
+            units = g.units,
+            id_prefix = %g.key,
+            "GPU"
+        );
+    }
+    let metrics = match metrics::parse_address(config.metrics_addr)? {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Listen { addr, source })?,
+        ),
+        None => None,
+    };
+    let health = health::watch_for(hardware, config.ignore_xids, config.health_recovery);
+    let shutdown = CancellationToken::new();
+    tokio::spawn(stop_on_signal(shutdown.clone()));
+    let reconcile = config
+        .reconcile
+        .and_then(|every| processes::source_for(hardware).map(|source| (source, every)));
+    Ok(Started {
+        inventory,
+        health,
+        common: Common {
+            state_dir: config.state_dir,
+            metrics,
+            state_grace: config.state_grace,
+            reconcile,
+            over_cap: Some(config.over_cap),
+        },
+        shutdown,
+    })
 }
 
 /// The API server and what gpumem does with it.
