@@ -9,7 +9,6 @@ pub mod api;
 pub mod checkpoint;
 pub mod claims;
 pub mod prepare;
-pub mod quantity;
 pub mod registration;
 pub mod service;
 pub mod slice;

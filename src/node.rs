@@ -9,5 +9,6 @@ pub mod health;
 pub mod inventory;
 pub mod placement;
 pub mod processes;
+pub mod quantity;
 pub mod resource;
 pub mod units;

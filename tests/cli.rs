@@ -977,3 +977,39 @@ fn every_flag_has_an_env_var_named_after_it() {
         assert!(flags >= 2, "{command}: {help}");
     }
 }
+
+/// `--mem` takes Kubernetes quantities beside gpumem's own sizes; the cap
+/// is the quantity in whole MiB, rounded down.
+#[test]
+fn exec_takes_kubernetes_quantities_for_mem() {
+    for (mem, mib) in [
+        ("4Gi", 4096),
+        ("4096Mi", 4096),
+        ("4194304Ki", 4096),
+        ("1.5Gi", 1536),
+        ("4G", 3814),
+        ("4308MiB", 4308),
+        ("4GiB", 4096),
+        ("4308", 4308),
+    ] {
+        let (out, text) = run(exec()
+            .args(["--mem", mem, "--fake-gpus"])
+            .arg(fixture("t4"))
+            .args(["--", "sh", "-c", "echo limit=$GPUMEM_LIMIT_MIB"]));
+        assert!(out.status.success(), "{mem}: {text}");
+        assert!(text.contains(&format!("limit={mib}\n")), "{mem}: {text}");
+    }
+    for (bad, why) in [
+        ("4Gb", "Kubernetes quantity"),
+        ("-1Gi", "Kubernetes quantity"),
+        ("0Gi", "greater than 0"),
+        ("512Ki", "less than 1 MiB"),
+    ] {
+        let (out, text) = run(exec().arg(format!("--mem={bad}")).args(["--", "true"]));
+        assert!(!out.status.success(), "{bad}: {text}");
+        assert!(
+            text.contains("--mem") && text.contains(bad) && text.contains(why),
+            "{bad}: {text}"
+        );
+    }
+}

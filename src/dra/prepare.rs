@@ -17,13 +17,13 @@ use tracing::{info, warn};
 use crate::cluster::client::ADMISSION_CALL_BOUND;
 use crate::dra::checkpoint::{Checkpoint, ClaimEntry, DeviceEntry, State};
 use crate::dra::claims::{ClaimRef, Claims, Prepared, PreparedDevice, Unprepared};
-use crate::dra::quantity;
 use crate::dra::slice::{self, MEMORY};
 use crate::isolation::accounting::{self, Cap, Durability};
 use crate::isolation::cdi::{self, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName};
 use crate::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
 use crate::node::inventory::Inventory;
+use crate::node::quantity;
 
 #[derive(Debug, Clone)]
 pub struct DriverConfig {

@@ -30,9 +30,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::dra::quantity;
 use crate::node::gpu::{Gpu, NodeFacts};
 use crate::node::inventory::Inventory;
+use crate::node::quantity;
 use crate::node::units::MemoryUnit;
 
 /// The capacity each device offers: its memory.

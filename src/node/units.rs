@@ -4,6 +4,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::node::quantity;
+
 /// Size of one advertised unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MemoryUnit {
@@ -62,7 +64,9 @@ impl FromStr for MemoryUnit {
 }
 
 /// A memory size given on the command line, in whole MiB: `4308MiB`,
-/// `4GiB` or a bare number of MiB.
+/// `4GiB` or a bare number of MiB, as gpumem has always taken them, or a
+/// Kubernetes quantity as a pod's limits are written (`4Gi`, `4096Mi`,
+/// `4G`), rounded down to whole MiB as caps are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemorySize {
     pub mib: u64,
@@ -70,10 +74,15 @@ pub struct MemorySize {
 
 #[derive(Debug, thiserror::Error)]
 pub enum BadMemorySize {
-    #[error("invalid memory size {0:?}: expected a number of MiB with an optional MiB or GiB suffix, e.g. 4308MiB or 4GiB")]
+    #[error(
+        "invalid memory size {0:?}: expected a number of MiB with an optional MiB or GiB suffix \
+         (4308MiB, 4GiB) or a Kubernetes quantity (4Gi, 4096Mi, 4G)"
+    )]
     Malformed(String),
     #[error("memory size {0:?} is zero: a cap must be greater than 0")]
     Zero(String),
+    #[error("memory size {0:?} is less than 1 MiB: a cap is counted in whole MiB")]
+    BelowOneMib(String),
     #[error("memory size {0:?} is too large to count in MiB")]
     TooLarge(String),
 }
@@ -91,7 +100,7 @@ impl FromStr for MemorySize {
         let digits = digits.trim();
         // Digits only: `parse` alone would take "+4".
         if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(BadMemorySize::Malformed(s.to_owned()));
+            return kubernetes_quantity(s);
         }
         let n: u64 = digits
             .parse()
@@ -103,6 +112,20 @@ impl FromStr for MemorySize {
             .checked_mul(unit.mib())
             .ok_or_else(|| BadMemorySize::TooLarge(s.to_owned()))?;
         Ok(MemorySize { mib })
+    }
+}
+
+/// `s` as Kubernetes writes a quantity (case matters there: `m` is milli,
+/// `M` mega), in whole MiB rounded down.
+fn kubernetes_quantity(s: &str) -> Result<MemorySize, BadMemorySize> {
+    let bytes = quantity::bytes(s).ok_or_else(|| BadMemorySize::Malformed(s.to_owned()))?;
+    if bytes == 0 {
+        return Err(BadMemorySize::Zero(s.to_owned()));
+    }
+    match u64::try_from(bytes >> 20) {
+        Ok(0) => Err(BadMemorySize::BelowOneMib(s.to_owned())),
+        Ok(mib) => Ok(MemorySize { mib }),
+        Err(_) => Err(BadMemorySize::TooLarge(s.to_owned())),
     }
 }
 
@@ -175,18 +198,45 @@ mod tests {
         assert_eq!(mib("4GiB"), Some(4096));
         assert_eq!(mib("4308"), Some(4308));
         assert_eq!(mib(" 2 gib "), Some(2048));
-        for bad in ["", "4GB", "-1MiB", "+4MiB", "1.5GiB", "MiB"] {
+        for bad in [
+            "", "4GB", "-1MiB", "+4MiB", "1.5GiB", "MiB", "4gi", "-1Gi", "4 Gi",
+        ] {
             let err = bad.parse::<MemorySize>().unwrap_err();
             assert!(matches!(err, BadMemorySize::Malformed(_)), "{bad}: {err}");
         }
         // 0 is a number of MiB: the message says what is wrong with it.
-        for zero in ["0", "0GiB", "00MiB"] {
+        for zero in ["0", "0GiB", "00MiB", "0Gi", "0.0Mi"] {
             let err = zero.parse::<MemorySize>().unwrap_err();
             assert!(err.to_string().contains("greater than 0"), "{err}");
         }
-        for huge in ["99999999999999999999", "18014398509481984GiB"] {
+        for huge in [
+            "99999999999999999999",
+            "18014398509481984GiB",
+            "17592186044416Ti",
+        ] {
             let err = huge.parse::<MemorySize>().unwrap_err();
             assert!(err.to_string().contains("too large"), "{huge}: {err}");
+        }
+    }
+
+    #[test]
+    fn takes_kubernetes_quantities_rounded_down_to_whole_mib() {
+        let mib = |s: &str| s.parse::<MemorySize>().map(|m| m.mib).ok();
+        assert_eq!(mib("4Gi"), Some(4096));
+        assert_eq!(mib("4096Mi"), Some(4096));
+        assert_eq!(mib("4194304Ki"), Some(4096));
+        assert_eq!(mib("1Ti"), Some(1 << 20));
+        assert_eq!(mib("1.5Gi"), Some(1536));
+        // Decimal suffixes: 4e9 bytes are 3814.7 MiB.
+        assert_eq!(mib("4G"), Some(3814));
+        assert_eq!(mib("4000M"), Some(3814));
+        assert_eq!(mib("1536Ki"), Some(1));
+        for small in ["512Ki", "1000k", "4096m"] {
+            let err = small.parse::<MemorySize>().unwrap_err();
+            assert!(
+                matches!(err, BadMemorySize::BelowOneMib(_)),
+                "{small}: {err}"
+            );
         }
     }
 

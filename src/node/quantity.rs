@@ -1,7 +1,8 @@
 //! Kubernetes resource quantities (`4Gi`, `4096Mi`, `4294967296`, `4.5G`,
-//! `1e9`), as the API server writes them in `consumedCapacity` and
-//! `requestPolicy`. The server canonicalises them (`1024Mi` comes back as
-//! `1Gi`), so they are compared by value, never as text.
+//! `1e9`), as the API server writes them in DRA's `consumedCapacity` and
+//! `requestPolicy` and users write them in pod limits and `exec --mem`. The
+//! server canonicalises them (`1024Mi` comes back as `1Gi`), so they are
+//! compared by value, never as text.
 
 /// The quantity `text` in bytes, rounded down; `None` if it does not parse,
 /// is negative, or does not fit.
