@@ -1013,3 +1013,19 @@ fn exec_takes_kubernetes_quantities_for_mem() {
         );
     }
 }
+
+#[test]
+fn exec_with_a_gpu_that_is_not_there_lists_those_that_are() {
+    let (out, text) = run(exec()
+        .args(["--mem", "1GiB", "--gpu", "5", "--fake-gpus"])
+        .arg(fixture("v100x2"))
+        .args(["--", "true"]));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("--gpu \"5\""), "{text}");
+    for line in [
+        "0: Tesla V100-SXM2-16GB, 16160 MiB, GPU-1a2b3c4d-0000-4000-8000-000000010000",
+        "1: Tesla V100-SXM2-16GB, 16160 MiB, GPU-1a2b3c4d-0000-4000-8000-000000010001",
+    ] {
+        assert!(text.contains(line), "{line}: {text}");
+    }
+}

@@ -37,8 +37,11 @@ pub struct ExecConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
-    #[error("--gpu {0:?} matches no GPU on this node (give an index or a UUID)")]
-    NoSuchGpu(String),
+    #[error(
+        "--gpu {selector:?} matches no GPU on this node (give an index or a UUID); {}",
+        listing(.gpus)
+    )]
+    NoSuchGpu { selector: String, gpus: Vec<Gpu> },
     #[error(
         "shim library not found (looked for {}); build it with `cargo build --release -p gpumem-shim` \
          and pass {flag} PATH",
@@ -114,9 +117,24 @@ pub fn select(gpus: Vec<Gpu>, selectors: &[String]) -> Result<Vec<Gpu>, ExecErro
             gpus.iter()
                 .find(|g| g.uuid.eq_ignore_ascii_case(s) || s.parse() == Ok(g.index))
                 .cloned()
-                .ok_or_else(|| ExecError::NoSuchGpu(s.clone()))
+                .ok_or_else(|| ExecError::NoSuchGpu {
+                    selector: s.clone(),
+                    gpus: gpus.clone(),
+                })
         })
         .collect()
+}
+
+/// The GPUs there are, as a user picks one: index, name, memory, UUID.
+fn listing(gpus: &[Gpu]) -> String {
+    if gpus.is_empty() {
+        return "it has none".to_owned();
+    }
+    let each: Vec<String> = gpus
+        .iter()
+        .map(|g| format!("{}: {}, {} MiB, {}", g.index, g.name, g.memory_mib, g.uuid))
+        .collect();
+    format!("it has {}", each.join("; "))
 }
 
 /// GPUs with less memory than `mem_mib`: the cap never binds on them, the
