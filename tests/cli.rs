@@ -1029,3 +1029,64 @@ fn exec_with_a_gpu_that_is_not_there_lists_those_that_are() {
         assert!(text.contains(line), "{line}: {text}");
     }
 }
+
+/// The plugin's JSON log lines up to its first registration attempt (no
+/// kubelet answers: it fails, and the plugin is then stopped).
+fn plugin_logs_until_registering(configure: impl FnOnce(&mut Command)) -> Vec<serde_json::Value> {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = gpumem();
+    cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
+        .args(["--metrics-addr", ""])
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(fixture("t4"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    configure(&mut cmd);
+    let mut child = common::Killed(cmd.spawn().unwrap());
+    let stderr = std::io::BufReader::new(child.0.stderr.take().unwrap());
+    let mut logs = Vec::new();
+    for line in stderr.lines() {
+        let log: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
+        let registering = log["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("registration with kubelet failed"));
+        logs.push(log);
+        if registering {
+            return logs;
+        }
+    }
+    panic!("the plugin ended before registering: {logs:?}");
+}
+
+#[test]
+fn nvidias_resource_name_is_taken_with_a_warning() {
+    let logs = plugin_logs_until_registering(|cmd| {
+        cmd.args(["--resource-name", "nvidia.com/gpu"]);
+    });
+    let warning = logs
+        .iter()
+        .find(|l| {
+            l["level"] == "WARN"
+                && l["fields"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("nvidia.com/gpu"))
+        })
+        .unwrap_or_else(|| panic!("no warning: {logs:?}"));
+    let message = warning["fields"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("NVIDIA's device plugin") && message.contains("--resource-name"),
+        "{message}"
+    );
+    // The default name: no such warning.
+    let logs = plugin_logs_until_registering(|_| {});
+    assert!(
+        !logs.iter().any(|l| l["level"] == "WARN"
+            && l["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("NVIDIA"))),
+        "{logs:?}"
+    );
+}

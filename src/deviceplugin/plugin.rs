@@ -21,7 +21,7 @@ use crate::deviceplugin::service::{plugin_options, Counters, DevicePluginService
 use crate::isolation::inject::{DeviceListStrategy, Isolation};
 use crate::node::inventory::Inventory;
 use crate::node::placement::Policy;
-use crate::node::resource::ResourceName;
+use crate::node::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
 
 /// Our socket's file name in the kubelet directory.
 pub const SOCKET_NAME: &str = "gpumem.sock";
@@ -147,6 +147,16 @@ impl Plugin {
         inventory: watch::Receiver<Arc<Inventory>>,
         shutdown: CancellationToken,
     ) -> Result<(), PluginError> {
+        if self.config.resource_name.is_nvidias() {
+            warn!(
+                "--resource-name {} is the name NVIDIA's device plugin registers: kubelet keeps \
+                 one plugin per name, so on a node running both, each registration replaces the \
+                 other and pods asking for whole GPUs get gpumem's memory units; give gpumem \
+                 its own name (the default is {DEFAULT_RESOURCE_NAME}) unless NVIDIA's plugin \
+                 never runs on this node",
+                self.config.resource_name,
+            );
+        }
         let dir = &self.config.kubelet_dir;
         std::fs::read_dir(dir).map_err(|source| PluginError::KubeletDir {
             path: dir.clone(),

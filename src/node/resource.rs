@@ -17,9 +17,20 @@ pub struct InvalidResourceName {
     pub reason: &'static str,
 }
 
+/// What NVIDIA's device plugin registers: whole GPUs.
+pub const NVIDIA_RESOURCE_NAME: &str = "nvidia.com/gpu";
+
 impl ResourceName {
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// Whether this is NVIDIA's device plugin's name. kubelet keeps one
+    /// plugin per name, so the two would replace each other at every
+    /// registration, and pods asking for a GPU would get memory units. A
+    /// node without NVIDIA's plugin may still want it, so it is allowed.
+    pub fn is_nvidias(&self) -> bool {
+        self.0 == NVIDIA_RESOURCE_NAME
     }
 }
 
@@ -107,6 +118,19 @@ mod tests {
         ] {
             assert!(ok.parse::<ResourceName>().is_ok(), "{ok}");
         }
+    }
+
+    #[test]
+    fn knows_nvidias_name() {
+        assert!(NVIDIA_RESOURCE_NAME
+            .parse::<ResourceName>()
+            .unwrap()
+            .is_nvidias());
+        assert!(!ResourceName::default().is_nvidias());
+        assert!(!"nvidia.com/gpu-mem"
+            .parse::<ResourceName>()
+            .unwrap()
+            .is_nvidias());
     }
 
     #[test]
