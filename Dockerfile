@@ -1,6 +1,7 @@
 # gpumem image: the plugin binary and the shim, built for old glibc.
 #
-#   docker build -t ghcr.io/gpumem/gpumem:0.1.0 .
+#   docker build --build-arg GPUMEM_COMMIT=$(git rev-parse --short=12 HEAD) \
+#     -t ghcr.io/gpumem/gpumem:0.1.0 .
 #
 # The shim is loaded into every process of capped containers, whose images
 # go back to glibc 2.17 (CentOS 7): it is linked against glibc 2.17 with
@@ -19,6 +20,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3-venv bi
     && cargo install --locked cargo-zigbuild@0.24.1
 WORKDIR /src
 COPY . .
+# The commit `gpumem --version`, /status and gpumem_build_info name:
+# .dockerignore leaves .git out, so build.rs reads it from here.
+ARG GPUMEM_COMMIT=unknown
 RUN cargo build --locked --release -p gpumem --no-default-features \
     && cargo zigbuild --locked --release -p gpumem-shim --target x86_64-unknown-linux-gnu.2.17 \
     && shim/check-abi target/x86_64-unknown-linux-gnu/release/libgpumem_shim.so \

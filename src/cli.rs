@@ -26,7 +26,7 @@ use gpumem::ops::daemon;
 /// something else elsewhere (exec's --state-dir is GPUMEM_EXEC_STATE_DIR:
 /// the shim reads GPUMEM_STATE_DIR).
 #[derive(Parser)]
-#[command(name = "gpumem", version, propagate_version = true)]
+#[command(name = "gpumem", version = gpumem::version::LONG, propagate_version = true)]
 pub struct Cli {
     /// Log format: text for people (coloured only on a terminal, and not
     /// with NO_COLOR set), json for log pipelines.

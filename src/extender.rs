@@ -54,6 +54,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), ExtenderError> {
+    crate::version::log_start();
     let addr = listener
         .local_addr()
         .map_or_else(|_| "?".to_owned(), |a: SocketAddr| a.to_string());

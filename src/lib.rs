@@ -12,7 +12,8 @@
 // the device plugin's wire format still reaches down: the inventory builds
 // ListAndWatch's device list (and checks kubelet's message limit at start)
 // and inject builds the Allocate response. Clean-up learns who holds what
-// through a seam (`cleanup::Holders`) each front end fills.
+// through a seam (`cleanup::Holders`) each front end fills. `atomic_file`
+// and `version` (what build this is) are below them all.
 pub mod atomic_file;
 pub mod cluster;
 pub mod deviceplugin;
@@ -21,3 +22,4 @@ pub mod extender;
 pub mod isolation;
 pub mod node;
 pub mod ops;
+pub mod version;

@@ -1090,3 +1090,83 @@ fn nvidias_resource_name_is_taken_with_a_warning() {
         "{logs:?}"
     );
 }
+
+/// `0.1.0 (commit 1a2b3c4d5e6f)`: the tests run from the git checkout.
+fn assert_version(text: &str) {
+    let commit = text
+        .strip_prefix(concat!(env!("CARGO_PKG_VERSION"), " (commit "))
+        .and_then(|rest| rest.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("{text:?}"));
+    let hash = commit.strip_suffix("-dirty").unwrap_or(commit);
+    assert!(
+        hash.len() == 12 && hash.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{text:?}"
+    );
+}
+
+#[test]
+fn the_version_names_the_commit_everywhere() {
+    let (out, text) = run(gpumem().arg("--version"));
+    assert!(out.status.success(), "{text}");
+    let line = text.trim_end().strip_prefix("gpumem ").unwrap_or(&text);
+    assert_version(line);
+    let version = line.to_owned();
+
+    // In the log when the plugin starts.
+    let logs = plugin_logs_until_registering(|_| {});
+    let build = logs
+        .iter()
+        .find(|l| l["fields"]["version"].is_string())
+        .unwrap_or_else(|| panic!("no version logged: {logs:?}"));
+    assert_eq!(build["fields"]["version"], env!("CARGO_PKG_VERSION"));
+    assert!(version.contains(build["fields"]["commit"].as_str().unwrap()));
+
+    // In /status and /metrics.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dir = tempfile::tempdir().unwrap();
+    let _plugin = common::Killed(
+        gpumem()
+            .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--fake-gpus")
+            .arg(fixture("t4"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let get = |path: &str| {
+        use std::io::{Read, Write};
+        let deadline = std::time::Instant::now() + WAIT;
+        let mut stream = loop {
+            match std::net::TcpStream::connect(&addr) {
+                Ok(stream) => break stream,
+                Err(err) if std::time::Instant::now() > deadline => panic!("{addr}: {err}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .unwrap_or(answer)
+    };
+    let status: serde_json::Value = serde_json::from_str(&get("/status")).unwrap();
+    assert_eq!(status["version"], env!("CARGO_PKG_VERSION"), "{status}");
+    let commit = status["commit"].as_str().unwrap_or_default();
+    assert!(!commit.is_empty() && version.contains(commit), "{status}");
+    let metrics = get("/metrics");
+    let info = format!(
+        "gpumem_build_info{{version=\"{}\",commit=\"{commit}\"}} 1",
+        env!("CARGO_PKG_VERSION")
+    );
+    assert!(metrics.contains(&info), "{info}: {metrics}");
+}

@@ -216,6 +216,7 @@ pub async fn run(
     mut health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    crate::version::log_start();
     // With the shim, the state dir is ours: no other front end may hand out
     // these GPUs. Without it nothing of ours stays on the node.
     let _lock = match &config.plugin.isolation {
@@ -596,6 +597,7 @@ pub async fn run_dra(
     mut health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
 ) -> Result<(), DaemonError> {
+    crate::version::log_start();
     let mut common = config.common;
     let _lock = lock_front_end(&common.state_dir)?;
     let isolation = Arc::new(config.driver.isolation.clone());

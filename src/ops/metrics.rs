@@ -16,6 +16,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::metrics::TypedMetric;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
@@ -320,6 +321,15 @@ impl Metrics {
             "allocate_errors",
             "Allocate calls refused",
             counters.allocation_errors.clone(),
+        );
+        // gpumem_build_info{version, commit} 1: joins any series to its build.
+        registry.register(
+            "build",
+            "The gpumem build: its version and the commit it was built from",
+            Info::new(vec![
+                ("version", crate::version::VERSION.to_owned()),
+                ("commit", crate::version::COMMIT.to_owned()),
+            ]),
         );
         let node = Arc::new(NodeCollector::default());
         registry.register_collector(Box::new(node.clone()));
@@ -642,6 +652,8 @@ mod tests {
     fn reading(containers: Vec<ContainerStatus>) -> Reading {
         Reading {
             status: NodeStatus {
+                version: "0.1.0".into(),
+                commit: "1a2b3c4d5e6f".into(),
                 resource: "aliyun.com/gpu-mem".into(),
                 unit: "GiB".into(),
                 registered: true,
@@ -679,6 +691,12 @@ mod tests {
             "gpumem_allocate_calls_total 1",
             "gpumem_registrations_total 2",
             "gpumem_registered 1",
+            "# TYPE gpumem_build info",
+            &format!(
+                "gpumem_build_info{{version=\"{}\",commit=\"{}\"}} 1",
+                crate::version::VERSION,
+                crate::version::COMMIT
+            ),
         ] {
             assert!(first.contains(expected), "missing {expected}:\n{first}");
         }

@@ -17,6 +17,12 @@ const MIB: u64 = 1 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeStatus {
+    /// The gpumem that read the node: its version and commit (empty from
+    /// a plugin older than these fields).
+    #[serde(default)]
+    pub version: String,
+    #[serde(default)]
+    pub commit: String,
     pub resource: String,
     pub unit: String,
     /// Registered with the running kubelet (false when read without a plugin).
@@ -185,6 +191,8 @@ impl NodeStatus {
             ))
         });
         NodeStatus {
+            version: crate::version::VERSION.to_owned(),
+            commit: crate::version::COMMIT.to_owned(),
             resource: resource.to_owned(),
             unit: inv.unit().to_string(),
             registered,
@@ -463,6 +471,8 @@ mod tests {
     #[test]
     fn the_detail_table_lines_up_usage_under_its_headings() {
         let status = NodeStatus {
+            version: "0.1.0".into(),
+            commit: "1a2b3c4d5e6f".into(),
             resource: "aliyun.com/gpu-mem".into(),
             unit: "GiB".into(),
             registered: true,
