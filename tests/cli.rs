@@ -1170,3 +1170,45 @@ fn the_version_names_the_commit_everywhere() {
     );
     assert!(metrics.contains(&info), "{info}: {metrics}");
 }
+
+#[test]
+fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    // No NVML either (an empty library path keeps a host's out of reach).
+    let (out, text) = run(gpumem()
+        .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--state-dir"])
+        .arg(dir.path())
+        .env("LD_LIBRARY_PATH", dir.path()));
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("no gpumem plugin answers at 127.0.0.1:1") && text.contains("--fake-gpus"),
+        "{text}"
+    );
+
+    // Read directly, a state directory that is not there is named.
+    let nope = dir.path().join("nope");
+    let (out, text) = run(gpumem()
+        .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--fake-gpus"])
+        .arg(fixture("t4"))
+        .arg("--state-dir")
+        .arg(&nope));
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("--state-dir {}", nope.display()))
+            && text.contains("no gpumem plugin answers at 127.0.0.1:1"),
+        "{text}"
+    );
+
+    // Read directly: a warning says that no plugin answered.
+    let (out, text) = run(gpumem()
+        .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--fake-gpus"])
+        .arg(fixture("t4"))
+        .arg("--state-dir")
+        .arg(dir.path()));
+    assert!(out.status.success(), "{text}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no gpumem plugin answers at 127.0.0.1:1") && text.contains("Tesla T4"),
+        "{text}"
+    );
+}

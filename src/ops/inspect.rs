@@ -2,13 +2,16 @@
 //! running plugin's status endpoint, or straight from kubelet's
 //! pod-resources API when no plugin answers.
 
+use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::Request;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tracing::warn;
 
 use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::inject::Isolation;
@@ -23,21 +26,77 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
-    #[error("no gpumem plugin answers at {addr}: {message}")]
+    #[error("no gpumem plugin answers at {addr} (--metrics-addr): {message}")]
     Unreachable { addr: SocketAddr, message: String },
     #[error("the plugin at {addr} answered {status}")]
     Status { addr: SocketAddr, status: u16 },
     #[error("the plugin at {addr} sent a status this gpumem cannot read: {message}")]
     Decode { addr: SocketAddr, message: String },
+    #[error(
+        "{direct}: --state-dir {} does not exist (the plugin's --state-dir, where each \
+         container's accounting is; or --isolation none)",
+        path.display()
+    )]
+    NoStateDir { direct: Direct, path: PathBuf },
 }
 
-/// What keeps `inspect` from reading the node directly.
+/// Reading the node itself, and why: no plugin answered where `inspect`
+/// asked (`None`: it was told not to ask). Says so in front of whatever
+/// then fails, as that error would otherwise point elsewhere.
+#[derive(Debug)]
+pub struct Direct {
+    unanswered: Option<Box<InspectError>>,
+}
+
+impl Direct {
+    pub fn after(unanswered: Option<InspectError>) -> Direct {
+        Direct {
+            unanswered: unanswered.map(Box::new),
+        }
+    }
+
+    /// Once the GPUs are read: checks what reading the containers needs of
+    /// `isolation`, and warns that no plugin answered.
+    pub fn check(self, isolation: &Isolation) -> Result<(), InspectError> {
+        if let Isolation::Shim(shim) = isolation {
+            // Missing, every container would look gone, with no word why.
+            if !shim.state_dir.is_dir() {
+                return Err(InspectError::NoStateDir {
+                    path: shim.state_dir.clone(),
+                    direct: self,
+                });
+            }
+        }
+        if self.unanswered.is_some() {
+            warn!("{self}");
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Direct {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.unanswered {
+            Some(err) => write!(f, "{err}; reading the node directly"),
+            None => f.write_str("reading the node directly"),
+        }
+    }
+}
+
+/// What keeps `inspect` from reading the node directly, after why it read
+/// the node at all.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeReadError {
-    #[error(transparent)]
-    Gpu(#[from] GpuError),
+    #[error("{direct}")]
+    Gpu {
+        direct: Direct,
+        #[source]
+        source: GpuError,
+    },
     #[error(transparent)]
     Inventory(#[from] InventoryError),
+    #[error(transparent)]
+    Check(#[from] InspectError),
 }
 
 /// What the node looks like, read directly where it is not asked of the
@@ -64,10 +123,13 @@ pub async fn status(
     match from_plugin {
         Some(Ok(status)) => Ok(status),
         fallback => {
-            if let Some(Err(err)) = fallback {
-                tracing::info!(%err, "reading the node directly");
-            }
-            let inventory = Inventory::new(node.hardware.discover()?, node.unit)?;
+            let direct = Direct::after(fallback.and_then(Result::err));
+            let gpus = match node.hardware.discover() {
+                Ok(gpus) => gpus,
+                Err(source) => return Err(NodeReadError::Gpu { direct, source }),
+            };
+            let inventory = Inventory::new(gpus, node.unit)?;
+            direct.check(node.isolation)?;
             let resource = node.resource_name.to_string();
             let holdings = PodResources::new(node.pod_resources_socket, &resource)
                 .holdings()
