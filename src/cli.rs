@@ -503,8 +503,9 @@ impl DemoArgs {
     "Describe GPUs in a TOML file instead of asking NVML"
 )))]
 pub struct ExecArgs {
-    /// Memory cap per GPU, greater than 0: 4308MiB, 4GiB, or a number of
-    /// MiB. A GPU with less memory than this is not limited by it (gpumem
+    /// Memory cap per GPU, at least 1 MiB: 4308MiB, 4GiB, a number of MiB,
+    /// or a Kubernetes quantity (4Gi, 4096Mi, 4G; rounded down to whole
+    /// MiB). A GPU with less memory than this is not limited by it (gpumem
     /// warns).
     #[arg(long, env = "GPUMEM_MEM", value_name = "SIZE")]
     pub mem: MemorySize,
