@@ -171,6 +171,11 @@ async fn the_container_goes_to_the_gpu_the_gpushare_extender_chose() {
     let annotations = c.annotations("second-gpu");
     assert_eq!(annotations[annotation::ASSIGNED], "true", "{annotations}");
     assert_eq!(annotations[annotation::IDX], "1");
+    assert_eq!(
+        annotations[annotation::ALLOCATION],
+        r#"{"0":{"1":4}}"#,
+        "gpushare's extender writes no per-container allocation; the plugin does"
+    );
     assert_ne!(
         annotations[annotation::ASSUME_TIME],
         "200",
@@ -364,6 +369,73 @@ async fn without_the_extender_placed_pods_get_gpushares_annotations() {
         "two conflicts, then one write: {:?}",
         c.api.requests()
     );
+}
+
+/// gpushare's per-container annotation, parsed: container index (in
+/// `spec.containers`) → GPU index → units, as `kubectl inspect gpushare`
+/// reads it before `…_IDX`.
+fn allocation_of(annotations: &Value) -> Option<Value> {
+    serde_json::from_str(annotations[annotation::ALLOCATION].as_str()?).ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_split_over_two_gpus_is_annotated_per_container() {
+    let c = Cluster::start(&[]).await;
+    c.pod("filler", 10, json!({}));
+    let limits = |units: u32| json!({"limits": {RESOURCE: units.to_string()}, "requests": {RESOURCE: units.to_string()}});
+    c.api.put(json!({
+        "kind": "Pod",
+        "metadata": {"name": "split", "namespace": "default"},
+        "spec": {
+            "nodeName": NODE,
+            "containers": [
+                {"name": "small", "image": "cuda", "resources": limits(1)},
+                {"name": "sidecar", "image": "busybox"},
+                {"name": "big", "image": "cuda", "resources": limits(6)},
+            ],
+        },
+        "status": {"phase": "Pending"},
+    }));
+    // Binpack: 10 units fill one GPU to 5 free, the small container joins
+    // them, and the big one no longer fits there.
+    let filler = c
+        .kubelet
+        .admit("filler", "main", RESOURCE, 10)
+        .await
+        .unwrap();
+    let small = c
+        .kubelet
+        .admit("split", "small", RESOURCE, 1)
+        .await
+        .unwrap();
+    let big = c.kubelet.admit("split", "big", RESOURCE, 6).await.unwrap();
+    let (small, big) = (gpu_of(&small).to_owned(), gpu_of(&big).to_owned());
+    assert_eq!(small, gpu_of(&filler));
+    assert_ne!(small, big, "the pod is split over both GPUs");
+
+    let annotations = c
+        .wait_for("the split pod's per-container allocation", || {
+            let a = c.annotations("split");
+            allocation_of(&a).map(|_| a)
+        })
+        .await;
+    assert_eq!(
+        allocation_of(&annotations),
+        Some(json!({"0": {small.as_str(): 1}, "2": {big.as_str(): 6}})),
+        "{annotations}"
+    );
+    assert_eq!(
+        annotations[annotation::IDX],
+        big.as_str(),
+        "most of its units"
+    );
+    assert_eq!(annotations[annotation::POD], "7");
+    let filler = c
+        .wait_for("the filler's allocation", || {
+            allocation_of(&c.annotations("filler"))
+        })
+        .await;
+    assert_eq!(filler, json!({"0": {small.as_str(): 10}}));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

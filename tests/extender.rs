@@ -399,6 +399,11 @@ async fn bind_writes_gpushare_annotations_and_the_binding() {
     assert_eq!(annotations[annotation::POD], "4");
     assert_eq!(annotations[annotation::DEV], "15");
     assert_eq!(annotations[annotation::ASSIGNED], "false");
+    assert_eq!(
+        annotations[annotation::ALLOCATION],
+        r#"{"0":{"0":4}}"#,
+        "per container, for kubectl inspect gpushare"
+    );
     let assumed: u128 = annotations[annotation::ASSUME_TIME]
         .as_str()
         .unwrap()

@@ -33,6 +33,12 @@ pub mod annotation {
     pub const ASSIGNED: &str = "ALIYUN_COM_GPU_MEM_ASSIGNED";
     /// When the pod was assumed (or assigned), Unix nanoseconds.
     pub const ASSUME_TIME: &str = "ALIYUN_COM_GPU_MEM_ASSUME_TIME";
+    /// Per container, the units on each GPU: JSON `{"<container>":
+    /// {"<gpu>": units}}`, the container by its index in `spec.containers`
+    /// (init containers have none), the GPU by NVML index. `kubectl inspect
+    /// gpushare` reads it before `…_IDX`, so a pod split over GPUs counts
+    /// right.
+    pub const ALLOCATION: &str = "scheduler.framework.gpushare.allocation";
 }
 
 /// Node capacity gpushare's tools read for the GPU count.
@@ -48,6 +54,8 @@ pub struct Awaiting {
     /// Units the pod asks for, over all its containers.
     pub units: u64,
     pub assume_time: u128,
+    /// Where the pod's one asking container is in `spec.containers`.
+    pub container: Option<usize>,
 }
 
 impl std::fmt::Display for Awaiting {
@@ -111,16 +119,22 @@ fn awaiting_list(awaiting: &[Awaiting]) -> String {
 /// containers' too: kubelet calls Allocate for each of them as well.
 pub fn requested_units(pod: &Pod, resource: &str) -> u64 {
     containers(pod)
-        .filter_map(|c| {
-            let resources = c.resources.as_ref()?;
-            let quantity = resources
-                .limits
-                .as_ref()
-                .and_then(|l| l.get(resource))
-                .or_else(|| resources.requests.as_ref()?.get(resource))?;
-            quantity.0.parse::<u64>().ok()
-        })
+        .map(|c| requested_units_of(c, resource))
         .sum()
+}
+
+/// Units of `resource` one container asks for.
+fn requested_units_of(container: &Container, resource: &str) -> u64 {
+    let Some(resources) = container.resources.as_ref() else {
+        return 0;
+    };
+    resources
+        .limits
+        .as_ref()
+        .and_then(|l| l.get(resource))
+        .or_else(|| resources.requests.as_ref()?.get(resource))
+        .and_then(|quantity| quantity.0.parse::<u64>().ok())
+        .unwrap_or(0)
 }
 
 /// The pod's init containers, then its containers.
@@ -155,6 +169,7 @@ pub fn awaiting(pod: &Pod, resource: &str) -> Option<Awaiting> {
             .trim()
             .parse()
             .ok()?,
+        container: sole_container(pod, resource),
     })
 }
 
@@ -176,6 +191,65 @@ pub fn next_for<'a>(
         Some(at) => Ok(awaiting.swap_remove(at)),
         None => Err(awaiting),
     }
+}
+
+/// gpushare's per-container allocation: container index in
+/// `spec.containers` → GPU index → units. Serialised, the integer keys
+/// become the strings gpushare's tools parse.
+pub type Allocation = BTreeMap<usize, BTreeMap<u32, u64>>;
+
+/// The per-container allocation the pod carries, if it is readable.
+pub fn allocation(pod: &Pod) -> Option<Allocation> {
+    let text = pod
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(annotation::ALLOCATION)?;
+    serde_json::from_str(text).ok()
+}
+
+/// The index in `spec.containers` of the container named `name` (`None`
+/// for an init container: gpushare's tools count app containers only).
+pub fn container_index(pod: &Pod, name: &str) -> Option<usize> {
+    pod.spec
+        .as_ref()?
+        .containers
+        .iter()
+        .position(|c| c.name == name)
+}
+
+/// The index in `spec.containers` of the pod's one container asking for
+/// `resource`, where exactly one (init containers included) does.
+pub fn sole_container(pod: &Pod, resource: &str) -> Option<usize> {
+    let asks = |c: &Container| requested_units_of(c, resource) > 0;
+    let mut asking = containers(pod).filter(|c| asks(c));
+    let only = asking.next()?;
+    if asking.next().is_some() {
+        return None;
+    }
+    container_index(pod, &only.name)
+}
+
+/// What the pod's allocation becomes once each of `placed` (container
+/// name, GPU index, units) replaces its container's entry; entries of
+/// containers not placed here are kept. `None` when it names no container.
+pub fn merged_allocation<'a>(
+    pod: &Pod,
+    placed: impl IntoIterator<Item = (&'a str, u32, u64)>,
+) -> Option<Allocation> {
+    let mut merged = allocation(pod).unwrap_or_default();
+    for (name, gpu, units) in placed {
+        if let Some(index) = container_index(pod, name) {
+            merged.insert(index, BTreeMap::from([(gpu, units)]));
+        }
+    }
+    (!merged.is_empty()).then_some(merged)
+}
+
+/// The annotation's value for `allocation`, e.g. `{"0":{"1":6}}`.
+pub fn allocation_value(allocation: &Allocation) -> Value {
+    // Maps with integer keys always serialise.
+    Value::String(serde_json::to_string(allocation).unwrap_or_default())
 }
 
 pub fn unix_nanos(at: SystemTime) -> u128 {
@@ -296,7 +370,14 @@ impl Extender {
         let assume_time = pod.assume_time;
         let still =
             move |p: &Pod| awaiting(p, &resource).is_some_and(|a| a.assume_time == assume_time);
-        let annotations = placed(pod.gpu_index, pod.units, gpu.units, SystemTime::now());
+        let mut annotations = placed(pod.gpu_index, pod.units, gpu.units, SystemTime::now());
+        if let Some(container) = pod.container {
+            let allocation = BTreeMap::from([(
+                container,
+                BTreeMap::from([(pod.gpu_index, u64::from(assignment.units))]),
+            )]);
+            annotations.insert(annotation::ALLOCATION.into(), allocation_value(&allocation));
+        }
         match self
             .pods
             .annotate_if(&pod.namespace, &pod.name, &annotations, still, self.bound)
@@ -310,18 +391,26 @@ impl Extender {
     }
 }
 
-/// One pod's containers as kubelet's pod-resources lists them: the GPU
-/// each is on (by NVML index) and its units.
+/// One pod's containers as kubelet's pod-resources lists them.
 #[derive(Debug, Default)]
 pub struct PlacedPod {
-    pub gpus: Vec<(u32, u32)>,
+    pub containers: Vec<PlacedContainer>,
+}
+
+/// One container: its name, the GPU it is on (by NVML index) and its units.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacedContainer {
+    pub name: String,
+    pub gpu: u32,
+    pub units: u32,
 }
 
 /// Writes gpushare's annotations on every pod placed here whose
 /// annotations do not say so yet, so `kubectl inspect gpushare` and `arena
-/// top node` show per-GPU use without gpushare's extender. A pod whose
-/// containers sit on several GPUs is annotated with the GPU holding most
-/// of its units (gpushare's annotations name one GPU per pod).
+/// top node` show per-GPU use without gpushare's extender: per container
+/// (`scheduler.framework.gpushare.allocation`, merged as containers are
+/// placed), and per pod for tools that read only `…_IDX`, there the GPU
+/// holding most of its units.
 pub async fn annotate_placed(
     pods: &NodePods,
     inv: &Inventory,
@@ -329,22 +418,36 @@ pub async fn annotate_placed(
     bound: Duration,
 ) {
     for ((namespace, name), placed_pod) in placed_pods {
-        let Some(&(index, _)) = placed_pod.gpus.iter().max_by_key(|(_, units)| *units) else {
+        let Some(most) = placed_pod.containers.iter().max_by_key(|c| c.units) else {
             continue;
         };
-        let units: u64 = placed_pod.gpus.iter().map(|&(_, u)| u64::from(u)).sum();
+        let index = most.gpu;
+        let units: u64 = placed_pod
+            .containers
+            .iter()
+            .map(|c| u64::from(c.units))
+            .sum();
+        let merged = |pod: &Pod| {
+            merged_allocation(
+                pod,
+                placed_pod
+                    .containers
+                    .iter()
+                    .map(|c| (c.name.as_str(), c.gpu, u64::from(c.units))),
+            )
+        };
         let done = |pod: &Pod| {
             pod.metadata.annotations.as_ref().is_some_and(|a| {
                 a.get(annotation::IDX).map(String::as_str) == Some(&index.to_string())
                     && a.get(annotation::ASSIGNED).map(String::as_str) == Some("true")
-            })
+            }) && allocation(pod) == merged(pod)
         };
-        match pods.by_name(namespace, name) {
+        let pod = match pods.by_name(namespace, name) {
             // Not seen yet, or already annotated.
             None => continue,
             Some(pod) if done(&pod) => continue,
-            Some(_) => {}
-        }
+            Some(pod) => pod,
+        };
         let Some(dev_units) = inv
             .gpus()
             .iter()
@@ -353,7 +456,10 @@ pub async fn annotate_placed(
         else {
             continue;
         };
-        let annotations = placed(index, units, dev_units, SystemTime::now());
+        let mut annotations = placed(index, units, dev_units, SystemTime::now());
+        if let Some(allocation) = merged(&pod) {
+            annotations.insert(annotation::ALLOCATION.into(), allocation_value(&allocation));
+        }
         match pods
             .annotate_if(namespace, name, &annotations, |pod| !done(pod), bound)
             .await
@@ -455,6 +561,55 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(requested_units(&p, R), 9);
+    }
+
+    #[test]
+    fn the_allocation_is_keyed_by_app_container_index_and_merged_per_container() {
+        let mut p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "split", "annotations": {
+                annotation::ALLOCATION: r#"{"0":{"0":1},"2":{"0":3}}"#,
+            }},
+            "spec": {
+                "initContainers": [{"name": "setup", "resources": {"limits": {R: "2"}}}],
+                "containers": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+            },
+        }))
+        .unwrap();
+        let merged = merged_allocation(&p, [("b", 1, 6), ("c", 1, 3), ("setup", 0, 2)]).unwrap();
+        assert_eq!(
+            allocation_value(&merged),
+            r#"{"0":{"0":1},"1":{"1":6},"2":{"1":3}}"#,
+            "a kept, b added, c moved; the init container has no index"
+        );
+        p.metadata.annotations = None;
+        assert_eq!(merged_allocation(&p, [("setup", 0, 2)]), None);
+        let text = allocation_value(&merged);
+        p.metadata.annotations =
+            Some([(annotation::ALLOCATION.into(), text.as_str().unwrap().into())].into());
+        assert_eq!(allocation(&p), Some(merged));
+    }
+
+    #[test]
+    fn only_a_pod_with_one_asking_app_container_has_a_sole_container() {
+        let with = |init: Value, containers: Value| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": "p"},
+                "spec": {"initContainers": init, "containers": containers},
+            }))
+            .unwrap()
+        };
+        let asks = |name: &str| json!({"name": name, "resources": {"limits": {R: "4"}}});
+        let plain = |name: &str| json!({"name": name});
+        let one = with(json!([plain("i")]), json!([plain("a"), asks("b")]));
+        assert_eq!(sole_container(&one, R), Some(1));
+        let two = with(json!([]), json!([asks("a"), asks("b")]));
+        assert_eq!(sole_container(&two, R), None);
+        let init = with(json!([asks("i")]), json!([plain("a")]));
+        assert_eq!(
+            sole_container(&init, R),
+            None,
+            "init containers have no index"
+        );
     }
 
     #[test]

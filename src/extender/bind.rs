@@ -17,7 +17,7 @@ use kube::{Api, Client};
 use serde_json::Value;
 use tracing::{info, warn};
 
-use crate::cluster::gpushare::{annotation, placed};
+use crate::cluster::gpushare::{allocation_value, annotation, placed, sole_container};
 use crate::extender::api::ExtenderBindingArgs;
 use crate::extender::cache::{Assume, Assumption};
 use crate::extender::fit::{self, GpuFit};
@@ -101,6 +101,8 @@ pub struct Binder {
 struct Target {
     uid: String,
     units: u64,
+    /// Its one container asking for units, by index in `spec.containers`.
+    container: Option<usize>,
 }
 
 impl Binder {
@@ -167,6 +169,13 @@ impl Binder {
             }
         }
         annotations.insert(annotation::ASSIGNED.to_owned(), "false".to_owned());
+        if let Some(container) = target.container {
+            let allocation =
+                BTreeMap::from([(container, BTreeMap::from([(gpu.index, target.units)]))]);
+            if let Value::String(value) = allocation_value(&allocation) {
+                annotations.insert(annotation::ALLOCATION.to_owned(), value);
+            }
+        }
         match self
             .create_binding(args, &target.uid, annotations, deadline)
             .await
@@ -225,6 +234,7 @@ impl Binder {
                     return Ok(Target {
                         uid: args.pod_uid.clone(),
                         units: record.units,
+                        container: record.container,
                     });
                 }
             }
@@ -266,7 +276,12 @@ impl Binder {
             units: 0,
             reason,
         })?;
-        Ok(Target { uid, units })
+        let container = sole_container(&found, &resource);
+        Ok(Target {
+            uid,
+            units,
+            container,
+        })
     }
 
     /// `POST pods/{name}/binding`, naming the pod's UID so a pod deleted

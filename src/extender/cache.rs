@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use crate::cluster::gpushare::{annotation, requested_units};
+use crate::cluster::gpushare::{annotation, requested_units, sole_container};
 use crate::cluster::node::{PublishedGpu, GPUS_ANNOTATION};
 
 /// Why a node's GPUs are not known.
@@ -85,6 +85,8 @@ pub struct PodRecord {
     pub gpu: Option<u32>,
     /// Succeeded or Failed: it holds nothing.
     pub finished: bool,
+    /// Where its one container asking for units is in `spec.containers`.
+    pub container: Option<usize>,
 }
 
 impl PodRecord {
@@ -111,6 +113,7 @@ impl PodRecord {
                 .and_then(|a| a.get(annotation::IDX))
                 .and_then(|idx| idx.trim().parse().ok()),
             finished: matches!(phase, Some("Succeeded" | "Failed")),
+            container: sole_container(pod, resource),
         })
     }
 

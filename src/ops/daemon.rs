@@ -14,7 +14,7 @@ use tracing::{error, warn};
 
 use crate::cluster::client::ADMISSION_CALL_BOUND;
 use crate::cluster::events::{self, PodEvents};
-use crate::cluster::gpushare::{self, Extender, PlacedPod};
+use crate::cluster::gpushare::{self, Extender, PlacedContainer, PlacedPod};
 use crate::cluster::pods::NodePods;
 use crate::deviceplugin::holders::KubeletHolders;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
@@ -567,8 +567,12 @@ fn placed_pods(
         };
         pods.entry((holding.namespace.clone(), holding.pod.clone()))
             .or_default()
-            .gpus
-            .push((inv.gpus()[assignment.gpu].gpu.index, assignment.units));
+            .containers
+            .push(PlacedContainer {
+                name: holding.container.clone(),
+                gpu: inv.gpus()[assignment.gpu].gpu.index,
+                units: assignment.units,
+            });
     }
     pods
 }
