@@ -14,7 +14,10 @@ use serde_json::{json, Value};
 use common::fixture;
 use gpumem::cluster::gpushare::annotation;
 use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
-use gpumem::deviceplugin::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
+use gpumem::deviceplugin::api::deviceplugin::{
+    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
+    PreferredAllocationRequest,
+};
 use gpumem::deviceplugin::kubelet;
 use gpumem::isolation::inject::env;
 use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
@@ -238,6 +241,83 @@ async fn allocate_refuses_devices_on_another_gpu_than_the_extenders() {
         err.message()
     );
     assert_eq!(c.annotations("on-one")[annotation::ASSIGNED], "false");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preferred_allocation_and_allocate_agree_while_the_watch_lags_a_bind() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    // The plugin's watch has shown pod B, assumed second...
+    c.assumed_by_extender("b-second", 4, 1, 200);
+    let version: u64 = c.api.get(Kind::Pod, "default", "b-second").unwrap()["metadata"]
+        ["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    c.wait_for("the watch to show pod B", || {
+        (c.api.watch_delivered(Kind::Pod) >= version).then_some(())
+    })
+    .await;
+    // ...but not A, assumed first: its bind lags in the watch.
+    c.api.hold_watch_events(Kind::Pod, true);
+    c.assumed_by_extender("a-first", 4, 0, 100);
+
+    // kubelet admits A's container: GetPreferredAllocation, then the watch
+    // catches up, then Allocate with the IDs kubelet took from the answer.
+    let available: Vec<String> = c
+        .kubelet
+        .devices(RESOURCE)
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    let mut client = DevicePluginClient::new(kubelet::connect(&c.socket()).await.unwrap());
+    let preferred = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available,
+                must_include_device_i_ds: Vec::new(),
+                allocation_size: 4,
+            }],
+        })
+        .await
+        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()))
+        .into_inner()
+        .container_responses
+        .remove(0)
+        .device_i_ds;
+    c.api.hold_watch_events(Kind::Pod, false);
+    let a_version: u64 = c.api.get(Kind::Pod, "default", "a-first").unwrap()["metadata"]
+        ["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    c.wait_for("the watch to show pod A", || {
+        (c.api.watch_delivered(Kind::Pod) >= a_version).then_some(())
+    })
+    .await;
+    let allocated = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: preferred,
+            }],
+        })
+        .await
+        .unwrap_or_else(|err| {
+            panic!(
+                "Allocate refused the preferred IDs: {err}; log:\n{}",
+                c.log()
+            )
+        })
+        .into_inner();
+    assert_eq!(
+        allocated.container_responses[0].envs[env::ALIYUN_IDX],
+        "0",
+        "the oldest assumed pod's GPU"
+    );
+    assert_eq!(c.annotations("a-first")[annotation::ASSIGNED], "true");
+    assert_eq!(c.annotations("b-second")[annotation::ASSIGNED], "false");
 }
 
 /// PATCHes of pod `name` the fake API server has seen.

@@ -8,7 +8,8 @@
 //! whose units equal the request, puts the container on that GPU and sets
 //! `…_ASSIGNED=true`. gpumem does the matching in GetPreferredAllocation,
 //! so kubelet picks device IDs on the chosen GPU and the IDs keep meaning
-//! what they say; Allocate checks them and marks the pod assigned.
+//! what they say; Allocate checks them and marks the pod assigned. Both
+//! calls match against the node's pods listed afresh, so they agree.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -296,13 +297,12 @@ impl Extender {
         }
     }
 
-    /// The pod a request for `units` is for: from the watch, or, where the
-    /// watch has not yet seen the extender's bind, from a fresh list.
+    /// The pod a request for `units` is for, from a list made now, as
+    /// gpushare's plugin does on every call. Not from the watch: it may
+    /// lag one bind and not another, and then GetPreferredAllocation and
+    /// Allocate, asking at different moments, would pick different pods
+    /// (and the older pod's container would land on the newer one's GPU).
     async fn candidate(&self, units: u64) -> Result<Awaiting, GpushareError> {
-        let cached = self.pods.cached();
-        if let Ok(found) = next_for(cached.iter().map(|p| &**p), &self.resource, units) {
-            return Ok(found);
-        }
         let listed = self.pods.list_now(self.bound).await?;
         next_for(&listed, &self.resource, units).map_err(|awaiting| GpushareError::NoCandidate {
             node: self.pods.node().to_owned(),

@@ -104,11 +104,6 @@ impl NodePods {
         )
     }
 
-    /// The pods as last seen by the watch.
-    pub fn cached(&self) -> Vec<Arc<Pod>> {
-        self.store.state()
-    }
-
     /// The pod with this UID, as last seen.
     pub fn by_uid(&self, uid: &str) -> Option<Arc<Pod>> {
         self.store

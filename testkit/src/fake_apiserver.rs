@@ -144,6 +144,8 @@ struct Store {
     /// Kinds whose lists and watches are answered 403 Forbidden, as after
     /// a ClusterRole lost their verbs.
     forbidden: Vec<Kind>,
+    /// Per kind, the newest resourceVersion a watch has sent live.
+    delivered: BTreeMap<Kind, u64>,
 }
 
 struct Shared {
@@ -151,6 +153,8 @@ struct Shared {
     changes: broadcast::Sender<Change>,
     /// Ends every open watch (as an API server restart would).
     watches: Mutex<CancellationToken>,
+    /// Kinds whose live watch events wait, as behind a lagging watch cache.
+    held: tokio::sync::watch::Sender<Vec<Kind>>,
 }
 
 impl Shared {
@@ -236,6 +240,7 @@ impl FakeApiServer {
             store: Mutex::default(),
             changes,
             watches: Mutex::new(CancellationToken::new()),
+            held: tokio::sync::watch::Sender::new(Vec::new()),
         });
         let stop = CancellationToken::new();
         let app = router()
@@ -377,6 +382,29 @@ impl FakeApiServer {
         if on {
             store.forbidden.push(kind);
         }
+    }
+
+    /// Holds back the live watch events of `kind` (`on`), as a watch cache
+    /// that lags writes does, or sends those held, in order, and goes on.
+    /// Lists and reads still see every write.
+    pub fn hold_watch_events(&self, kind: Kind, on: bool) {
+        self.shared.held.send_modify(|held| {
+            held.retain(|k| *k != kind);
+            if on {
+                held.push(kind);
+            }
+        });
+    }
+
+    /// The newest resourceVersion of `kind` a watch has sent as it
+    /// happened (0: none yet).
+    pub fn watch_delivered(&self, kind: Kind) -> u64 {
+        self.shared
+            .lock()
+            .delivered
+            .get(&kind)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Ends every open watch, as an API server restart does; clients must
@@ -1235,6 +1263,7 @@ fn list_or_watch(
         .and_then(|t| t.parse().ok())
         .map_or(Duration::from_secs(300), Duration::from_secs);
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
+    let shared = Arc::clone(s);
     tokio::spawn(async move {
         let line = |kind_of_change: &str, object: &Value| {
             let mut text = json!({"type": kind_of_change, "object": object}).to_string();
@@ -1257,9 +1286,22 @@ fn list_or_watch(
             };
             match change {
                 Ok(c) if c.kind == kind && c.version > last && in_scope(&c.object) => {
+                    let mut held = shared.held.subscribe();
+                    tokio::select! {
+                        () = ended.cancelled() => return,
+                        () = tx.closed() => return,
+                        released = held.wait_for(|held| !held.contains(&kind)) => {
+                            if released.is_err() {
+                                return;
+                            }
+                        }
+                    }
                     if tx.send(line(c.kind_of_change, &c.object)).await.is_err() {
                         return;
                     }
+                    let mut store = shared.lock();
+                    let delivered = store.delivered.entry(kind).or_default();
+                    *delivered = (*delivered).max(c.version);
                 }
                 Ok(_) => {}
                 // Fell behind: end the watch; the client relists.
