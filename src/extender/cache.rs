@@ -4,7 +4,8 @@
 //!
 //! Pure: no I/O, and time is passed in, so the tests and the benchmark
 //! drive it directly. A pod holds units on a GPU while it is bound to a
-//! node, names the GPU in gpushare's `…_IDX` annotation, and has not
+//! node, names the GPU in gpushare's `…_IDX` annotation (or, placed over
+//! several, in its per-container allocation), and has not
 //! finished (Succeeded or Failed); a terminating pod still holds them until
 //! it is gone, as its processes may still hold the memory.
 
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 
-use crate::cluster::gpushare::{annotation, requested_units, sole_container};
+use crate::cluster::gpushare::{allocation, annotation, requested_units, sole_container};
 use crate::cluster::node::{PublishedGpu, GPUS_ANNOTATION};
 
 /// Why a node's GPUs are not known.
@@ -87,6 +88,10 @@ pub struct PodRecord {
     pub finished: bool,
     /// Where its one container asking for units is in `spec.containers`.
     pub container: Option<usize>,
+    /// Units per GPU from gpushare's per-container allocation, for a pod
+    /// placed over several GPUs (without the extender); empty when the pod
+    /// carries none, or one that claims more units than the pod asks for.
+    pub split: BTreeMap<u32, u64>,
 }
 
 impl PodRecord {
@@ -114,16 +119,45 @@ impl PodRecord {
                 .and_then(|idx| idx.trim().parse().ok()),
             finished: matches!(phase, Some("Succeeded" | "Failed")),
             container: sole_container(pod, resource),
+            split: split(pod, units),
         })
     }
 
-    /// Where it holds units: its node and GPU (`None`: unknown GPU).
-    fn holds(&self) -> Option<(&str, Option<u32>)> {
+    /// Where it holds units: its node, and each GPU with its units (`None`:
+    /// unknown GPU). Units the per-container allocation does not place
+    /// (an init container's) count on the `…_IDX` GPU.
+    fn holds(&self) -> Option<(&str, Vec<Held>)> {
         if self.finished {
             return None;
         }
-        Some((self.node.as_deref()?, self.gpu))
+        let node = self.node.as_deref()?;
+        let placed: u64 = self.split.values().sum();
+        let mut held: Vec<Held> = self
+            .split
+            .iter()
+            .map(|(&gpu, &units)| (Some(gpu), units))
+            .collect();
+        if placed < self.units {
+            held.push((self.gpu, self.units - placed));
+        }
+        Some((node, held))
     }
+}
+
+/// Units on one GPU (`None`: unknown GPU).
+type Held = (Option<u32>, u64);
+
+/// Units per GPU that the pod's per-container allocation names, if it
+/// names no more than the pod's `units` in all.
+fn split(pod: &Pod, units: u64) -> BTreeMap<u32, u64> {
+    let mut per_gpu = BTreeMap::<u32, u64>::new();
+    for (&gpu, &held) in allocation(pod).iter().flat_map(|a| a.values()).flatten() {
+        *per_gpu.entry(gpu).or_default() += held;
+    }
+    if per_gpu.values().sum::<u64>() > units {
+        return BTreeMap::new();
+    }
+    per_gpu
 }
 
 /// A bind the watch has not shown yet: its units count on its GPU until
@@ -441,14 +475,19 @@ impl Cache {
     }
 
     fn hold(&mut self, record: &PodRecord) {
-        if let Some((node, gpu)) = record.holds() {
-            self.usage_mut(node).add(gpu, record.units);
+        if let Some((node, held)) = record.holds() {
+            let usage = self.usage_mut(node);
+            for (gpu, units) in held {
+                usage.add(gpu, units);
+            }
         }
     }
 
     fn release(&mut self, record: &PodRecord) {
-        if let Some((node, gpu)) = record.holds() {
-            self.take_back(node, gpu, record.units);
+        if let Some((node, held)) = record.holds() {
+            for (gpu, units) in held {
+                self.take_back(node, gpu, units);
+            }
         }
     }
 
@@ -544,6 +583,34 @@ pub(crate) mod tests {
         assert_eq!(cache.usage("n").used(1), 3);
         cache.remove_pod(&pod("b", 3, Some("n"), Some(1), "Pending"));
         assert_eq!(cache.usage("n").used(1), 0);
+    }
+
+    #[test]
+    fn a_pod_split_over_gpus_holds_units_on_each_as_its_allocation_says() {
+        let mut cache = Cache::new(R);
+        let with_allocation = |uid: &str, units: u64, allocation: &str| {
+            let mut p = pod(uid, units, Some("n"), Some(1), "Running");
+            p.metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(annotation::ALLOCATION.into(), allocation.into());
+            p
+        };
+        let split = with_allocation("split", 7, r#"{"0":{"0":1},"1":{"1":6}}"#);
+        let bogus = with_allocation("bogus", 2, r#"{"0":{"0":9}}"#);
+        let partial = with_allocation("partial", 5, r#"{"0":{"0":3}}"#);
+        cache.replace_pods([&split, &bogus, &partial]);
+        let usage = cache.usage("n");
+        assert_eq!(
+            (usage.used(0), usage.used(1)),
+            (1 + 3, 6 + 2 + 2),
+            "split per its allocation; an allocation claiming more than the pod \
+             asks is ignored; units it leaves out count on `…_IDX`"
+        );
+        cache.remove_pod(&split);
+        cache.remove_pod(&bogus);
+        cache.remove_pod(&partial);
+        assert_eq!(cache.usage("n"), &Usage::default());
     }
 
     #[test]
