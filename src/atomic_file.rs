@@ -58,7 +58,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("spec.json");
         fs::write(&target, "old").unwrap();
-        let old_inode = fs::metadata(&target).unwrap().ino();
+        // Held open, so its inode cannot be reused by a staging file.
+        let old = fs::File::open(&target).unwrap();
+        let old_inode = old.metadata().unwrap().ino();
         for (mode, durability) in [(0o644, Durability::Synced), (0o600, Durability::Unsynced)] {
             replace(&target, b"new", mode, (".spec.", ".tmp"), durability).unwrap();
             let meta = fs::metadata(&target).unwrap();
@@ -70,6 +72,7 @@ mod tests {
                 "renamed over, not rewritten in place"
             );
         }
+        drop(old);
         let names: Vec<_> = fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name())
