@@ -196,6 +196,22 @@ impl Daemon {
         self.rewrite_node_file(kept.join("\n[[gpu.process]]\n"));
     }
 
+    /// Makes the fake NVML list `pid` at `used_mib` in place of what it
+    /// listed for it, in one rewrite: no sample sees it gone in between.
+    fn relist_process(&self, pid: u32, used_mib: u64, proc_files: &[(&str, &str)]) {
+        let text = std::fs::read_to_string(&self.node_file).unwrap();
+        let mut text = text
+            .split("\n[[gpu.process]]\n")
+            .filter(|block| !block.starts_with(&format!("pid = {pid}\n")))
+            .collect::<Vec<_>>()
+            .join("\n[[gpu.process]]\n");
+        text += &format!("\n[[gpu.process]]\npid = {pid}\nused_mib = {used_mib}\n");
+        for (name, file) in proc_files {
+            text += &format!("{name} = {file:?}\n");
+        }
+        self.rewrite_node_file(text);
+    }
+
     fn rewrite_node_file(&self, text: String) {
         common::rewrite_fake_gpus(&self.node_file, text);
     }
@@ -955,6 +971,61 @@ async fn a_container_over_its_cap_loses_its_newest_process_after_the_grace_perio
         metrics.contains("# TYPE gpumem_over_cap_kills counter"),
         "{metrics}"
     );
+}
+
+/// A tenant over its cap in bursts shorter than the grace period, with
+/// shorter pauses under it between them (issue 29: 9 s over, 2.3 s under,
+/// with the defaults), is stopped: what counts is its time over the cap
+/// within the window, not an unbroken run of samples over it.
+#[tokio::test]
+async fn a_container_over_its_cap_in_bursts_shorter_than_the_grace_period_is_stopped() {
+    use std::os::unix::process::ExitStatusExt;
+    let grace = Duration::from_millis(1000);
+    // Each burst well under the grace, each pause a few reconcile periods.
+    let (over, under) = (grace * 3 / 5, RECONCILE * 3);
+    let mut h = Holding::start(Some((OverCapAction::Kill, grace))).await;
+    let mut rogue = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let cgroup = in_container('a');
+    let cgroup = [("cgroup", cgroup.as_str())];
+    h.d.list_process(h.holder.id(), 1300, &cgroup);
+    let started = std::time::Instant::now();
+    let mut bursts = 0;
+    // 5300 MiB of its 4308 while bursting, 2300 between.
+    'bursting: loop {
+        for (mib, pause) in [(4000, over), (1000, under)] {
+            h.d.relist_process(rogue.id(), mib, &cgroup);
+            let until = std::time::Instant::now() + pause;
+            while std::time::Instant::now() < until {
+                if rogue.try_wait().unwrap().is_some() {
+                    break 'bursting;
+                }
+                tokio::time::sleep(RECONCILE / 4).await;
+            }
+        }
+        bursts += 1;
+        if started.elapsed() > WAIT {
+            // Not left behind to hold the test's output open.
+            for child in [&mut rogue, &mut h.holder] {
+                child.kill().unwrap();
+                child.wait().unwrap();
+            }
+            panic!("never stopped after {bursts} bursts of {over:?} over its cap");
+        }
+    }
+    let status = rogue.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "SIGKILL");
+    h.d.drop_process(rogue.id());
+    // Over for the grace period in total: within its second or third burst.
+    assert!(bursts <= 4, "stopped only after {bursts} bursts");
+    h.d.wait_for_metric("gpumem_over_cap_kills_total 1").await;
+    assert!(
+        h.holder.try_wait().unwrap().is_none(),
+        "the capped neighbour lives"
+    );
+    h.stop().await;
 }
 
 #[tokio::test]

@@ -1,11 +1,13 @@
 //! The over-cap action: a container whose footprint, as NVML counts it from
-//! outside, stays above its cap for longer than a grace period has its GPU
-//! processes killed, newest first, until it is back under (or is only
-//! reported). The shim refuses allocations precisely; this is the backstop
-//! for what does not go through it, as the kernel's OOM killer is for a
-//! container's memory limit.
+//! outside, is above its cap for the grace period in total within a window
+//! of `WINDOW_GRACES` grace periods has its GPU processes killed, newest
+//! first, until it is back under (or is only reported). The shim refuses
+//! allocations precisely; this is the backstop for what does not go through
+//! it, as the kernel's OOM killer is for a container's memory limit. Time
+//! over is summed within the window, not an unbroken run of samples, so
+//! bursts with pauses under the cap between them add up (issue 29).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 /// What happens to a container that stays over its cap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -56,6 +58,87 @@ impl FromStr for OverCapAction {
 /// figure may round a process's last chunk up where the shim's charge did
 /// not: this much per process is not "over".
 pub const TOLERANCE_PER_PROCESS: u64 = 2 << 20;
+
+/// Time over the cap is judged within a window this many grace periods
+/// long: a container over its cap for the grace period in total within any
+/// such window is acted on, however it spreads that time over bursts.
+pub const WINDOW_GRACES: u32 = 6;
+
+/// The window time over the cap is judged in, for `grace`.
+pub fn window(grace: Duration) -> Duration {
+    grace.saturating_mul(WINDOW_GRACES)
+}
+
+/// What one sample makes of a container's time over its cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Under,
+    /// Over, with no time over before it in the window: an episode begins.
+    WentOver,
+    /// Over, with this much time over within the window: less than the grace.
+    Over(Duration),
+    /// Over, for the grace period or more in total within the window.
+    Act(Duration),
+}
+
+/// One container's time over its cap on one GPU, as samples see it: from
+/// each sample that finds it over to the next sample, whatever that finds.
+#[derive(Debug, Default)]
+struct OverTime {
+    /// Spans over the cap that end within the window, oldest first.
+    spans: VecDeque<(Instant, Instant)>,
+    /// When the last sample found it over, if it did.
+    over_at: Option<Instant>,
+    /// Whether an episode (from going over until a window with no time
+    /// over, or the action) is under way: it is logged once, as it begins.
+    episode: bool,
+}
+
+impl OverTime {
+    fn sample(&mut self, at: Instant, over: bool, grace: Duration) -> Verdict {
+        if let Some(since) = self.over_at.take() {
+            match self.spans.back_mut() {
+                Some((_, end)) if *end == since => *end = at,
+                _ => self.spans.push_back((since, at)),
+            }
+        }
+        // Within a window of the clock's origin (boot), nothing is old
+        // enough to drop.
+        let from = at.checked_sub(window(grace));
+        if let Some(from) = from {
+            while self.spans.front().is_some_and(|&(_, end)| end <= from) {
+                self.spans.pop_front();
+            }
+        }
+        let total = self
+            .spans
+            .iter()
+            .map(|&(start, end)| {
+                end.saturating_duration_since(from.map_or(start, |f| start.max(f)))
+            })
+            .sum();
+        if !over {
+            self.episode &= !self.spans.is_empty();
+            return Verdict::Under;
+        }
+        if total >= grace {
+            // Acted on: if it is still over next time, that begins anew.
+            *self = OverTime::default();
+            return Verdict::Act(total);
+        }
+        self.over_at = Some(at);
+        if std::mem::replace(&mut self.episode, true) {
+            Verdict::Over(total)
+        } else {
+            Verdict::WentOver
+        }
+    }
+
+    /// Nothing to remember: no time over within the window, not over now.
+    fn is_idle(&self) -> bool {
+        self.spans.is_empty() && self.over_at.is_none()
+    }
+}
 
 /// What the over-cap action did or saw, for whoever tells the pod's owners
 /// (Kubernetes Events).
@@ -141,12 +224,12 @@ impl<'a> Footprint<'a> {
 }
 
 /// Watches footprints across ticks and acts on those over their cap for
-/// longer than `grace`.
+/// `grace` in total within `window(grace)`.
 pub struct Enforcer {
     action: OverCapAction,
     grace: Duration,
-    /// When each (file, GPU) was first seen over, in the current episode.
-    over_since: HashMap<(PathBuf, String), Instant>,
+    /// Each (file, GPU)'s recent time over its cap.
+    over: HashMap<(PathBuf, String), OverTime>,
     actions: Arc<Actions>,
 }
 
@@ -155,7 +238,7 @@ impl Enforcer {
         Enforcer {
             action,
             grace,
-            over_since: HashMap::new(),
+            over: HashMap::new(),
             actions: Arc::default(),
         }
     }
@@ -182,19 +265,35 @@ impl Enforcer {
             }
         };
         let now = Instant::now();
-        let mut still_over = HashMap::new();
+        let mut seen = HashSet::new();
         let mut killed = HashSet::new();
         for footprint in footprints {
             let footprint = &footprint.without(&killed);
             let key = (footprint.file.to_owned(), footprint.gpu.to_owned());
-            if footprint.total() <= footprint.limit() {
-                continue;
-            }
-            let since = self.over_since.get(&key).copied().unwrap_or(now);
-            if now.duration_since(since) < self.grace {
-                still_over.insert(key, since);
-                continue;
-            }
+            let over = footprint.total() > footprint.limit();
+            let verdict = self
+                .over
+                .entry(key.clone())
+                .or_default()
+                .sample(now, over, self.grace);
+            seen.insert(key);
+            let over_ms = match verdict {
+                Verdict::Under | Verdict::Over(_) => continue,
+                Verdict::WentOver => {
+                    info!(
+                        file = %footprint.file.display(),
+                        gpu = footprint.gpu,
+                        used_mib = footprint.total() >> 20,
+                        cap_mib = footprint.cap >> 20,
+                        grace_ms = self.grace.as_millis() as u64,
+                        window_ms = window(self.grace).as_millis() as u64,
+                        "container over its GPU memory cap: the over-cap action follows once \
+                         it has been over for the grace period in total within the window"
+                    );
+                    continue;
+                }
+                Verdict::Act(over) => over.as_millis() as u64,
+            };
             // Acted on: a new episode starts if it is still over next time.
             match self.action {
                 OverCapAction::Report => {
@@ -204,8 +303,10 @@ impl Enforcer {
                         gpu = footprint.gpu,
                         used_mib = footprint.total() >> 20,
                         cap_mib = footprint.cap >> 20,
-                        "container over its GPU memory cap for longer than the grace period \
-                         (--over-cap-action report: nothing killed)"
+                        over_ms,
+                        window_ms = window(self.grace).as_millis() as u64,
+                        "container over its GPU memory cap for the grace period in total within \
+                         the window (--over-cap-action report: nothing killed)"
                     );
                     notify(
                         footprint.gpu,
@@ -217,6 +318,16 @@ impl Enforcer {
                     );
                 }
                 OverCapAction::Kill => {
+                    warn!(
+                        file = %footprint.file.display(),
+                        gpu = footprint.gpu,
+                        used_mib = footprint.total() >> 20,
+                        cap_mib = footprint.cap >> 20,
+                        over_ms,
+                        window_ms = window(self.grace).as_millis() as u64,
+                        "container over its GPU memory cap for the grace period in total within \
+                         the window: killing its GPU processes, newest first, until it is under"
+                    );
                     for (pid, bytes) in self.kill_until_under(footprint, sampled_at) {
                         killed.insert(pid);
                         notify(
@@ -232,7 +343,14 @@ impl Enforcer {
                 }
             }
         }
-        self.over_since = still_over;
+        // Those with no footprint this tick (no process on the GPU) are
+        // under; each is forgotten once the window holds no time over.
+        for (key, over) in &mut self.over {
+            if !seen.contains(key) {
+                over.sample(now, false, self.grace);
+            }
+        }
+        self.over.retain(|_, over| !over.is_idle());
     }
 
     /// The processes killed, with what each held.
@@ -273,8 +391,8 @@ impl Enforcer {
                         gpu = footprint.gpu,
                         used_mib = bytes >> 20,
                         cap_mib = footprint.cap >> 20,
-                        "killed a GPU process of a container over its cap for longer than the \
-                         grace period (newest first; --over-cap-action kill)"
+                        "killed a GPU process of a container over its cap for the grace period \
+                         in total within the window (newest first; --over-cap-action kill)"
                     );
                 }
                 Err(err) => error!(pid, %err, "cannot kill a process of a container over its cap"),
@@ -373,6 +491,102 @@ mod tests {
             killed.push(notice.what);
         }
         assert_eq!(killed.len(), 1, "{killed:?}");
+    }
+
+    const SECOND: Duration = Duration::from_secs(1);
+    /// The default `--over-cap-grace-secs`.
+    const GRACE: Duration = Duration::from_secs(10);
+
+    /// Samples every `every` from `phase` until `until`, over where
+    /// `over(t)` says: the verdicts, by the time of each sample.
+    fn judge(
+        every: Duration,
+        phase: Duration,
+        until: Duration,
+        over: impl Fn(Duration) -> bool,
+    ) -> Vec<(Duration, Verdict)> {
+        let start = Instant::now();
+        let mut clock = OverTime::default();
+        let mut verdicts = Vec::new();
+        let mut t = phase;
+        while t <= until {
+            verdicts.push((t, clock.sample(start + t, over(t), GRACE)));
+            t += every;
+        }
+        verdicts
+    }
+
+    fn first_action(verdicts: &[(Duration, Verdict)]) -> Option<Duration> {
+        verdicts
+            .iter()
+            .find(|(_, v)| matches!(v, Verdict::Act(_)))
+            .map(|&(t, _)| t)
+    }
+
+    /// Issue 29: 9 s over, 2.3 s under, repeated, sampled every 2 s (the
+    /// default `--reconcile-secs`) at any phase. No run of samples over
+    /// reaches the grace period, but the time over does, within the
+    /// window: acted on in its second burst, and said once before.
+    #[test]
+    fn a_container_over_its_cap_in_bursts_is_acted_on() {
+        for tenth in 0..20 {
+            let phase = SECOND * tenth / 10;
+            let verdicts = judge(2 * SECOND, phase, 45 * SECOND, |t| {
+                t.as_secs_f64() % 11.3 < 9.0
+            });
+            let acted = first_action(&verdicts);
+            assert!(
+                acted.is_some_and(|t| t <= 20 * SECOND),
+                "phase {phase:?}: acted at {acted:?}: {verdicts:?}"
+            );
+            let before = verdicts.iter().take_while(|(t, _)| Some(*t) < acted);
+            let went_over = before.filter(|(_, v)| *v == Verdict::WentOver).count();
+            assert_eq!(went_over, 1, "phase {phase:?}: {verdicts:?}");
+        }
+    }
+
+    /// A well-behaved container briefly over (a context being made, a
+    /// sample racing a free): 1 s over every 30 s is never acted on,
+    /// sampled every second or every 2 s at any phase, and is forgotten
+    /// once a window passes with no time over.
+    #[test]
+    fn a_container_briefly_over_now_and_then_is_left_alone() {
+        for every in [SECOND, 2 * SECOND] {
+            for tenth in 0..20 {
+                let phase = SECOND * tenth / 10;
+                let verdicts = judge(every, phase, 300 * SECOND, |t| t.as_secs_f64() % 30.0 < 1.0);
+                assert_eq!(first_action(&verdicts), None, "{every:?} {phase:?}");
+            }
+        }
+        let start = Instant::now();
+        let mut clock = OverTime::default();
+        clock.sample(start, true, GRACE);
+        clock.sample(start + 2 * SECOND, false, GRACE);
+        assert!(!clock.is_idle(), "its time over is still in the window");
+        clock.sample(start + window(GRACE) + 2 * SECOND, false, GRACE);
+        assert!(clock.is_idle());
+    }
+
+    /// Over without a break from t = 7 s: acted on at the first sample the
+    /// grace period after the first sample over, as before the window.
+    #[test]
+    fn a_container_over_its_cap_throughout_is_acted_on_after_the_grace_period() {
+        for every in [SECOND / 10, SECOND, 2 * SECOND, 3 * SECOND] {
+            let verdicts = judge(every, Duration::ZERO, 60 * SECOND, |t| t >= 7 * SECOND);
+            let first_over = verdicts.iter().find(|(t, _)| *t >= 7 * SECOND).unwrap().0;
+            let expected = verdicts
+                .iter()
+                .find(|(t, _)| *t >= first_over + GRACE)
+                .map(|&(t, _)| t);
+            assert_eq!(first_action(&verdicts), expected, "every {every:?}");
+        }
+        // With no grace, at once.
+        let mut clock = OverTime::default();
+        let now = Instant::now();
+        assert_eq!(
+            clock.sample(now, true, Duration::ZERO),
+            Verdict::Act(Duration::ZERO)
+        );
     }
 
     #[test]

@@ -390,7 +390,8 @@ impl Reconciler {
         self
     }
 
-    /// Acts on containers over their cap for longer than `grace`.
+    /// Acts on containers over their cap for `grace` in total within
+    /// `enforce::window(grace)`.
     pub fn with_over_cap(mut self, action: OverCapAction, grace: Duration) -> Self {
         self.enforcer = Some(Enforcer::new(action, grace));
         self

@@ -26,7 +26,7 @@ use crate::dra::service::{self, DraSockets};
 use crate::dra::slice::{self, SliceStatus};
 use crate::isolation::cleanup;
 use crate::isolation::containers::ContainerName;
-use crate::isolation::enforce::{Notice, Noticed, OverCapAction};
+use crate::isolation::enforce::{Notice, Noticed, OverCapAction, WINDOW_GRACES};
 use crate::isolation::inject::{Isolation, ShimConfig};
 use crate::isolation::reconcile::{self, Reconciler};
 use crate::node::gpu::NodeFacts;
@@ -57,8 +57,9 @@ pub struct Common {
     /// Per-process GPU memory and how often to compare it with the
     /// containers' charges (shim isolation only).
     pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
-    /// What to do with a container over its cap for longer than the grace
-    /// period, seen from outside by reconciliation; `None`: nothing.
+    /// What to do with a container over its cap for the grace period in total
+    /// within the window (`enforce::window`), and that grace period, seen
+    /// from outside by reconciliation; `None`: nothing.
     pub over_cap: Option<(OverCapAction, Duration)>,
 }
 
@@ -496,8 +497,8 @@ async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &st
             "Kill",
             format!(
                 "Killed process {pid} of {subject} (it held {used_mib} MiB on GPU {gpu}): the GPU \
-                 memory of all its processes, as NVML counts it, stayed above the cap of {cap_mib} \
-                 MiB for longer than the grace period"
+                 memory of all its processes, as NVML counts it, was above the cap of {cap_mib} \
+                 MiB for the grace period in total within the last {WINDOW_GRACES} grace periods"
             ),
         ),
         Noticed::OverCap {
@@ -506,8 +507,9 @@ async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &st
             events::OVER_CAP,
             "Report",
             format!(
-                "{} holds {used_mib} MiB on GPU {gpu}, above its cap of {cap_mib} MiB, for longer \
-                 than the grace period (--over-cap-action report: nothing was killed)",
+                "{} holds {used_mib} MiB on GPU {gpu}, above its cap of {cap_mib} MiB, and was over \
+                 it for the grace period in total within the last {WINDOW_GRACES} grace periods \
+                 (--over-cap-action report: nothing was killed)",
                 capitalized(subject)
             ),
         ),

@@ -596,15 +596,15 @@ impl Collector for NodeCollector {
             single(
                 e,
                 "over_cap_kills",
-                "GPU processes killed because their container stayed over its cap (as NVML \
-                 counts it) for longer than the grace period",
+                "GPU processes killed because their container was over its cap (as NVML \
+                 counts it) for the grace period in total within the window",
                 ConstCounter::new(*kills),
             )?;
             single(
                 e,
                 "over_cap_reports",
-                "Times a container stayed over its cap for longer than the grace period with \
-                 --over-cap-action report",
+                "Times a container was over its cap for the grace period in total within the \
+                 window with --over-cap-action report",
                 ConstCounter::new(*reports),
             )?;
         }
