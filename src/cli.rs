@@ -327,7 +327,8 @@ pub struct DaemonArgs {
     )]
     pub over_cap_action: OverCapAction,
 
-    /// Seconds a container may stay over its cap before the over-cap action.
+    /// Seconds a container may be over its cap, in total within any window of
+    /// six times this, before the over-cap action.
     #[arg(long, env = "GPUMEM_OVER_CAP_GRACE_SECS", default_value_t = 10)]
     pub over_cap_grace_secs: u64,
 
