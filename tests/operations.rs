@@ -547,10 +547,34 @@ impl Admitted {
 
 /// `Admitted`, with a process in the pod that holds 1000 MiB under the shim
 /// (1300 MiB charged with its context).
+/// A child process killed when dropped, so a test that panics leaves no
+/// process behind to hold the test runner's output open.
+struct KillOnDrop(std::process::Child);
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 struct Holding {
     d: Daemon,
     dir: PathBuf,
-    holder: std::process::Child,
+    holder: KillOnDrop,
     _host: TempDir,
     state: TempDir,
 }
@@ -575,7 +599,7 @@ impl Holding {
         Holding {
             d,
             dir,
-            holder,
+            holder: KillOnDrop(holder),
             _host,
             state,
         }
@@ -1008,7 +1032,7 @@ async fn a_container_over_its_cap_in_bursts_shorter_than_the_grace_period_is_sto
         bursts += 1;
         if started.elapsed() > WAIT {
             // Not left behind to hold the test's output open.
-            for child in [&mut rogue, &mut h.holder] {
+            for child in [&mut rogue, &mut *h.holder] {
                 child.kill().unwrap();
                 child.wait().unwrap();
             }
