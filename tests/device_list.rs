@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::cdi::check_cdi_spec;
 use common::{RESOURCE, T4_UUID, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::ContainerAllocateResponse;
-use gpumem_testkit::simulator::{Allocation, KubeletSim};
+use gpumem_testkit::simulator::{self, Allocation, KubeletSim};
 use serde_json::Value;
 use tempfile::TempDir;
 
@@ -56,21 +56,40 @@ impl Host {
 struct Plugin {
     kubelet: KubeletSim,
     child: Child,
-    _kubelet_dir: TempDir,
+    kubelet_dir: TempDir,
     log: PathBuf,
+    registrations: usize,
 }
 
 impl Plugin {
     async fn start(host: &Host, args: &[&str]) -> Plugin {
         let kubelet_dir = tempfile::tempdir().unwrap();
         let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
+        let (child, log) = Plugin::spawn(host, kubelet_dir.path(), &kubelet, args);
+        let mut plugin = Plugin {
+            kubelet,
+            child,
+            kubelet_dir,
+            log,
+            registrations: 0,
+        };
+        plugin.wait_for_registration().await;
+        plugin
+    }
+
+    fn spawn(
+        host: &Host,
+        kubelet_dir: &Path,
+        kubelet: &KubeletSim,
+        args: &[&str],
+    ) -> (Child, PathBuf) {
         let log = (0..)
             .map(|i| host.path(&format!("plugin-{i}.log")))
             .find(|p| !p.exists())
             .unwrap();
         let mut cmd = common::shim_plugin(
-            kubelet_dir.path(),
-            &kubelet,
+            kubelet_dir,
+            kubelet,
             &host.path("shim"),
             &host.path("state"),
         );
@@ -79,23 +98,31 @@ impl Plugin {
             .args(args)
             .stdout(Stdio::null())
             .stderr(File::create(&log).unwrap());
-        let child = cmd.spawn().unwrap();
-        let mut plugin = Plugin {
-            kubelet,
-            child,
-            _kubelet_dir: kubelet_dir,
-            log,
-        };
-        if plugin
+        (cmd.spawn().unwrap(), log)
+    }
+
+    async fn wait_for_registration(&mut self) {
+        self.registrations += 1;
+        if self
             .kubelet
-            .wait_for_devices(RESOURCE, 1, WAIT)
+            .wait_for_devices(RESOURCE, self.registrations, WAIT)
             .await
             .is_none()
         {
-            let _ = plugin.child.kill();
-            panic!("the plugin did not register: {}", plugin.logs());
+            let _ = self.child.kill();
+            panic!("the plugin did not register: {}", self.logs());
         }
-        plugin
+    }
+
+    /// Stops the plugin, runs `meanwhile`, and starts it again with `args`
+    /// against the same kubelet, which keeps its pods and checkpoint.
+    async fn restart(&mut self, host: &Host, args: &[&str], meanwhile: impl FnOnce()) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        meanwhile();
+        let (child, log) = Plugin::spawn(host, self.kubelet_dir.path(), &self.kubelet, args);
+        (self.child, self.log) = (child, log);
+        self.wait_for_registration().await;
     }
 
     async fn admit(&self, pod: &str, units: usize) -> Allocation {
@@ -105,8 +132,15 @@ impl Plugin {
         }
     }
 
+    /// The running plugin's log.
     fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// kubelet's device checkpoint as it is now.
+    fn checkpoint(&self) -> String {
+        let path = self.kubelet_dir.path().join(simulator::CHECKPOINT);
+        std::fs::read_to_string(path).unwrap_or_default()
     }
 }
 
@@ -409,15 +443,19 @@ async fn a_cdi_spec_goes_with_the_containers_state_and_stays_while_it_does() {
 #[tokio::test]
 async fn a_plugin_started_after_a_reboot_writes_the_specs_of_its_containers_again() {
     let host = Host::new();
-    let first = Plugin::start(&host, &["--device-list-strategy", "cdi"]).await;
-    let allocation = first.admit("nb", 4).await;
+    let args = ["--device-list-strategy", "cdi"];
+    let mut plugin = Plugin::start(&host, &args).await;
+    let allocation = plugin.admit("nb", 4).await;
     let file = host.cdi_files().pop().unwrap();
     let kept = std::fs::read(host.cdi_dir().join(&file)).unwrap();
-    drop(first);
-    // /var/run is empty after a reboot; the state dir is not.
-    std::fs::remove_dir_all(host.cdi_dir()).unwrap();
-    let second = Plugin::start(&host, &["--device-list-strategy", "cdi"]).await;
-    wait_until(&second, "the spec was not written again at start", || {
+    // /var/run is empty after a reboot; the state dir is not, and kubelet
+    // restarts the pod from its checkpoint.
+    plugin
+        .restart(&host, &args, || {
+            std::fs::remove_dir_all(host.cdi_dir()).unwrap()
+        })
+        .await;
+    wait_until(&plugin, "the spec was not written again at start", || {
         host.cdi_dir().join(&file).is_file()
     })
     .await;
@@ -428,6 +466,113 @@ async fn a_plugin_started_after_a_reboot_writes_the_specs_of_its_containers_agai
             .strip_suffix(".json")
             .unwrap()
     ));
+}
+
+/// The CDI name Allocate gave a container: its accounting directory's.
+fn container_name(a: &Allocation) -> String {
+    a.response.cdi_devices[1]
+        .name
+        .strip_prefix("gpumem.io/container=")
+        .unwrap()
+        .to_owned()
+}
+
+/// A container deleted while the plugin ran leaves its directory until the
+/// grace period ends. A plugin restarted meanwhile, with the spec gone (a
+/// reboot, or a hand), must not take that directory for a live container's:
+/// kubelet holds its units for no one, so its spec is not written again,
+/// and the directory goes by the clean-up rules.
+#[tokio::test]
+async fn a_restarted_plugin_does_not_write_the_spec_of_a_container_that_ended() {
+    let host = Host::new();
+    let mut plugin = Plugin::start(
+        &host,
+        &["--device-list-strategy", "cdi", "--state-grace-secs", "8"],
+    )
+    .await;
+    let done = plugin.admit("done", 4).await;
+    let name = container_name(&done);
+    let spec = host
+        .cdi_dir()
+        .join(format!("gpumem.io-container_{name}.json"));
+    let state = host.path("state").join("containers").join(&name);
+    plugin.kubelet.remove_pod("done");
+    // The running plugin's clean-up has kubelet forget the pod and rewrite
+    // its checkpoint, well within the grace period.
+    wait_until(
+        &plugin,
+        "kubelet's checkpoint still names the ended pod",
+        || !plugin.checkpoint().contains(&done.pod_uid()),
+    )
+    .await;
+    assert!(state.is_dir() && spec.is_file());
+
+    plugin
+        .restart(
+            &host,
+            &["--device-list-strategy", "cdi", "--state-grace-secs", "1"],
+            || std::fs::remove_file(&spec).unwrap(),
+        )
+        .await;
+    wait_until(
+        &plugin,
+        "the ended container's state was never removed",
+        || !state.exists(),
+    )
+    .await;
+    let logs = plugin.logs();
+    assert!(
+        !logs.contains("wrote the missing CDI spec"),
+        "the spec of a container that ended was written again:\n{logs}"
+    );
+    assert!(host.cdi_files().is_empty(), "{:?}", host.cdi_files());
+}
+
+/// A container given the units of one that ended, before clean-up removed
+/// that one's directory, starts from a new accounting file: not the old
+/// container's usage, peak and refusals under its own name.
+#[tokio::test]
+async fn a_container_given_the_units_of_one_that_ended_starts_afresh() {
+    use gpumem::isolation::accounting;
+    use gpumem_layout::device;
+    use std::os::unix::fs::FileExt;
+
+    let host = Host::new();
+    let plugin = Plugin::start(&host, &["--device-list-strategy", "cdi"]).await;
+    let done = plugin.admit("done", 4).await;
+    let file = host
+        .path("state")
+        .join("containers")
+        .join(container_name(&done))
+        .join("accounting");
+    // What the ended container's processes and the daemon recorded.
+    accounting::publish_untracked(&file, 0, 600 << 20).unwrap();
+    let record = gpumem_layout::device_offset(0) as u64;
+    let writer = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+    writer
+        .write_all_at(&(3000u64 << 20).to_le_bytes(), record + device::PEAK as u64)
+        .unwrap();
+    writer
+        .write_all_at(&7u64.to_le_bytes(), record + device::OOM_COUNT as u64)
+        .unwrap();
+    let old = &accounting::usage(&file).unwrap()[0];
+    assert_eq!(
+        (old.untracked_bytes, old.peak_bytes, old.refusals),
+        (600 << 20, 3000 << 20, 7)
+    );
+
+    plugin.kubelet.remove_pod("done");
+    let next = plugin.admit("next", 4).await;
+    let sorted = |a: &Allocation| a.device_ids.iter().cloned().collect::<BTreeSet<_>>();
+    assert_eq!(sorted(&next), sorted(&done), "not given the same units");
+    assert_eq!(container_name(&next), container_name(&done));
+    let new = &accounting::usage(&file).unwrap()[0];
+    assert_eq!(
+        (new.untracked_bytes, new.peak_bytes, new.refusals),
+        (0, 0, 0),
+        "the new container inherited the ended one's accounting"
+    );
+    assert_eq!(new.cap_bytes, old.cap_bytes);
 }
 
 #[test]

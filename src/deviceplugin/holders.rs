@@ -133,4 +133,21 @@ impl Holders for KubeletHolders {
         }
         Ok(live)
     }
+
+    /// Every container kubelet's checkpoint names: those kubelet restarts
+    /// from its cached answers after a reboot, and only those (a pod that
+    /// ended while the plugin ran is gone from it, see `resend_if_due`).
+    fn restartable(&self) -> Option<HashSet<ContainerName>> {
+        let entries = checkpoint::read(&self.checkpoint, &self.resource)
+            .inspect_err(
+                |err| debug!(%err, "no checkpoint to tell which containers kubelet restarts"),
+            )
+            .ok()?;
+        Some(
+            entries
+                .iter()
+                .flat_map(|entry| ContainerName::of_devices_any_unit(&entry.device_ids))
+                .collect(),
+        )
+    }
 }

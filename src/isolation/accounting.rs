@@ -77,6 +77,49 @@ pub fn prepare_with(
     caps: &[Cap],
     durability: Durability,
 ) -> Result<PathBuf, AccountingError> {
+    write(dir, caps, durability, true)
+}
+
+/// What [`prepare_afresh`] did with the file it found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Found {
+    /// No file: a new one was made.
+    Nothing,
+    /// A file a live process holds a slot in: kept if its caps are the same.
+    InUse,
+    /// A file no live process holds a slot in: replaced by a new one.
+    LeftOver,
+}
+
+/// `prepare` for a container the device plugin's Allocate names by its
+/// devices alone, so the directory may be one left by a container that
+/// ended with the same devices (clean-up waits out its grace period). The
+/// file is kept only while a live process holds a slot in it: kubelet
+/// calling Allocate again for a container that runs. Anything else is
+/// replaced, so a new container starts with no slots, usage, peak or
+/// refusals of the last one's. A process that had the old file open keeps
+/// that inode; one that starts later maps the new file.
+pub fn prepare_afresh(dir: &Path, caps: &[Cap]) -> Result<(PathBuf, Found), AccountingError> {
+    let path = dir.join(layout::FILE_NAME);
+    let found = match processes(&path) {
+        Ok(processes) if !processes.live.is_empty() => Found::InUse,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Found::Nothing,
+        // Unreadable (a link or junk a container left in its place) or
+        // unused: nothing of it is worth keeping.
+        _ => Found::LeftOver,
+    };
+    let path = write(dir, caps, Durability::Synced, found == Found::InUse)?;
+    Ok((path, found))
+}
+
+/// Writes `dir`'s accounting file for `caps`; with `keep`, a valid file
+/// with the same GPUs and caps is left as it is.
+fn write(
+    dir: &Path,
+    caps: &[Cap],
+    durability: Durability,
+    keep: bool,
+) -> Result<PathBuf, AccountingError> {
     let devices = specs(caps)?;
     let io_err = |source| AccountingError::Io {
         path: dir.to_owned(),
@@ -86,7 +129,7 @@ pub fn prepare_with(
     // Readable by the container's processes whatever their uid.
     fs::set_permissions(dir, fs::Permissions::from_mode(0o755)).map_err(io_err)?;
     let path = dir.join(layout::FILE_NAME);
-    if let Ok((_, existing)) = read_regular(&path, false) {
+    if let Some((_, existing)) = keep.then(|| read_regular(&path, false).ok()).flatten() {
         let same = |found: Vec<DeviceSpec>| {
             let caps =
                 |d: &[DeviceSpec]| -> Vec<_> { d.iter().map(|d| (d.uuid, d.cap_bytes)).collect() };
@@ -433,6 +476,46 @@ mod tests {
             1,
             "no staging file left"
         );
+    }
+
+    /// The device plugin's Allocate keeps a file only while a process of
+    /// the container holds a slot in it; a file left by a container that
+    /// ended is replaced, whatever it records.
+    #[test]
+    fn afresh_keeps_only_a_file_in_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).unwrap());
+        let (path, found) = prepare_afresh(dir.path(), &t4(4308)).unwrap();
+        assert_eq!(found, Found::Nothing);
+        publish_untracked(&path, 0, 600 * MIB).unwrap();
+        let left = inode(&path);
+        let (path, found) = prepare_afresh(dir.path(), &t4(4308)).unwrap();
+        assert_eq!(found, Found::LeftOver);
+        assert_ne!(inode(&path), left, "replaced, not rewritten in place");
+        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 0);
+
+        // A live process: its slot's word ALIVE and its lock held.
+        publish_untracked(&path, 0, 600 * MIB).unwrap();
+        let geometry = AccountingFile::snapshot(&fs::read(&path).unwrap())
+            .unwrap()
+            .geometry();
+        let word_at = (layout::slot_offset(geometry.devices, 0) + layout::slot::STATE) as u64;
+        let alive = 1u64 << 8 | layout::state::ALIVE;
+        fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .write_all_at(&alive.to_le_bytes(), word_at)
+            .unwrap();
+        let mut holder = hold_lock(&path, protocol::slot_lock_offset(geometry, 0));
+        let running = inode(&path);
+        let again = prepare_afresh(dir.path(), &t4(4308));
+        holder.kill().unwrap();
+        holder.wait().unwrap();
+        let (path, found) = again.unwrap();
+        assert_eq!(found, Found::InUse);
+        assert_eq!(inode(&path), running, "a file in use is kept");
+        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 600 * MIB);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Removes the accounting directories of containers that are gone (and
 //! their CDI specs): never one kubelet still lists, never one a live process
 //! still uses, and only after it has been unused for the whole grace period.
-//! With CDI, also keeps a spec beside every directory that remains.
+//! With CDI, also keeps a spec beside every directory a holder holds.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -29,6 +29,15 @@ pub trait Holders: Send + Sync + 'static {
     /// The directories in use; an error when unsure, and then nothing is
     /// removed.
     async fn live(&self) -> Result<HashSet<ContainerName>, String>;
+
+    /// The directories whose containers may be started again without the
+    /// front end being asked, read without its live service: after a reboot
+    /// kubelet restarts containers from its cached Allocate answers, maybe
+    /// before it answers pod-resources. `None` when it cannot tell; then
+    /// every directory counts. Blocking.
+    fn restartable(&self) -> Option<HashSet<ContainerName>> {
+        None
+    }
 
     /// Runs `remove`, the removal of `name`'s directory, unless a holder
     /// took the directory since `live` answered (`None`); on a blocking
@@ -60,19 +69,27 @@ pub async fn run(
     let holders = Arc::new(holders);
     let mut unused_since = UnusedSince::new();
     let mut told = HashSet::new();
-    let sync = |inv: Arc<Inventory>| {
+    // The specs of the directories `live` holds, or else those the holders'
+    // own records say may be restarted.
+    let sync = |inv: Arc<Inventory>, live: Option<HashSet<ContainerName>>| {
         let (containers, specs, shim) = (containers.clone(), specs.clone(), shim.clone());
+        let holders = holders.clone();
         async move {
             let Some(specs) = specs else { return Ok(()) };
             // Reading and writing files blocks: off the async workers.
-            tokio::task::spawn_blocking(move || sync_specs(&containers, &specs, &shim, &inv)).await
+            tokio::task::spawn_blocking(move || {
+                let held = live.or_else(|| holders.restartable());
+                sync_specs(&containers, &specs, &shim, &inv, held.as_ref())
+            })
+            .await
         }
     };
     // The specs at once: after a reboot, containers kubelet restarts from its
-    // cached Allocate answers need them back. Pod-resources waits for the
-    // first sweep (its answers are cached and shared with /status).
+    // cached Allocate answers need them back, and kubelet's checkpoint names
+    // them. Pod-resources waits for the first sweep (its answers are cached
+    // and shared with /status).
     let inv = inventory.borrow().clone();
-    if let Err(err) = sync(inv).await {
+    if let Err(err) = sync(inv, None).await {
         warn!(%err, "state clean-up stopped");
         return;
     }
@@ -82,11 +99,12 @@ pub async fn run(
             () = tokio::time::sleep(every) => {}
         }
         let inv = inventory.borrow().clone();
-        if let Err(err) = sync(inv.clone()).await {
+        let live = holders.live().await;
+        if let Err(err) = sync(inv.clone(), live.as_ref().ok().cloned()).await {
             warn!(%err, "state clean-up stopped");
             return;
         }
-        let live = match holders.live().await {
+        let live = match live {
             Ok(live) => live,
             Err(err) => {
                 // Unsure who holds what: remove nothing.
@@ -225,15 +243,28 @@ fn warn_of_other_units(
     }
 }
 
-/// Gives every container directory present whose spec is missing the spec
-/// Allocate wrote for it. Specs under /var/run are gone after a reboot,
-/// while kubelet restarts containers from its cached Allocate answers
-/// without asking again; a spec removed by hand would stay gone too. A spec
-/// that is there is left as Allocate wrote it, even if the flags changed
-/// since (a container keeps what it was given).
-fn sync_specs(containers: &Containers, specs: &SpecDir, shim: &ShimConfig, inv: &Inventory) {
+/// Gives every container directory present that `held` holds (every one
+/// when `None`: unsure) and whose spec is missing the spec Allocate wrote
+/// for it. Specs under /var/run are gone after a reboot, while kubelet
+/// restarts containers from its cached Allocate answers without asking
+/// again; a spec removed by hand would stay gone too. A directory no holder
+/// holds is a container's that ended, waiting out its grace period: its
+/// spec would name it to the runtime again, so it is left without one. A
+/// spec that is there is left as Allocate wrote it, even if the flags
+/// changed since (a container keeps what it was given).
+fn sync_specs(
+    containers: &Containers,
+    specs: &SpecDir,
+    shim: &ShimConfig,
+    inv: &Inventory,
+    held: Option<&HashSet<ContainerName>>,
+) {
     for dir in containers.list() {
         if specs.path(dir.name.as_str()).exists() {
+            continue;
+        }
+        if held.is_some_and(|held| !held.contains(&dir.name)) {
+            debug!(dir = %dir.path.display(), "no spec written for a container kubelet no longer holds");
             continue;
         }
         let Some(spec) = inject::cdi_spec(inv, shim, &dir) else {

@@ -91,7 +91,10 @@ impl Containers {
 /// A container's directory name, derived from the devices it holds:
 /// `<gpu key>-<units>u-<hash of the device IDs>`. kubelet never gives the
 /// same units to two live containers, and the name is the same if kubelet
-/// calls Allocate again for the same container.
+/// calls Allocate again for the same container. A later container given the
+/// same units gets the same name, so Allocate starts its file afresh unless
+/// a live process uses it, and only containers kubelet holds get their CDI
+/// spec written again (see `cleanup`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ContainerName(String);
 
@@ -250,6 +253,12 @@ impl ContainerDir {
     /// file with the same caps (see `accounting::prepare`).
     pub fn prepare(&self, caps: &[Cap]) -> Result<(), AccountingError> {
         accounting::prepare(&self.path, caps).map(drop)
+    }
+
+    /// Creates the directory and its accounting file for `caps` at Allocate,
+    /// replacing a file no live process uses (see `accounting::prepare_afresh`).
+    pub fn prepare_afresh(&self, caps: &[Cap]) -> Result<accounting::Found, AccountingError> {
+        accounting::prepare_afresh(&self.path, caps).map(|(_, found)| found)
     }
 
     /// Its caps, usage and live processes, read from its accounting file.

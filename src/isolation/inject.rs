@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use tracing::info;
+
 use crate::deviceplugin::api::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
-use crate::isolation::accounting::{AccountingError, Cap};
+use crate::isolation::accounting::{self, AccountingError, Cap};
 use crate::isolation::cdi::{self, CdiError, ContainerEdits, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName, Containers};
 use crate::node::inventory::Inventory;
@@ -234,11 +236,16 @@ pub fn container_response(
             let dir = shim
                 .containers()
                 .get(ContainerName::of(inv, assignment, ids));
-            dir.prepare(&[Cap {
+            // Named by the devices alone: the directory may be one a
+            // container that ended with the same units left for clean-up.
+            let found = dir.prepare_afresh(&[Cap {
                 uuid: uuid.clone(),
                 cap_mib: gpu.cap_mib(assignment.units),
                 context_charge_mib: shim.context_charge_mib,
             }])?;
+            if found == accounting::Found::LeftOver {
+                info!(dir = %dir.path.display(), "a new accounting file replaced the one a container that ended left with the same units");
+            }
             (Grant::with_shim(inv, assignment, shim, &dir), Some(dir))
         }
         Isolation::None => (Grant::env_only(inv, assignment), None),
