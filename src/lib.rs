@@ -1,7 +1,12 @@
-//! gpumem: a Kubernetes device plugin that shares NVIDIA GPUs by memory.
+//! gpumem shares NVIDIA GPUs between Kubernetes pods by memory: a device
+//! plugin or a DRA driver for kubelet, a scheduler extender for
+//! kube-scheduler, and the isolation that holds each container to its cap
+//! (the shim itself is the `gpumem-shim` crate).
 //!
-//! Each GPU's memory is advertised to kubelet as countable units; each
-//! container gets all its units on one GPU and env that tells it its cap.
+//! Each GPU's memory is offered as units (device plugin) or consumable
+//! capacity (DRA); each container gets its memory on one GPU, a cap from a
+//! file mounted into it, and reconciliation from outside. docs/ARCHITECTURE.md
+//! draws the whole.
 
 #![forbid(unsafe_code)]
 
