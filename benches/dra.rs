@@ -213,6 +213,7 @@ impl Driver {
             common: Common {
                 state_dir: host.path("state"),
                 metrics: None,
+                status_socket: None,
                 // `gpumem dra`'s default.
                 state_grace: Duration::from_secs(300),
                 reconcile: None,

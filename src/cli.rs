@@ -181,6 +181,13 @@ pub struct NodeArgs {
     #[arg(long, env = "GPUMEM_STATE_DIR", default_value = "/var/lib/gpumem")]
     pub state_dir: PathBuf,
 
+    /// Unix socket where the plugin serves /status, who holds what (pods'
+    /// names and usage), and `gpumem inspect` reads it; mode 0600, for the
+    /// plugin's user (root) alone, never on the network port (default:
+    /// status.sock in --state-dir; empty: not served).
+    #[arg(long, env = "GPUMEM_STATUS_SOCKET", value_name = "PATH")]
+    pub status_socket: Option<std::ffi::OsString>,
+
     #[command(flatten)]
     pub context: ContextArgs,
 }
@@ -292,7 +299,8 @@ pub struct DaemonArgs {
     #[command(flatten)]
     pub node: NodeArgs,
 
-    /// Address for /metrics, /healthz and /status (HOST:PORT or :PORT; empty: off).
+    /// Address for /metrics and /healthz (HOST:PORT or :PORT; empty: off).
+    /// Who holds what is on --status-socket, not here.
     #[arg(long, env = "GPUMEM_METRICS_ADDR", default_value = ":9400")]
     pub metrics_addr: String,
 
@@ -615,10 +623,10 @@ pub struct InspectArgs {
     )]
     pub output: OutputFormat,
 
-    /// The running plugin's --metrics-addr; without an answer there, the
-    /// node is read directly (GPUs, pod-resources, accounting files).
-    #[arg(long, env = "GPUMEM_METRICS_ADDR", default_value = ":9400")]
-    pub metrics_addr: String,
+    /// Where inspect once asked the plugin; the plugin now answers on
+    /// --status-socket alone. Taken, with a warning, so scripts still run.
+    #[arg(long, hide = true, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
 
     #[command(flatten)]
     pub resource: ResourceArgs,
@@ -628,6 +636,11 @@ pub struct InspectArgs {
 }
 
 impl NodeArgs {
+    /// Where the plugin serves `/status`; `None`: nowhere.
+    pub fn status_socket(&self) -> Option<PathBuf> {
+        gpumem::ops::status_socket::path(self.status_socket.as_deref(), &self.state_dir)
+    }
+
     pub fn isolation(&self) -> Isolation {
         match self.isolation {
             IsolationMode::Shim => Isolation::Shim(ShimConfig {
@@ -647,6 +660,7 @@ impl DaemonArgs {
             hardware,
             unit,
             metrics_addr: &self.metrics_addr,
+            status_socket: self.node.status_socket(),
             ignore_xids: &self.ignore_xids.0,
             health_recovery: Duration::from_secs(self.health_recovery_secs),
             reconcile: match self.node.isolation {

@@ -251,9 +251,15 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
-    let plugin = metrics::parse_address(&args.metrics_addr)?;
+    if let Some(addr) = &args.metrics_addr {
+        tracing::warn!(
+            "inspect --metrics-addr {addr} is ignored: the plugin serves who holds what on its \
+             --status-socket only (docs/SECURITY.md)"
+        );
+    }
+    let plugin = args.node.status_socket();
     let status = inspect::status(
-        plugin,
+        plugin.as_deref(),
         inspect::DirectRead {
             hardware: &args.node.fake_gpus.hardware(),
             unit: args.resource.memory_unit,

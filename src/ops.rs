@@ -1,5 +1,5 @@
 //! Operations, on top of the layers: the daemon's wiring, the HTTP endpoint
-//! (metrics, status), `inspect`, `exec`, and the demo.
+//! (metrics, health), the status socket, `inspect`, `exec`, and the demo.
 
 pub mod daemon;
 #[cfg(feature = "demo")]
@@ -8,3 +8,4 @@ pub mod exec;
 pub mod inspect;
 pub mod metrics;
 pub mod status;
+pub mod status_socket;

@@ -132,11 +132,19 @@ fn run_within(cmd: &mut Command, limit: Duration) -> (std::process::ExitStatus, 
 /// `gpumem plugin` on a fake GPU file: exits at once when the file is refused.
 fn plugin_on(dir: &std::path::Path, file: &std::path::Path) -> Command {
     let mut cmd = gpumem();
-    cmd.args(["plugin", "--isolation", "none", "--metrics-addr", ""])
-        .arg("--kubelet-dir")
-        .arg(dir)
-        .arg("--fake-gpus")
-        .arg(file);
+    cmd.args([
+        "plugin",
+        "--isolation",
+        "none",
+        "--metrics-addr",
+        "",
+        "--status-socket",
+        "",
+    ])
+    .arg("--kubelet-dir")
+    .arg(dir)
+    .arg("--fake-gpus")
+    .arg(file);
     cmd
 }
 
@@ -246,7 +254,15 @@ fn absurd_gpu_sizes_from_nvml_are_refused_naming_the_bound() {
     let dir = tempfile::tempdir().unwrap();
     let (status, text) = run_within(
         gpumem()
-            .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+            .args([
+                "plugin",
+                "--isolation",
+                "none",
+                "--metrics-addr",
+                "",
+                "--status-socket",
+                "",
+            ])
             .arg("--kubelet-dir")
             .arg(dir.path())
             .env("LD_LIBRARY_PATH", &common::shim_kit().driver_dir)
@@ -354,7 +370,15 @@ async fn a_rejected_allocate_logs_one_short_line_however_many_ids_it_names() {
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let log = dir.path().join("plugin.log");
     let child = gpumem()
-        .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+        .args([
+            "plugin",
+            "--isolation",
+            "none",
+            "--metrics-addr",
+            "",
+            "--status-socket",
+            "",
+        ])
         .arg("--kubelet-dir")
         .arg(dir.path())
         .arg("--fake-gpus")
@@ -418,6 +442,7 @@ async fn sigterm_stops_the_plugin_and_removes_its_socket() {
     let mut child = gpumem()
         .arg("plugin")
         .env("GPUMEM_METRICS_ADDR", "")
+        .env("GPUMEM_STATE_DIR", dir.path())
         .env("GPUMEM_ISOLATION", "none")
         .env("GPUMEM_KUBELET_DIR", dir.path())
         .env("GPUMEM_FAKE_GPUS", fixture("t4"))
@@ -435,6 +460,8 @@ async fn sigterm_stops_the_plugin_and_removes_its_socket() {
     assert!(kubelet.devices(RESOURCE).is_none());
     let socket = dir.path().join("gpumem.sock");
     assert!(socket.exists());
+    let status_socket = dir.path().join("status.sock");
+    assert!(status_socket.exists());
 
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     let status = tokio::task::spawn_blocking(move || {
@@ -454,6 +481,7 @@ async fn sigterm_stops_the_plugin_and_removes_its_socket() {
     .unwrap();
     assert!(status.success(), "{status:?}");
     assert!(!socket.exists(), "socket removed");
+    assert!(!status_socket.exists(), "status socket removed");
     // kubelet saw the stream end: the endpoint is disconnected.
     assert!(kubelet.wait_for_disconnect("example.com/vram", WAIT).await);
     kubelet.stop().await;
@@ -682,7 +710,7 @@ fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = gpumem();
     cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
-        .args(["--metrics-addr", ""])
+        .args(["--metrics-addr", "", "--status-socket", ""])
         .arg("--kubelet-dir")
         .arg(dir.path())
         .arg("--fake-gpus")
@@ -1037,7 +1065,7 @@ fn plugin_logs_until_registering(configure: impl FnOnce(&mut Command)) -> Vec<se
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = gpumem();
     cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
-        .args(["--metrics-addr", ""])
+        .args(["--metrics-addr", "", "--status-socket", ""])
         .arg("--kubelet-dir")
         .arg(dir.path())
         .arg("--fake-gpus")
@@ -1121,18 +1149,15 @@ fn the_version_names_the_commit_everywhere() {
     assert_eq!(build["fields"]["version"], env!("CARGO_PKG_VERSION"));
     assert!(version.contains(build["fields"]["commit"].as_str().unwrap()));
 
-    // In /status and /metrics.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    // In /status (through inspect) and /metrics.
+    let addr = free_addr();
     let dir = tempfile::tempdir().unwrap();
     let _plugin = common::Killed(
         gpumem()
             .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
             .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--state-dir")
             .arg(dir.path())
             .arg("--fake-gpus")
             .arg(fixture("t4"))
@@ -1141,29 +1166,18 @@ fn the_version_names_the_commit_everywhere() {
             .spawn()
             .unwrap(),
     );
-    let get = |path: &str| {
-        use std::io::{Read, Write};
-        let deadline = std::time::Instant::now() + WAIT;
-        let mut stream = loop {
-            match std::net::TcpStream::connect(&addr) {
-                Ok(stream) => break stream,
-                Err(err) if std::time::Instant::now() > deadline => panic!("{addr}: {err}"),
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        };
-        write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer).unwrap();
-        answer
-            .split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_owned())
-            .unwrap_or(answer)
-    };
-    let status: serde_json::Value = serde_json::from_str(&get("/status")).unwrap();
+    // Served once the metrics port answers; no kubelet, so not registered.
+    let metrics = http_get(&addr, "/metrics").1;
+    let (out, json) = run(gpumem()
+        .args(["inspect", "-o", "json", "--state-dir"])
+        .arg(dir.path())
+        .env("LD_LIBRARY_PATH", dir.path()));
+    assert!(out.status.success(), "{json}");
+    let status: serde_json::Value =
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {json}"));
     assert_eq!(status["version"], env!("CARGO_PKG_VERSION"), "{status}");
     let commit = status["commit"].as_str().unwrap_or_default();
     assert!(!commit.is_empty() && version.contains(commit), "{status}");
-    let metrics = get("/metrics");
     let info = format!(
         "gpumem_build_info{{version=\"{}\",commit=\"{commit}\"}} 1",
         env!("CARGO_PKG_VERSION")
@@ -1174,32 +1188,39 @@ fn the_version_names_the_commit_everywhere() {
 #[test]
 fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
     let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("status.sock");
+    let unanswered = format!(
+        "no gpumem plugin answers at {} (--status-socket)",
+        socket.display()
+    );
     // No NVML either (an empty library path keeps a host's out of reach).
     let (out, text) = run(gpumem()
-        .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--state-dir"])
+        .args(["inspect", "--state-dir"])
         .arg(dir.path())
         .env("LD_LIBRARY_PATH", dir.path()));
     assert!(!out.status.success(), "{text}");
     assert!(
-        text.contains("no gpumem plugin answers at 127.0.0.1:1") && text.contains("--fake-gpus"),
+        text.contains(&unanswered) && text.contains("--fake-gpus"),
         "{text}"
     );
 
     // Read directly, a state directory that is not there is named.
     let nope = dir.path().join("nope");
     let (out, text) = run(gpumem()
-        .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--fake-gpus"])
+        .args(["inspect", "--fake-gpus"])
         .arg(fixture("t4"))
+        .arg("--status-socket")
+        .arg(&socket)
         .arg("--state-dir")
         .arg(&nope));
     assert!(!out.status.success(), "{text}");
     assert!(
-        text.contains(&format!("--state-dir {}", nope.display()))
-            && text.contains("no gpumem plugin answers at 127.0.0.1:1"),
+        text.contains(&format!("--state-dir {}", nope.display())) && text.contains(&unanswered),
         "{text}"
     );
 
-    // Read directly: a warning says that no plugin answered.
+    // Read directly: a warning says that no plugin answered; the old
+    // --metrics-addr is taken, and said to be ignored.
     let (out, text) = run(gpumem()
         .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--fake-gpus"])
         .arg(fixture("t4"))
@@ -1208,7 +1229,126 @@ fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
     assert!(out.status.success(), "{text}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("no gpumem plugin answers at 127.0.0.1:1") && text.contains("Tesla T4"),
+        stderr.contains(&unanswered)
+            && stderr.contains("--metrics-addr 127.0.0.1:1 is ignored")
+            && text.contains("Tesla T4"),
         "{text}"
     );
+
+    // A socket this user may not open: said so, with where to run inspect.
+    // (Root opens any socket: only a test run as another user sees it.)
+    use std::os::unix::fs::MetadataExt;
+    if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
+        use std::os::unix::fs::PermissionsExt;
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o000)).unwrap();
+        let (_, text) = run(gpumem()
+            .args(["inspect", "--fake-gpus"])
+            .arg(fixture("t4"))
+            .arg("--state-dir")
+            .arg(dir.path()));
+        assert!(text.contains("kubectl exec"), "{text}");
+    }
+}
+
+/// An HTTP/1.0 GET over TCP: the status code and the body.
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut stream = loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(stream) => break stream,
+            Err(err) if std::time::Instant::now() > deadline => panic!("{addr}: {err}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    let code = answer.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// A free TCP port on loopback, as `HOST:PORT`.
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+// Multi-threaded: the test blocks on `gpumem inspect` while the simulated
+// kubelet it admits through runs on the same runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn who_holds_what_is_told_on_the_owner_only_socket_not_the_network_port() {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let state = dir.path().join("state");
+    let addr = free_addr();
+    let _plugin = common::Killed(
+        gpumem()
+            .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--fake-gpus")
+            .arg(fixture("t4"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_some());
+    kubelet
+        .admit("tf-notebook-1", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+
+    // The network port: metrics and liveness, no longer who holds what.
+    let (code, body) = http_get(&addr, "/status");
+    assert_eq!(code, 404, "/status still served over TCP: {body}");
+    let (code, metrics) = http_get(&addr, "/metrics");
+    assert_eq!(code, 200, "{metrics}");
+    assert!(metrics.contains("gpumem_registered 1"), "{metrics}");
+    assert_eq!(http_get(&addr, "/healthz").0, 200);
+
+    // The socket, beside the state, for root (the plugin's user) alone.
+    let socket = state.join("status.sock");
+    let meta =
+        std::fs::symlink_metadata(&socket).unwrap_or_else(|e| panic!("{}: {e}", socket.display()));
+    assert!(meta.file_type().is_socket(), "{meta:?}");
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "{meta:?}");
+
+    // `gpumem inspect` finds it from the same --state-dir: the plugin's
+    // view (registered), without NVML or --fake-gpus to read the node itself.
+    let inspect = |args: &[&str]| {
+        let (out, text) = run(gpumem()
+            .arg("inspect")
+            .args(args)
+            .arg("--state-dir")
+            .arg(&state)
+            .env("LD_LIBRARY_PATH", dir.path()));
+        assert!(out.status.success(), "{text}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = inspect(&["-d"]);
+    let row = table
+        .lines()
+        .find(|l| l.contains("tf-notebook-1"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains("4308"), "{row}");
+    let status: serde_json::Value = serde_json::from_str(&inspect(&["-o", "json"])).unwrap();
+    assert_eq!(status["registered"], true, "{status}");
+    assert_eq!(status["containers"][0]["pod"], "tf-notebook-1", "{status}");
+    kubelet.stop().await;
 }

@@ -56,7 +56,14 @@ impl Cluster {
             .arg(dir.path())
             .arg("--fake-gpus")
             .arg(fixture("v100x2"))
-            .args(["--isolation", "none", "--metrics-addr", ""])
+            .args([
+                "--isolation",
+                "none",
+                "--metrics-addr",
+                "",
+                "--status-socket",
+                "",
+            ])
             .arg("--pod-resources-socket")
             .arg(kubelet.pod_resources_socket())
             .args(["--node-name", NODE, "--kubeconfig"])
@@ -571,7 +578,14 @@ fn plugin_error(args: &[&str], kubeconfig: Option<&Path>) -> String {
         .arg(dir.path())
         .arg("--fake-gpus")
         .arg(fixture("v100x2"))
-        .args(["--isolation", "none", "--metrics-addr", ""])
+        .args([
+            "--isolation",
+            "none",
+            "--metrics-addr",
+            "",
+            "--status-socket",
+            "",
+        ])
         .args(args)
         .env_remove("KUBECONFIG")
         .env_remove("KUBERNETES_SERVICE_HOST");

@@ -60,7 +60,8 @@ impl Host {
 struct Driver {
     child: Child,
     log: PathBuf,
-    metrics: String,
+    /// Where the driver serves `/status`, for `gpumem inspect`.
+    status_socket: PathBuf,
 }
 
 impl Driver {
@@ -161,7 +162,7 @@ impl Driver {
         let driver = Driver {
             child,
             log,
-            metrics,
+            status_socket: host.path("state").join("status.sock"),
         };
         // A killed driver's socket stays behind: wait for one that answers.
         let deadline = Instant::now() + WAIT;
@@ -188,7 +189,8 @@ impl Driver {
     /// `/status`, as `gpumem inspect -o json` reads it.
     async fn status(&self) -> Value {
         let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args(["inspect", "-o", "json", "--metrics-addr", &self.metrics])
+            .args(["inspect", "-o", "json", "--status-socket"])
+            .arg(&self.status_socket)
             .args(["--fake-gpus"])
             .arg(fixture("t4"))
             .output()
@@ -472,7 +474,8 @@ async fn an_api_server_without_consumable_capacity_is_detected_and_said() {
     let status = driver.status().await;
     assert_eq!(status["dra"]["consumable_capacity"], false, "{status}");
     let table = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args(["inspect", "--metrics-addr", &driver.metrics])
+        .args(["inspect", "--status-socket"])
+        .arg(&driver.status_socket)
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&table.stdout);
@@ -620,7 +623,8 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
     );
     assert_eq!(claims[0]["used_mib"], 0, "{status}");
     let table = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args(["inspect", "-d", "--metrics-addr", &driver.metrics])
+        .args(["inspect", "-d", "--status-socket"])
+        .arg(&driver.status_socket)
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&table.stdout);
@@ -1071,7 +1075,15 @@ async fn a_node_runs_one_front_end() {
         .map_err(|(_, e)| e)
         .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args(["dra", "--node-name", NODE, "--metrics-addr", ""])
+        .args([
+            "dra",
+            "--node-name",
+            NODE,
+            "--metrics-addr",
+            "",
+            "--status-socket",
+            "",
+        ])
         .arg("--fake-gpus")
         .arg(fixture("t4"))
         .arg("--state-dir")

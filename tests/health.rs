@@ -185,7 +185,14 @@ fn spawn(dir: &TempDir, health: &PathBuf, env: &[(String, String)], start: usize
         }
     }
     cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
-        .args(["--metrics-addr", "", "--health-recovery-secs", "1"])
+        .args([
+            "--metrics-addr",
+            "",
+            "--status-socket",
+            "",
+            "--health-recovery-secs",
+            "1",
+        ])
         .arg("--kubelet-dir")
         .arg(dir.path())
         .env("LD_LIBRARY_PATH", &shim_kit().driver_dir)

@@ -35,6 +35,8 @@ struct Daemon {
     node_file: PathBuf,
     kubelet: Option<KubeletSim>,
     addr: std::net::SocketAddr,
+    /// Where the daemon serves `/status`.
+    status_socket: PathBuf,
     shutdown: CancellationToken,
     task: JoinHandle<Result<(), daemon::DaemonError>>,
     /// The API server, for daemons started with one.
@@ -101,6 +103,7 @@ impl Daemon {
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
+        let status_socket = dir.path().join("status.sock");
         let pod_resources_socket = if pod_resources {
             kubelet.pod_resources_socket()
         } else {
@@ -114,6 +117,7 @@ impl Daemon {
             |config| {
                 config.pod_resources_socket = pod_resources_socket;
                 config.common.metrics = Some(listener);
+                config.common.status_socket = Some(status_socket.clone());
                 config.common.state_grace = grace;
                 config.common.over_cap = over_cap;
                 config.cluster = cluster;
@@ -128,6 +132,7 @@ impl Daemon {
             node_file,
             kubelet: Some(kubelet),
             addr,
+            status_socket,
             shutdown,
             task,
             api,
@@ -162,10 +167,11 @@ impl Daemon {
         (code, body)
     }
 
+    /// Who holds what, from the status socket, as `gpumem inspect` reads it.
     async fn status(&self) -> NodeStatus {
-        let (code, body) = self.get("/status").await;
-        assert_eq!(code, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
+        gpumem::ops::inspect::fetch(&self.status_socket)
+            .await
+            .unwrap()
     }
 
     fn set_healthy(&self, healthy: bool) {
@@ -404,9 +410,9 @@ async fn healthz_fails_while_not_registered() {
 async fn pod_resources_is_read_within_kubelets_rate_limit() {
     let d = Daemon::start("t4", Isolation::None, Duration::from_secs(300)).await;
     d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
-    let calls: Vec<_> = (0..50).map(|_| d.get("/status")).collect();
-    for (code, _) in futures_util::future::join_all(calls).await {
-        assert_eq!(code, 200);
+    let calls: Vec<_> = (0..50).map(|_| d.status()).collect();
+    for status in futures_util::future::join_all(calls).await {
+        assert_eq!(status.containers.len(), 1);
     }
     let (answered, refused) = d.k().pod_resources_calls();
     assert_eq!(refused, 0, "never rate-limited");
@@ -1129,11 +1135,12 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
         d.k().admit(pod, "main", RESOURCE, 4).await.unwrap();
     }
     let run = |args: Vec<String>| gpumem_stdout(&args);
+    let socket = d.status_socket.display().to_string();
     let from_plugin = run(vec![
         "inspect".into(),
         "-d".into(),
-        "--metrics-addr".into(),
-        d.addr.to_string(),
+        "--status-socket".into(),
+        socket.clone(),
     ]);
     assert!(from_plugin.contains("12/14"), "{from_plugin}");
     assert!(
@@ -1151,19 +1158,19 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
         "inspect".into(),
         "-o".into(),
         "json".into(),
-        "--metrics-addr".into(),
-        d.addr.to_string(),
+        "--status-socket".into(),
+        socket,
     ]);
     let status: NodeStatus = serde_json::from_str(&json).unwrap();
     assert!(status.registered);
     assert_eq!(status.containers.len(), 3);
 
-    // No plugin at that address: the node is read directly.
+    // No plugin at that socket: the node is read directly.
     let direct = run(vec![
         "inspect".into(),
         "-d".into(),
-        "--metrics-addr".into(),
-        "127.0.0.1:1".into(),
+        "--status-socket".into(),
+        d.dir.path().join("nobody.sock").display().to_string(),
         "--isolation".into(),
         "none".into(),
         "--fake-gpus".into(),
@@ -1242,14 +1249,14 @@ async fn without_pod_resources_the_state_dir_still_shows_each_container() {
 
     // `gpumem inspect -d`, from the plugin and, with no plugin, from the node.
     let inspect = |args: &[&str]| gpumem_stdout(&[&["inspect", "-d"], args].concat());
-    let plugin_addr = d.addr.to_string();
+    let plugin_socket = d.status_socket.display().to_string();
     let missing = d.dir.path().join("no-pod-resources.sock");
     let node_file = d.node_file.display().to_string();
     for table in [
-        inspect(&["--metrics-addr", &plugin_addr]),
+        inspect(&["--status-socket", &plugin_socket]),
         inspect(&[
-            "--metrics-addr",
-            "127.0.0.1:1",
+            "--status-socket",
+            missing.to_str().unwrap(),
             "--fake-gpus",
             &node_file,
             "--pod-resources-socket",
@@ -1336,7 +1343,8 @@ fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
 fn gpumem_stdout(args: &[impl AsRef<std::ffi::OsStr>]) -> String {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
         .args(args)
-        .env_remove("GPUMEM_METRICS_ADDR")
+        .env_remove("GPUMEM_STATUS_SOCKET")
+        .env_remove("GPUMEM_STATE_DIR")
         .output()
         .unwrap();
     assert!(
@@ -1374,6 +1382,7 @@ fn spawn_daemon(
         common: Common {
             state_dir: dir.join("state"),
             metrics: None,
+            status_socket: None,
             state_grace: Duration::from_secs(300),
             reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
             over_cap: None,

@@ -392,7 +392,15 @@ async fn a_socket_that_cannot_be_bound_again_is_retried() {
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let log = dir.path().join("plugin.log");
     let mut plugin = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+        .args([
+            "plugin",
+            "--isolation",
+            "none",
+            "--metrics-addr",
+            "",
+            "--status-socket",
+            "",
+        ])
         .arg("--fake-gpus")
         .arg(common::fixture("t4"))
         .arg("--kubelet-dir")

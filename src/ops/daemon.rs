@@ -37,6 +37,7 @@ use crate::node::placement;
 use crate::node::processes::{self, ProcessUsage};
 use crate::node::units::MemoryUnit;
 use crate::ops::metrics::{self, FrontEnd, Observed};
+use crate::ops::status_socket;
 
 pub struct DaemonConfig {
     pub plugin: PluginConfig,
@@ -52,6 +53,9 @@ pub struct Common {
     pub state_dir: PathBuf,
     /// Already bound, so a bad `--metrics-addr` fails before anything starts.
     pub metrics: Option<tokio::net::TcpListener>,
+    /// Where `/status` is served (`--status-socket`); `None`: nowhere. Bound
+    /// once the front end holds the node, so a second one cannot take it.
+    pub status_socket: Option<PathBuf>,
     /// How long a finished container's accounting directory is kept.
     pub state_grace: Duration,
     /// Per-process GPU memory and how often to compare it with the
@@ -117,6 +121,8 @@ pub struct NodeConfig<'a> {
     pub unit: MemoryUnit,
     /// `--metrics-addr`, not yet parsed.
     pub metrics_addr: &'a str,
+    /// `--status-socket`, resolved; `None`: off.
+    pub status_socket: Option<PathBuf>,
     /// XIDs that do not make a GPU unhealthy.
     pub ignore_xids: &'a [u64],
     pub health_recovery: Duration,
@@ -187,6 +193,7 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
         common: Common {
             state_dir: config.state_dir,
             metrics,
+            status_socket: config.status_socket,
             state_grace: config.state_grace,
             reconcile,
             over_cap: Some(config.over_cap),
@@ -247,18 +254,16 @@ pub async fn run(
         config.cluster.is_some(),
         move |name, uuid| name.granted_mib(&inventory.borrow(), uuid),
     );
-    if let Some(listener) = common.metrics {
-        let observed = Observed::new(
-            resource.clone(),
-            inventory_rx.clone(),
-            FrontEnd::DevicePlugin(plugin.status()),
-            plugin.counters(),
-            pod_resources.clone(),
-            isolation.clone(),
-            reconciler.as_ref().map(|(r, _)| r),
-        );
-        tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
-    }
+    let observed = Observed::new(
+        resource.clone(),
+        inventory_rx.clone(),
+        FrontEnd::DevicePlugin(plugin.status()),
+        plugin.counters(),
+        pod_resources.clone(),
+        isolation.clone(),
+        reconciler.as_ref().map(|(r, _)| r),
+    );
+    serve_endpoints(&mut tasks, &mut common, observed, &stop);
     if let Some(cluster) = config.cluster {
         let pods = NodePods::watch(cluster.client.clone(), &cluster.node, stop.clone());
         tasks.spawn(crate::cluster::node::run(
@@ -320,6 +325,35 @@ pub async fn run(
     stop.cancel();
     while tasks.join_next().await.is_some() {}
     Ok(result?)
+}
+
+/// Serves metrics and health on the network port, and who holds what on
+/// the status socket. A socket that cannot be bound is logged, not fatal:
+/// kubelet's GPUs matter more, and `inspect` then reads the node itself.
+fn serve_endpoints(
+    tasks: &mut tokio::task::JoinSet<()>,
+    common: &mut Common,
+    observed: Observed,
+    stop: &CancellationToken,
+) {
+    if let Some(path) = common.status_socket.take() {
+        match status_socket::bind(&path) {
+            Ok(listener) => {
+                tasks.spawn(status_socket::serve_logged(
+                    listener,
+                    path,
+                    observed.clone(),
+                    stop.clone(),
+                ));
+            }
+            Err(err) => {
+                error!(%err, "cannot serve /status: `gpumem inspect` will read the node directly")
+            }
+        }
+    }
+    if let Some(listener) = common.metrics.take() {
+        tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
+    }
 }
 
 /// Compares NVML's per-process memory with the shim's charges (shim
@@ -659,22 +693,20 @@ pub async fn run_dra(
     });
     let (slice_tx, slice_rx) = watch::channel(SliceStatus::default());
     let (registration_tx, registration_rx) = watch::channel(Registration::default());
-    if let Some(listener) = common.metrics {
-        let observed = Observed::new(
-            config.sockets.driver_name.clone(),
-            inventory_rx.clone(),
-            FrontEnd::Dra {
-                registration: registration_rx,
-                slice: slice_rx,
-                claims: claims.clone(),
-            },
-            Arc::default(),
-            PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
-            isolation.clone(),
-            reconciler.as_ref().map(|(r, _)| r),
-        );
-        tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
-    }
+    let observed = Observed::new(
+        config.sockets.driver_name.clone(),
+        inventory_rx.clone(),
+        FrontEnd::Dra {
+            registration: registration_rx,
+            slice: slice_rx,
+            claims: claims.clone(),
+        },
+        Arc::default(),
+        PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
+        isolation.clone(),
+        reconciler.as_ref().map(|(r, _)| r),
+    );
+    serve_endpoints(&mut tasks, &mut common, observed, &stop);
     tasks.spawn(slice::run(
         config.client.clone(),
         config.driver.node.clone(),

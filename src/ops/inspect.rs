@@ -1,16 +1,15 @@
 //! `gpumem inspect`: the node's GPUs and who holds them, read from the
-//! running plugin's status endpoint, or straight from kubelet's
+//! running plugin's status socket, or straight from kubelet's
 //! pod-resources API when no plugin answers.
 
 use std::fmt;
-use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::Request;
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
+use tokio::net::UnixStream;
 use tracing::warn;
 
 use crate::deviceplugin::podresources::PodResources;
@@ -26,12 +25,19 @@ const TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
-    #[error("no gpumem plugin answers at {addr} (--metrics-addr): {message}")]
-    Unreachable { addr: SocketAddr, message: String },
-    #[error("the plugin at {addr} answered {status}")]
-    Status { addr: SocketAddr, status: u16 },
-    #[error("the plugin at {addr} sent a status this gpumem cannot read: {message}")]
-    Decode { addr: SocketAddr, message: String },
+    #[error("no gpumem plugin answers at {} (--status-socket): {message}", socket.display())]
+    Unreachable { socket: PathBuf, message: String },
+    #[error(
+        "the plugin's status socket {} is not open to this user (only to the plugin's, root \
+         in the DaemonSet): run inspect as root on the node, or through `kubectl exec \
+         ds/gpumem -- gpumem inspect`",
+        socket.display()
+    )]
+    Denied { socket: PathBuf },
+    #[error("the plugin at {} answered {status}", socket.display())]
+    Status { socket: PathBuf, status: u16 },
+    #[error("the plugin at {} sent a status this gpumem cannot read: {message}", socket.display())]
+    Decode { socket: PathBuf, message: String },
     #[error(
         "{direct}: --state-dir {} does not exist (the plugin's --state-dir, where each \
          container's accounting is; or --isolation none)",
@@ -110,14 +116,14 @@ pub struct DirectRead<'a> {
 }
 
 /// The node's status: from the running plugin at `plugin` (its
-/// `--metrics-addr`) where it answers, otherwise read directly (GPUs,
+/// `--status-socket`) where it answers, otherwise read directly (GPUs,
 /// pod-resources, accounting files).
 pub async fn status(
-    plugin: Option<SocketAddr>,
+    plugin: Option<&Path>,
     node: DirectRead<'_>,
 ) -> Result<NodeStatus, NodeReadError> {
     let from_plugin = match plugin {
-        Some(addr) => Some(fetch(local(addr)).await),
+        Some(socket) => Some(fetch(socket).await),
         None => None,
     };
     match from_plugin {
@@ -145,28 +151,28 @@ pub async fn status(
     }
 }
 
-/// The address to ask: a wildcard listen address means this host.
-pub fn local(addr: SocketAddr) -> SocketAddr {
-    if addr.ip().is_unspecified() {
-        SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), addr.port())
-    } else {
-        addr
-    }
-}
-
-/// GET /status from a running plugin.
-pub async fn fetch(addr: SocketAddr) -> Result<NodeStatus, InspectError> {
-    let unreachable = |message: String| InspectError::Unreachable { addr, message };
+/// GET /status from a running plugin's status socket.
+pub async fn fetch(socket: &Path) -> Result<NodeStatus, InspectError> {
+    let unreachable = |message: String| InspectError::Unreachable {
+        socket: socket.to_owned(),
+        message,
+    };
     let call = async {
-        let stream = TcpStream::connect(addr)
-            .await
-            .map_err(|e| unreachable(e.to_string()))?;
+        let stream = UnixStream::connect(socket).await.map_err(|e| {
+            if e.kind() == std::io::ErrorKind::PermissionDenied {
+                InspectError::Denied {
+                    socket: socket.to_owned(),
+                }
+            } else {
+                unreachable(e.to_string())
+            }
+        })?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| unreachable(e.to_string()))?;
         let driver = tokio::spawn(connection);
         let request = Request::get("/status")
-            .header(hyper::header::HOST, addr.to_string())
+            .header(hyper::header::HOST, "localhost")
             .body(http_body_util::Empty::<hyper::body::Bytes>::new())
             .map_err(|e| unreachable(e.to_string()))?;
         let response = sender
@@ -183,12 +189,12 @@ pub async fn fetch(addr: SocketAddr) -> Result<NodeStatus, InspectError> {
         driver.abort();
         if !status.is_success() {
             return Err(InspectError::Status {
-                addr,
+                socket: socket.to_owned(),
                 status: status.as_u16(),
             });
         }
         serde_json::from_slice(&body).map_err(|e| InspectError::Decode {
-            addr,
+            socket: socket.to_owned(),
             message: e.to_string(),
         })
     };

@@ -1,6 +1,6 @@
-//! The plugin's HTTP endpoint: Prometheus metrics, a liveness probe that
-//! fails while the plugin is not registered, and the node status as JSON
-//! (what `gpumem inspect` reads).
+//! The plugin's HTTP endpoint on the network: Prometheus metrics and a
+//! liveness probe that fails while the plugin is not registered. The node
+//! status as JSON is built here but served on the status socket alone.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -227,7 +227,6 @@ pub fn router(observed: Observed) -> Router {
     Router::new()
         .route("/metrics", get(scrape))
         .route("/healthz", get(healthz))
-        .route("/status", get(status))
         .with_state(Endpoint { observed, metrics })
 }
 
@@ -264,8 +263,12 @@ async fn healthz(State(endpoint): State<Endpoint>) -> impl IntoResponse {
     }
 }
 
-async fn status(State(endpoint): State<Endpoint>) -> Result<Json<NodeStatus>, StatusCode> {
-    match endpoint.observed.status().await {
+/// `/status`: who holds what, with their pods' names, for the status
+/// socket (`ops::status_socket`), never the network port.
+pub(crate) async fn status(
+    State(observed): State<Observed>,
+) -> Result<Json<NodeStatus>, StatusCode> {
+    match observed.status().await {
         Ok(status) => Ok(Json(status)),
         Err(err) => {
             error!(%err, "cannot read the node status");

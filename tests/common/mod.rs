@@ -420,7 +420,14 @@ pub fn shim_plugin(
         .arg(kubelet_dir)
         .arg("--pod-resources-socket")
         .arg(kubelet.pod_resources_socket())
-        .args(["--metrics-addr", "", "--reconcile-secs", "0"])
+        .args([
+            "--metrics-addr",
+            "",
+            "--status-socket",
+            "",
+            "--reconcile-secs",
+            "0",
+        ])
         .arg("--shim-host-dir")
         .arg(shim_dir)
         .arg("--state-dir")

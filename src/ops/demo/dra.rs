@@ -74,6 +74,7 @@ pub async fn run(
         common: Common {
             state_dir: dir.path().join("state"),
             metrics: None,
+            status_socket: None,
             state_grace: Duration::from_secs(300),
             reconcile: None,
             over_cap: None,
