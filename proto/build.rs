@@ -1,6 +1,6 @@
 //! Compiles the kubelet APIs in this directory (device plugin, pod resources,
-//! DRA, plugin registration) into `OUT_DIR` with a vendored `protoc`, so a fresh
-//! machine needs no system protobuf compiler.
+//! DRA and DRA resource health, plugin registration) into `OUT_DIR` with a
+//! vendored `protoc`, so a fresh machine needs no system protobuf compiler.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Always use the vendored compiler: a system protoc may be missing or too old.
@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "podresources/v1/api.proto",
         "dra/v1/api.proto",
         "dra/v1beta1/api.proto",
+        "dra-health/v1alpha1/api.proto",
         "pluginregistration/v1/api.proto",
     ];
     tonic_prost_build::configure().compile_protos(&protos, &["."])?;

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod checkpoint;
 pub mod claims;
+pub mod health;
 pub mod prepare;
 pub mod registration;
 pub mod service;

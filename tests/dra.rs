@@ -1,11 +1,13 @@
 //! `gpumem dra`, the DRA driver, through the real binary: a fake kubelet
 //! registers it and calls NodePrepareResources/NodeUnprepareResources over
-//! unix sockets (both API versions), and the in-process fake API server
+//! unix sockets (both API versions) and watches device health
+//! (NodeWatchResources), and the in-process fake API server
 //! serves `resource.k8s.io/v1` (slices, claims; with and without
 //! `DRAConsumableCapacity`).
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,7 +20,9 @@ use common::cdi::check_cdi_spec;
 use common::{fixture, T4_UUID};
 use gpumem::dra::claims::{ClaimRef, Prepared};
 use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
-use gpumem_testkit::simulator::dra::{DraVersion, FakeDraKubelet, KUBELET_1_33, KUBELET_1_34};
+use gpumem_testkit::simulator::dra::{
+    health_of, DraVersion, FakeDraKubelet, HealthStatus, HealthStream, KUBELET_1_33, KUBELET_1_34,
+};
 use gpumem_testkit::simulator::{ClaimUse, KubeletSim};
 
 const NODE: &str = "gpu-node-1";
@@ -1315,4 +1319,146 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
     unprepared[&uid(1)].as_ref().unwrap();
     assert!(!host.spec_file(&uid(1)).exists(), "{}", driver.log());
     wait_until("the directory's clean-up", || (!dir.exists()).then_some(())).await;
+}
+
+/// Health per `<pool>/<device>` as kubelet keys it: the node's two GPUs,
+/// `gpu-0` and `gpu-1` in pool `NODE`, as the slice names them.
+fn v100x2_health(gpu0: HealthStatus, gpu1: HealthStatus) -> BTreeMap<String, HealthStatus> {
+    BTreeMap::from([
+        (format!("{NODE}/gpu-0"), gpu0),
+        (format!("{NODE}/gpu-1"), gpu1),
+    ])
+}
+
+/// Writes the two-V100 node file at `path` with GPU 1 `healthy` or not, as
+/// an operator (or tests/health.rs) marks a fake GPU sick.
+fn write_v100x2(path: &Path, gpu1_healthy: bool) {
+    let text = std::fs::read_to_string(fixture("v100x2")).unwrap();
+    std::fs::write(path, format!("{text}healthy = {gpu1_healthy}\n")).unwrap();
+}
+
+/// Reads `stream` until a message says `want` (the driver also repeats the
+/// whole list now and then, so kubelet does not time its devices out).
+async fn health_becomes(
+    stream: &mut HealthStream,
+    want: &BTreeMap<String, HealthStatus>,
+    driver: &Driver,
+) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let got = stream
+            .next_health(left)
+            .await
+            .unwrap_or_else(|e| panic!("waiting for {want:?}: {e}\n{}", driver.log()))
+            .unwrap_or_else(|| panic!("the stream ended; log:\n{}", driver.log()));
+        if &got == want {
+            return;
+        }
+    }
+}
+
+/// kubelet 1.36 (`ResourceHealthStatus`, on by default) calls
+/// NodeWatchResources on the DRA socket and puts what it hears in the status
+/// of pods whose claims hold the device.
+#[tokio::test]
+async fn device_health_reaches_kubelet_at_once_and_on_every_change() {
+    let host = Host::new();
+    let api = api().await;
+    let gpus = host.path("node.toml");
+    write_v100x2(&gpus, true);
+    let sock = host.path("no-kubelet.sock");
+    let driver = Driver::start_custom(&host, &api, &sock, &gpus, &["--reconcile-secs", "0"]).await;
+    let kubelet = kubelet_1_34(&host).await;
+    let mut health = kubelet
+        .watch_resources()
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+
+    // At once: every device, healthy, named as in the slice.
+    let before = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let first = health
+        .next(WAIT)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()))
+        .expect("the stream ended before its first message");
+    let healthy = v100x2_health(HealthStatus::Healthy, HealthStatus::Healthy);
+    assert_eq!(health_of(&first), healthy);
+    for device in &first.devices {
+        let when = u64::try_from(device.last_updated_time).unwrap();
+        assert!(
+            when > 0 && when <= before + 60,
+            "last updated {when}, now {before}"
+        );
+    }
+    let slice = wait_until("our slice", || our_slice(&api)).await;
+    assert_eq!(slice["spec"]["pool"]["name"], NODE);
+    let published: Vec<String> = slice["spec"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| format!("{NODE}/{}", d["name"].as_str().unwrap()))
+        .collect();
+    assert_eq!(published, healthy.keys().cloned().collect::<Vec<_>>());
+
+    // GPU 1 turns sick in the fake GPU file: kubelet hears it, though the
+    // slice withdraws the device.
+    write_v100x2(&gpus, false);
+    let sick = v100x2_health(HealthStatus::Healthy, HealthStatus::Unhealthy);
+    health_becomes(&mut health, &sick, &driver).await;
+    // And again when it recovers.
+    write_v100x2(&gpus, true);
+    health_becomes(&mut health, &healthy, &driver).await;
+}
+
+/// Both DRAPlugin versions share the one DRA socket, and kubelet calls
+/// NodeWatchResources there whichever it chose; on shutdown the stream
+/// ends cleanly (kubelet dials again), not with an error.
+#[tokio::test]
+async fn device_health_is_served_to_v1_and_v1beta1_kubelets_until_shutdown() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+
+    let host = Host::new();
+    let api = api().await;
+    let gpus = host.path("node.toml");
+    write_v100x2(&gpus, false);
+    let sock = host.path("no-kubelet.sock");
+    let mut driver =
+        Driver::start_custom(&host, &api, &sock, &gpus, &["--reconcile-secs", "0"]).await;
+    let sick = v100x2_health(HealthStatus::Healthy, HealthStatus::Unhealthy);
+    let mut streams = Vec::new();
+    for (known, version) in [
+        (KUBELET_1_34, DraVersion::V1),
+        (KUBELET_1_33, DraVersion::V1beta1),
+    ] {
+        let kubelet = FakeDraKubelet::register(&host.registration_socket(), known)
+            .await
+            .unwrap();
+        assert_eq!(kubelet.version(), version);
+        let mut stream = kubelet
+            .watch_resources()
+            .await
+            .unwrap_or_else(|e| panic!("{version:?}: {e}\n{}", driver.log()));
+        let first = stream.next_health(WAIT).await.unwrap();
+        assert_eq!(first.as_ref(), Some(&sick), "{version:?}");
+        streams.push((version, stream));
+    }
+
+    kill(Pid::from_raw(driver.child.id() as i32), Signal::SIGTERM).unwrap();
+    for (version, mut stream) in streams {
+        // Repeats may still arrive before the end.
+        loop {
+            match stream.next(WAIT).await {
+                Ok(Some(_)) => continue,
+                Ok(None) => break,
+                Err(err) => panic!("{version:?}: {err}\n{}", driver.log()),
+            }
+        }
+    }
+    let status = driver.child.wait().unwrap();
+    assert!(status.success(), "{status}\n{}", driver.log());
 }

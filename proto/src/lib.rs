@@ -73,6 +73,22 @@ pub mod dra {
         /// This version's name in `PluginInfo.supported_versions`.
         pub const SERVICE: &str = "v1beta1.DRAPlugin";
     }
+
+    /// `k8s.io/kubelet/pkg/apis/dra-health`: device health a DRA driver
+    /// streams to kubelet, which puts it in the status of the pods whose
+    /// claims hold the device (KEP-4680, `ResourceHealthStatus`).
+    pub mod health {
+        /// `k8s.io/kubelet/pkg/apis/dra-health/v1alpha1`: served on the DRA
+        /// socket and called there by kubelets with `ResourceHealthStatus`
+        /// (alpha from 1.34, on by default from 1.36), whatever DRAPlugin
+        /// version they chose.
+        pub mod v1alpha1 {
+            tonic::include_proto!("v1alpha1");
+
+            /// The gRPC service's full name.
+            pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
+        }
+    }
 }
 
 /// `k8s.io/kubelet/pkg/apis/pluginregistration/v1` (package

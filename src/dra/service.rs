@@ -1,5 +1,6 @@
 //! The DRA driver's kubelet-facing gRPC: the DRAPlugin service in both API
-//! versions over the [`Claims`] seam, served with kubelet's registration.
+//! versions over the [`Claims`] seam and device health beside it, served
+//! with kubelet's registration.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -18,9 +19,11 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, error, info, warn};
 
 use crate::deviceplugin::authority;
+use crate::dra::api::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
 use crate::dra::api::pluginregistration::registration_server::RegistrationServer;
 use crate::dra::api::{v1, v1beta1};
 use crate::dra::claims::{ClaimRef, Claims, Prepared, PreparedDevice, Unprepared};
+use crate::dra::health::{HealthFeed, HealthService};
 use crate::dra::registration::{Registration, RegistrationService};
 
 /// Where DRA drivers put their plugin sockets, one directory per driver.
@@ -274,12 +277,15 @@ dra_plugin!(v1beta1, v1beta1_device);
 
 /// Serves the DRA socket, then the registration socket (kubelet dials the
 /// DRA socket as soon as it has registered us), until `shutdown`; then
-/// removes both, so kubelet deregisters the driver. kubelet's answers go to
-/// `registration`. Returns early with an error if either server fails:
-/// kubelet needs both.
+/// removes both, so kubelet deregisters the driver. The DRA socket serves
+/// both DRAPlugin versions and, for kubelets with `ResourceHealthStatus`
+/// (whichever version they chose), the devices' health from `health`.
+/// kubelet's answers go to `registration`. Returns early with an error if
+/// either server fails: kubelet needs both.
 pub async fn serve(
     sockets: &DraSockets,
     claims: Arc<dyn Claims>,
+    health: HealthFeed,
     registration: watch::Sender<Registration>,
     shutdown: CancellationToken,
 ) -> Result<(), DraError> {
@@ -317,16 +323,21 @@ pub async fn serve(
     })?;
     let registration_socket = sockets.registration_socket();
 
+    let stop = shutdown.child_token();
     let service = DraService::new(claims);
     let dra = tonic::transport::Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
-        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service));
+        .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service))
+        // Its streams end on `stop`, so the server drains at shutdown.
+        .add_service(DraResourceHealthServer::new(HealthService::new(
+            health,
+            stop.clone(),
+        )));
     registration.send_replace(Registration::Waiting);
     let register = tonic::transport::Server::builder().add_service(RegistrationServer::new(
         RegistrationService::new(name, endpoint, registration),
     ));
 
-    let stop = shutdown.child_token();
     let mut served = Vec::new();
     let started = async {
         served.push(Served::start(&dra_socket, dra, &stop).await?);
@@ -497,8 +508,12 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
+    use crate::node::gpu::Gpu;
+    use crate::node::inventory::Inventory;
+    use crate::node::units::MemoryUnit;
     use gpumem_testkit::simulator::dra::{
-        wait_for_socket, DraVersion, FakeDraKubelet, FakeKubeletError, KUBELET_1_33, KUBELET_1_34,
+        health_of, wait_for_socket, DraVersion, FakeDraKubelet, FakeKubeletError, HealthStatus,
+        KUBELET_1_33, KUBELET_1_34,
     };
 
     const WAIT: Duration = Duration::from_secs(10);
@@ -574,10 +589,33 @@ mod tests {
     struct Driver {
         sockets: DraSockets,
         claims: Arc<FakeClaims>,
+        /// What the health watcher would keep current.
+        gpus: watch::Sender<Arc<Inventory>>,
         state: watch::Receiver<Registration>,
         shutdown: CancellationToken,
         task: JoinHandle<Result<(), DraError>>,
         _dir: tempfile::TempDir,
+    }
+
+    /// Two healthy T4s in pool `node-a`, watched.
+    fn feed() -> (watch::Sender<Arc<Inventory>>, HealthFeed) {
+        let gpus = (0..2)
+            .map(|index| Gpu {
+                index,
+                uuid: format!("GPU-{index}"),
+                name: "Tesla T4".into(),
+                memory_mib: 15079,
+                healthy: true,
+            })
+            .collect();
+        let inventory = Inventory::new(gpus, MemoryUnit::GiB).unwrap();
+        let (tx, rx) = watch::channel(Arc::new(inventory));
+        let feed = HealthFeed {
+            pool: "node-a".into(),
+            inventory: rx,
+            checked: true,
+        };
+        (tx, feed)
     }
 
     fn sockets_in(dir: &Path) -> DraSockets {
@@ -599,13 +637,15 @@ mod tests {
 
         async fn start_in(dir: tempfile::TempDir, sockets: DraSockets) -> Driver {
             let claims = Arc::new(FakeClaims::default());
+            let (gpus, health) = feed();
             let (registration, state) = watch::channel(Registration::Waiting);
             let shutdown = CancellationToken::new();
             let task = tokio::spawn({
                 let sockets = sockets.clone();
                 let claims: Arc<dyn Claims> = claims.clone();
                 let shutdown = shutdown.clone();
-                async move { serve(&sockets, claims, registration, shutdown).await }
+                let health = health.clone();
+                async move { serve(&sockets, claims, health, registration, shutdown).await }
             });
             wait_for_socket(&sockets.registration_socket(), WAIT)
                 .await
@@ -622,6 +662,7 @@ mod tests {
             Driver {
                 sockets,
                 claims,
+                gpus,
                 state,
                 shutdown,
                 task,
@@ -683,6 +724,42 @@ mod tests {
         );
         drop(kubelet);
         driver.stop().await.1.unwrap();
+    }
+
+    /// kubelet calls NodeWatchResources on the DRA socket whichever
+    /// DRAPlugin version it chose; the stream ends cleanly at shutdown.
+    #[tokio::test]
+    async fn device_health_is_served_beside_both_versions_until_shutdown() {
+        let driver = Driver::start().await;
+        let mut streams = Vec::new();
+        for known in [KUBELET_1_34, KUBELET_1_33] {
+            let kubelet = FakeDraKubelet::register(&driver.sockets.registration_socket(), known)
+                .await
+                .unwrap();
+            let mut stream = kubelet.watch_resources().await.unwrap();
+            let first = stream.next(WAIT).await.unwrap().unwrap();
+            assert_eq!(
+                health_of(&first),
+                BTreeMap::from([
+                    ("node-a/gpu-0".into(), HealthStatus::Healthy),
+                    ("node-a/gpu-1".into(), HealthStatus::Healthy),
+                ]),
+                "{:?}",
+                kubelet.version()
+            );
+            streams.push(stream);
+        }
+        let sick = driver.gpus.borrow().with_health("GPU-0", false).unwrap();
+        driver.gpus.send_replace(Arc::new(sick));
+        for stream in &mut streams {
+            let changed = stream.next_health(WAIT).await.unwrap().unwrap();
+            assert_eq!(changed["node-a/gpu-0"], HealthStatus::Unhealthy);
+        }
+        let (_, stopped) = driver.stop().await;
+        stopped.unwrap();
+        for stream in &mut streams {
+            assert!(stream.next(WAIT).await.unwrap().is_none());
+        }
     }
 
     #[tokio::test]
@@ -870,9 +947,15 @@ mod tests {
         let _theirs = UnixListener::bind(sockets.dra_socket()).unwrap();
         let claims: Arc<dyn Claims> = Arc::new(FakeClaims::default());
         let (registration, _) = watch::channel(Registration::Waiting);
-        let err = serve(&sockets, claims, registration, CancellationToken::new())
-            .await
-            .unwrap_err();
+        let err = serve(
+            &sockets,
+            claims,
+            feed().1,
+            registration,
+            CancellationToken::new(),
+        )
+        .await
+        .unwrap_err();
         assert!(
             matches!(&err, DraError::SocketInUse { path } if *path == sockets.dra_socket()),
             "{err}"
@@ -887,10 +970,16 @@ mod tests {
         let serve_with = |sockets: DraSockets| async move {
             let claims: Arc<dyn Claims> = Arc::new(FakeClaims::default());
             let (registration, _) = watch::channel(Registration::Waiting);
-            serve(&sockets, claims, registration, CancellationToken::new())
-                .await
-                .unwrap_err()
-                .to_string()
+            serve(
+                &sockets,
+                claims,
+                feed().1,
+                registration,
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_err()
+            .to_string()
         };
         let sockets = sockets_in(dir.path());
         let err = serve_with(sockets.clone()).await;

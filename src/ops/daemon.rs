@@ -20,6 +20,7 @@ use crate::deviceplugin::holders::KubeletHolders;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::deviceplugin::podresources::{Holding, PodResources};
 use crate::dra::checkpoint::{self, Checkpoint};
+use crate::dra::health::HealthFeed;
 use crate::dra::prepare::{DriverConfig, PreparedClaims};
 use crate::dra::registration::Registration;
 use crate::dra::service::{self, DraSockets};
@@ -726,6 +727,13 @@ pub async fn run_dra(
             stop.clone(),
         ));
     }
+    // kubelet hears each device's health from the same watcher that
+    // withdraws a sick GPU from the slice.
+    let health_feed = HealthFeed {
+        pool: config.driver.node.clone(),
+        inventory: inventory_rx.clone(),
+        checked: health.is_some(),
+    };
     if let Some(watch) = health {
         tasks.spawn(health::run(watch, inventory_tx, stop.clone()));
     }
@@ -744,6 +752,7 @@ pub async fn run_dra(
     let result = service::serve(
         &config.sockets,
         Arc::new(claims),
+        health_feed,
         registration_tx,
         stop.clone(),
     )

@@ -1,5 +1,6 @@
 //! kubelet's side of DRA for `gpumem demo` and the tests: registers a DRA
-//! driver the way kubelet's plugin watcher does, then prepares claims.
+//! driver the way kubelet's plugin watcher does, then prepares claims and
+//! watches device health.
 //!
 //! It follows the real kubelet where a driver can tell the difference
 //! (pkg/kubelet/pluginmanager/operationexecutor and pkg/kubelet/cm/dra/plugin):
@@ -12,6 +13,7 @@
 //! kubelet connects lazily, so a driver that advertises its endpoint before
 //! serving it fails here.
 
+use std::collections::BTreeMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -19,6 +21,11 @@ use std::time::Duration;
 use prost::Message;
 use tonic::transport::Channel;
 
+pub use gpumem_kubelet_api::dra::health::v1alpha1::HealthStatus;
+use gpumem_kubelet_api::dra::health::v1alpha1::{
+    dra_resource_health_client::DraResourceHealthClient, NodeWatchResourcesRequest,
+    NodeWatchResourcesResponse,
+};
 use gpumem_kubelet_api::dra::{v1, v1beta1};
 pub use gpumem_kubelet_api::dra::{ClaimRef, Prepared, PreparedDevice, Unprepared};
 use gpumem_kubelet_api::pluginregistration::{
@@ -100,6 +107,9 @@ pub struct FakeDraKubelet {
     info: PluginInfo,
     version: DraVersion,
     client: Client,
+    /// The DRA socket's connection, which kubelet also calls
+    /// DRAResourceHealth on.
+    channel: Channel,
 }
 
 impl FakeDraKubelet {
@@ -139,11 +149,12 @@ impl FakeDraKubelet {
             error: accepted.as_ref().err().cloned().unwrap_or_default(),
         };
         let _: RegistrationStatusResponse = conn.call(NOTIFY, &status).await?;
-        let (version, client) = accepted.map_err(FakeKubeletError::Refused)?;
+        let (version, client, channel) = accepted.map_err(FakeKubeletError::Refused)?;
         Ok(FakeDraKubelet {
             info,
             version,
             client,
+            channel,
         })
     }
 
@@ -217,6 +228,30 @@ impl FakeDraKubelet {
         })
     }
 
+    /// `v1alpha1.DRAResourceHealth/NodeWatchResources` on the DRA socket's
+    /// connection, as kubelets with `ResourceHealthStatus` call it (whatever
+    /// DRAPlugin version they chose): the stream of the driver's device
+    /// health.
+    pub async fn watch_resources(&self) -> Result<HealthStream, FakeKubeletError> {
+        let mut client = DraResourceHealthClient::new(self.channel.clone());
+        let call = client.node_watch_resources(NodeWatchResourcesRequest {});
+        let stream = tokio::time::timeout(CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| FakeKubeletError::Status {
+                method: "NodeWatchResources",
+                status: tonic::Status::deadline_exceeded(format!(
+                    "no answer within {CALL_TIMEOUT:?}"
+                )),
+            })?
+            .map_err(|status| FakeKubeletError::Status {
+                method: "NodeWatchResources",
+                status,
+            })?;
+        Ok(HealthStream {
+            stream: stream.into_inner(),
+        })
+    }
+
     /// NodeUnprepareResources for `claims`: exactly the entries the plugin
     /// answered, a non-empty `error` as `Err`.
     pub async fn unprepare(&self, claims: &[ClaimRef]) -> Result<Unprepared, FakeKubeletError> {
@@ -249,6 +284,54 @@ impl FakeDraKubelet {
     }
 }
 
+/// A driver's NodeWatchResources stream, as kubelet reads it.
+pub struct HealthStream {
+    stream: tonic::Streaming<NodeWatchResourcesResponse>,
+}
+
+impl HealthStream {
+    /// The next message within `timeout`; `None` when the driver ended the
+    /// stream.
+    pub async fn next(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<NodeWatchResourcesResponse>, FakeKubeletError> {
+        let status = |status| FakeKubeletError::Status {
+            method: "NodeWatchResources",
+            status,
+        };
+        tokio::time::timeout(timeout, self.stream.message())
+            .await
+            .map_err(|_| {
+                status(tonic::Status::deadline_exceeded(format!(
+                    "no message within {timeout:?}"
+                )))
+            })?
+            .map_err(status)
+    }
+
+    /// The next message, as kubelet's health cache keys it: health per
+    /// `<pool>/<device>`.
+    pub async fn next_health(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<Option<BTreeMap<String, HealthStatus>>, FakeKubeletError> {
+        Ok(self.next(timeout).await?.map(|m| health_of(&m)))
+    }
+}
+
+/// Health per `<pool>/<device>` in one message.
+pub fn health_of(message: &NodeWatchResourcesResponse) -> BTreeMap<String, HealthStatus> {
+    message
+        .devices
+        .iter()
+        .map(|d| {
+            let id = d.device.clone().unwrap_or_default();
+            (format!("{}/{}", id.pool_name, id.device_name), d.health())
+        })
+        .collect()
+}
+
 /// A claim in one version's message.
 macro_rules! claim {
     ($version:ident, $c:expr) => {
@@ -276,7 +359,7 @@ async fn connect_endpoint(
     registration_socket: &Path,
     info: &PluginInfo,
     version: DraVersion,
-) -> Result<(DraVersion, Client), String> {
+) -> Result<(DraVersion, Client, Channel), String> {
     let endpoint = if info.endpoint.is_empty() {
         registration_socket.to_owned()
     } else {
@@ -295,12 +378,12 @@ async fn connect_endpoint(
             )
         })?;
     let client = match version {
-        DraVersion::V1 => Client::V1(v1::dra_plugin_client::DraPluginClient::new(channel)),
-        DraVersion::V1beta1 => {
-            Client::V1beta1(v1beta1::dra_plugin_client::DraPluginClient::new(channel))
-        }
+        DraVersion::V1 => Client::V1(v1::dra_plugin_client::DraPluginClient::new(channel.clone())),
+        DraVersion::V1beta1 => Client::V1beta1(v1beta1::dra_plugin_client::DraPluginClient::new(
+            channel.clone(),
+        )),
     };
-    Ok((version, client))
+    Ok((version, client, channel))
 }
 
 /// Waits until a socket is at `path`, as kubelet's plugin watcher notices
