@@ -10,16 +10,7 @@ use gpumem_testkit::simulator::KubeletSim;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-fn gpumem() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumem"));
-    // Only what a test sets explicitly.
-    for (key, _) in std::env::vars() {
-        if key.starts_with("GPUMEM_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
-}
+use common::gpumem_cmd as gpumem;
 
 fn run(cmd: &mut Command) -> (Output, String) {
     let out = cmd.output().unwrap();
@@ -131,20 +122,8 @@ fn run_within(cmd: &mut Command, limit: Duration) -> (std::process::ExitStatus, 
 
 /// `gpumem plugin` on a fake GPU file: exits at once when the file is refused.
 fn plugin_on(dir: &std::path::Path, file: &std::path::Path) -> Command {
-    let mut cmd = gpumem();
-    cmd.args([
-        "plugin",
-        "--isolation",
-        "none",
-        "--metrics-addr",
-        "",
-        "--status-socket",
-        "",
-    ])
-    .arg("--kubelet-dir")
-    .arg(dir)
-    .arg("--fake-gpus")
-    .arg(file);
+    let mut cmd = common::bare_plugin(dir);
+    cmd.arg("--fake-gpus").arg(file);
     cmd
 }
 
@@ -253,18 +232,7 @@ fn absurd_gpu_sizes_from_nvml_are_refused_naming_the_bound() {
     // The fake driver doubles as libnvidia-ml.so.1, reporting 1e12 MiB.
     let dir = tempfile::tempdir().unwrap();
     let (status, text) = run_within(
-        gpumem()
-            .args([
-                "plugin",
-                "--isolation",
-                "none",
-                "--metrics-addr",
-                "",
-                "--status-socket",
-                "",
-            ])
-            .arg("--kubelet-dir")
-            .arg(dir.path())
+        common::bare_plugin(dir.path())
             .env("LD_LIBRARY_PATH", &common::shim_kit().driver_dir)
             .env("FAKEGPU_MEMORY_MIB", "1000000000000"),
         WAIT,
@@ -369,18 +337,7 @@ async fn a_rejected_allocate_logs_one_short_line_however_many_ids_it_names() {
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let log = dir.path().join("plugin.log");
-    let child = gpumem()
-        .args([
-            "plugin",
-            "--isolation",
-            "none",
-            "--metrics-addr",
-            "",
-            "--status-socket",
-            "",
-        ])
-        .arg("--kubelet-dir")
-        .arg(dir.path())
+    let child = common::bare_plugin(dir.path())
         .arg("--fake-gpus")
         .arg(fixture("t4"))
         .stdout(Stdio::null())

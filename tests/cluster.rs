@@ -50,20 +50,9 @@ impl Cluster {
         }));
         let kubelet = KubeletSim::start(dir.path()).unwrap();
         let log = dir.path().join("plugin.log");
-        let plugin = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .arg("plugin")
-            .arg("--kubelet-dir")
-            .arg(dir.path())
+        let plugin = common::bare_plugin(dir.path())
             .arg("--fake-gpus")
             .arg(fixture("v100x2"))
-            .args([
-                "--isolation",
-                "none",
-                "--metrics-addr",
-                "",
-                "--status-socket",
-                "",
-            ])
             .arg("--pod-resources-socket")
             .arg(kubelet.pod_resources_socket())
             .args(["--node-name", NODE, "--kubeconfig"])

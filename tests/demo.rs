@@ -6,19 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-fn gpumem() -> Command {
-    gpumem_at(Path::new(env!("CARGO_BIN_EXE_gpumem")))
-}
-
-fn gpumem_at(binary: &Path) -> Command {
-    let mut cmd = Command::new(binary);
-    for (key, _) in std::env::vars() {
-        if key.starts_with("GPUMEM_") || key.starts_with("FAKEGPU_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
-}
+use common::{gpumem_cmd as gpumem, gpumem_cmd_at as gpumem_at};
 
 fn run(cmd: &mut Command) -> (Output, String, String) {
     let out = cmd.output().unwrap();

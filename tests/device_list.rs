@@ -8,7 +8,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use common::cdi::check_cdi_spec;
@@ -151,15 +151,7 @@ impl Drop for Plugin {
     }
 }
 
-fn gpumem() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumem"));
-    for (key, _) in std::env::vars() {
-        if key.starts_with("GPUMEM_") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd
-}
+use common::gpumem_cmd as gpumem;
 
 /// (container path, host path, read-only) of a response's mounts.
 fn mounts(response: &ContainerAllocateResponse) -> BTreeSet<(String, String, bool)> {

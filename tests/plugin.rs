@@ -391,20 +391,9 @@ async fn a_socket_that_cannot_be_bound_again_is_retried() {
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let log = dir.path().join("plugin.log");
-    let mut plugin = std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
-        .args([
-            "plugin",
-            "--isolation",
-            "none",
-            "--metrics-addr",
-            "",
-            "--status-socket",
-            "",
-        ])
+    let mut plugin = common::bare_plugin(dir.path())
         .arg("--fake-gpus")
         .arg(common::fixture("t4"))
-        .arg("--kubelet-dir")
-        .arg(dir.path())
         .arg("--pod-resources-socket")
         .arg(kubelet.pod_resources_socket())
         .env_remove("RUST_LOG")

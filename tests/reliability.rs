@@ -88,18 +88,7 @@ async fn a_killed_and_restarted_plugin_keeps_ids_and_never_hands_a_unit_out_twic
     let dir = tempfile::tempdir().unwrap();
     let kubelet = KubeletSim::start(dir.path()).unwrap();
     let start = || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .args([
-                "plugin",
-                "--isolation",
-                "none",
-                "--metrics-addr",
-                "",
-                "--status-socket",
-                "",
-            ])
-            .arg("--kubelet-dir")
-            .arg(dir.path())
+        common::bare_plugin(dir.path())
             .arg("--fake-gpus")
             .arg(fixture("v100x2"))
             .stderr(Stdio::null())

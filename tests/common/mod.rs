@@ -30,6 +30,41 @@ pub const RESOURCE: &str = "aliyun.com/gpu-mem";
 /// Generous: these bound waits for events, they do not time anything.
 pub const WAIT: Duration = Duration::from_secs(20);
 
+/// The real binary, without the environment's `GPUMEM_*` and `FAKEGPU_*`
+/// settings: only what a test sets.
+pub fn gpumem_cmd() -> std::process::Command {
+    gpumem_cmd_at(Path::new(env!("CARGO_BIN_EXE_gpumem")))
+}
+
+/// [`gpumem_cmd`] for a copy of the binary at `binary`.
+pub fn gpumem_cmd_at(binary: &Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new(binary);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("GPUMEM_") || key.starts_with("FAKEGPU_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+/// `gpumem plugin` for kubelet at `kubelet_dir` and nothing else: no
+/// isolation, no network endpoint, no status socket.
+pub fn bare_plugin(kubelet_dir: &Path) -> std::process::Command {
+    let mut cmd = gpumem_cmd();
+    cmd.args([
+        "plugin",
+        "--isolation",
+        "none",
+        "--metrics-addr",
+        "",
+        "--status-socket",
+        "",
+    ])
+    .arg("--kubelet-dir")
+    .arg(kubelet_dir);
+    cmd
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/gpus")
