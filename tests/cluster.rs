@@ -6,7 +6,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -560,21 +560,10 @@ async fn the_node_shows_its_gpu_count_and_each_gpus_units() {
 
 fn plugin_error(args: &[&str], kubeconfig: Option<&Path>) -> String {
     let dir = tempfile::tempdir().unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+    let mut command = common::bare_plugin(dir.path());
     command
-        .arg("plugin")
-        .arg("--kubelet-dir")
-        .arg(dir.path())
         .arg("--fake-gpus")
         .arg(fixture("v100x2"))
-        .args([
-            "--isolation",
-            "none",
-            "--metrics-addr",
-            "",
-            "--status-socket",
-            "",
-        ])
         .args(args)
         .env_remove("KUBECONFIG")
         .env_remove("KUBERNETES_SERVICE_HOST");
