@@ -57,8 +57,9 @@ const STATE_MOUNT_POINTS: [&str; 2] = [gpumem_layout::CONTAINER_DIR, "/run/gpume
 /// from the contents of its `/proc/<pid>/mountinfo`, in the order the shim
 /// reads their files: the state path's own, then the others by name.
 /// Allocate or a claim's CDI spec mounted them there, so every process of
-/// the container has them, loaded the shim or not, and an unprivileged
-/// container cannot change them. A name is the directory's under
+/// the container has them, loaded the shim or not; only a process that
+/// makes a user namespace of its own can shed them (docs/SECURITY.md,
+/// "Leaving the container's mount view"). A name is the directory's under
 /// `<state-dir>/containers`.
 pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
     let mut found: Vec<(bool, String)> = mountinfo
@@ -90,7 +91,8 @@ pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
 /// What the `/proc` files of the processes NVML lists say of them, read at
 /// most once per sweep, and kept from one sweep to the next for as long as
 /// the process lives: its mounts and cgroup are set up before it can reach a
-/// GPU, an unprivileged container can change neither, and a PID taken by a
+/// GPU (what a process sheds after it was first seen here does not count),
+/// and a PID taken by a
 /// new process comes with a new start time (`stat`, one line). A
 /// container's mount table is 30–40 lines the kernel writes out at every
 /// read; a host process's has several per pod on the node.
