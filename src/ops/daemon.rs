@@ -552,8 +552,9 @@ async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &st
             events::UNMANAGED,
             "Report",
             format!(
-                "Process {pid} holds {used_mib} MiB on GPU {gpu} without the pod having asked for \
-                 GPU memory from gpumem; it is not capped"
+                "Process {pid} holds {used_mib} MiB on GPU {gpu} and is in no container gpumem \
+                 holds to a cap (the pod did not ask gpumem for GPU memory, or the process left \
+                 its container's mounts: docs/SECURITY.md); it is not capped"
             ),
         ),
     };
