@@ -17,9 +17,9 @@ use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
-use gpumem::deviceplugin::kubelet;
 use gpumem::deviceplugin::plugin::{Plugin, PluginConfig, SOCKET_NAME};
 use gpumem::isolation::inject::Isolation;
+use gpumem::kubelet::unix;
 use gpumem::node::gpu::Gpu;
 use gpumem::node::inventory::{Inventory, KUBELET_MAX_MESSAGE};
 use gpumem::node::placement::{self, Policy};
@@ -133,7 +133,7 @@ async fn socket_latency() {
             let socket = socket.clone();
             let ids = ids.clone();
             handles.push(tokio::spawn(async move {
-                let mut client = DevicePluginClient::new(kubelet::connect(&socket).await.unwrap());
+                let mut client = DevicePluginClient::new(unix::connect(&socket).await.unwrap());
                 let (mut alloc, mut prefer) = (Vec::new(), Vec::new());
                 for i in 0..2000usize {
                     let request = AllocateRequest {
@@ -238,7 +238,7 @@ async fn daemon_memory() {
     for _ in 0..16 {
         let socket = socket.clone();
         handles.push(tokio::spawn(async move {
-            let mut client = DevicePluginClient::new(kubelet::connect(&socket).await.unwrap());
+            let mut client = DevicePluginClient::new(unix::connect(&socket).await.unwrap());
             let ids: Vec<String> = (0..4)
                 .map(|u| {
                     format!(

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use gpumem::deviceplugin::podresources;
 use gpumem::dra;
 use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
+use gpumem::kubelet::podresources;
 use gpumem::node::hardware::Hardware;
 use gpumem::node::health::XidList;
 use gpumem::node::placement::Policy;

@@ -346,7 +346,7 @@ async fn a_rejected_allocate_logs_one_short_line_however_many_ids_it_names() {
         .unwrap();
     let child = common::Killed(child);
     assert!(kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_some());
-    let channel = gpumem::deviceplugin::kubelet::connect(&dir.path().join("gpumem.sock"))
+    let channel = gpumem::kubelet::unix::connect(&dir.path().join("gpumem.sock"))
         .await
         .unwrap();
     // 1M IDs once wrote one 48 MB line; 50,000 wrote 600 KB.

@@ -18,8 +18,8 @@ use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
-use gpumem::deviceplugin::kubelet;
 use gpumem::isolation::inject::env;
+use gpumem::kubelet::unix;
 use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 use gpumem_testkit::simulator::{AdmissionError, KubeletSim};
 
@@ -222,7 +222,7 @@ async fn allocate_refuses_devices_on_another_gpu_than_the_extenders() {
     let devices = c.kubelet.devices(RESOURCE).unwrap();
     // Two units of the first GPU listed (GPU 0's IDs come first).
     let gpu0: Vec<String> = devices.iter().take(2).map(|d| d.id.clone()).collect();
-    let mut client = DevicePluginClient::new(kubelet::connect(&c.socket()).await.unwrap());
+    let mut client = DevicePluginClient::new(unix::connect(&c.socket()).await.unwrap());
     let err = client
         .allocate(AllocateRequest {
             container_requests: vec![ContainerAllocateRequest { devices_ids: gpu0 }],
@@ -267,7 +267,7 @@ async fn preferred_allocation_and_allocate_agree_while_the_watch_lags_a_bind() {
         .into_iter()
         .map(|d| d.id)
         .collect();
-    let mut client = DevicePluginClient::new(kubelet::connect(&c.socket()).await.unwrap());
+    let mut client = DevicePluginClient::new(unix::connect(&c.socket()).await.unwrap());
     let preferred = client
         .get_preferred_allocation(PreferredAllocationRequest {
             container_requests: vec![ContainerPreferredAllocationRequest {

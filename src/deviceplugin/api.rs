@@ -1,4 +1,4 @@
-//! kubelet's device plugin API (v1beta1) and pod-resources API (v1), from
-//! the `gpumem-kubelet-api` crate.
+//! kubelet's device plugin API (v1beta1), from the `gpumem-kubelet-api`
+//! crate.
 
-pub use gpumem_kubelet_api::{deviceplugin, podresources};
+pub use gpumem_kubelet_api::deviceplugin;

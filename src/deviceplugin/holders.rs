@@ -15,9 +15,9 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::deviceplugin::checkpoint;
-use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
+use crate::kubelet::podresources::PodResources;
 
 /// The least time between two unprompted resends, whatever the grace
 /// period: each makes kubelet rewrite its checkpoint.

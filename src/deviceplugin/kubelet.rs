@@ -1,16 +1,13 @@
-//! Talking to kubelet: gRPC channels over unix sockets, the Register call,
-//! and the file identities that reveal a kubelet restart.
+//! Registering with kubelet: the Register call, and the file identities
+//! that reveal a kubelet restart.
 
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tokio::net::UnixStream;
-use tonic::transport::{Channel, Endpoint};
-
 use crate::deviceplugin::api::deviceplugin::registration_client::RegistrationClient;
 use crate::deviceplugin::api::deviceplugin::RegisterRequest;
+use crate::kubelet::unix::connect;
 
 /// kubelet's registration socket, inside `--kubelet-dir`.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
@@ -35,19 +32,6 @@ pub enum KubeletError {
     },
     #[error("Register at {path} timed out after {timeout:?}")]
     Timeout { path: PathBuf, timeout: Duration },
-}
-
-/// A gRPC channel to the unix socket at `path`, connected now so a missing
-/// socket is reported at once. The URI is a placeholder: nothing on a unix
-/// socket reads `:authority`.
-pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
-    let path = path.to_owned();
-    Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move { UnixStream::connect(path).await.map(TokioIo::new) }
-        }))
-        .await
 }
 
 /// One Register call to the kubelet socket at `path`.

@@ -277,7 +277,7 @@ impl Plugin {
             .add_service(DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST))
             .serve_with_incoming_shutdown(
                 // kubelet <= 1.25 sends our socket path as :authority.
-                crate::deviceplugin::authority::lenient(UnixListenerStream::new(listener)),
+                crate::kubelet::authority::lenient(UnixListenerStream::new(listener)),
                 generation.clone().cancelled_owned(),
             );
         let generation = generation.clone();

@@ -18,13 +18,13 @@ use tonic::transport::server::Router;
 use tonic::{Request, Response, Status};
 use tracing::{debug, error, info, warn};
 
-use crate::deviceplugin::authority;
 use crate::dra::api::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
 use crate::dra::api::pluginregistration::registration_server::RegistrationServer;
 use crate::dra::api::{v1, v1beta1};
 use crate::dra::claims::{ClaimRef, Claims, Prepared, PreparedDevice, Unprepared};
 use crate::dra::health::{HealthFeed, HealthService};
 use crate::dra::registration::{Registration, RegistrationService};
+use crate::kubelet::authority;
 
 /// Where DRA drivers put their plugin sockets, one directory per driver.
 pub const DEFAULT_PLUGINS_DIR: &str = "/var/lib/kubelet/plugins";

@@ -12,8 +12,8 @@ use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 use tracing::warn;
 
-use crate::deviceplugin::podresources::PodResources;
 use crate::isolation::inject::Isolation;
+use crate::kubelet::podresources::PodResources;
 use crate::node::gpu::GpuError;
 use crate::node::hardware::Hardware;
 use crate::node::inventory::{Inventory, InventoryError};

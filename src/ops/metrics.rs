@@ -25,7 +25,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::error;
 
 use crate::deviceplugin::plugin::PluginStatus;
-use crate::deviceplugin::podresources::{Holding, PodResources, PodResourcesError};
 use crate::deviceplugin::service::Counters;
 use crate::dra::prepare::PreparedClaims;
 use crate::dra::registration::Registration;
@@ -33,6 +32,7 @@ use crate::dra::slice::SliceStatus;
 use crate::isolation::enforce::Actions;
 use crate::isolation::inject::Isolation;
 use crate::isolation::reconcile::{Overheads, Reconciler, Unmanaged};
+use crate::kubelet::podresources::{Holding, PodResources, PodResourcesError};
 use crate::node::inventory::Inventory;
 use crate::ops::status::{
     ClaimShare, ClaimStatus, ContainerStatus, DraStatus, GpuStatus, NodeStatus,

@@ -6,10 +6,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::deviceplugin::podresources::{Holding, PodResourcesError};
 use crate::isolation::accounting::Usage;
 use crate::isolation::containers::{ContainerName, Containers};
 use crate::isolation::inject::Isolation;
+use crate::kubelet::podresources::{Holding, PodResourcesError};
 use crate::node::inventory::Inventory;
 use crate::node::placement;
 

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
 use gpumem::deviceplugin::api::deviceplugin::Device;
-use gpumem::deviceplugin::kubelet;
 use gpumem::deviceplugin::plugin::{Plugin, PluginConfig, PluginError, SOCKET_NAME};
 use gpumem::isolation::inject::Isolation;
+use gpumem::kubelet::unix;
 use gpumem::node::gpu::{FakeGpus, GpuSource};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
@@ -164,7 +164,7 @@ impl Node {
 
     /// A client of the plugin socket, as kubelet dials it.
     pub async fn client(&self) -> DevicePluginClient<Channel> {
-        DevicePluginClient::new(kubelet::connect(&self.socket()).await.unwrap())
+        DevicePluginClient::new(unix::connect(&self.socket()).await.unwrap())
     }
 
     pub async fn stop(self) {

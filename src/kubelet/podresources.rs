@@ -10,9 +10,9 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-use crate::deviceplugin::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
-use crate::deviceplugin::api::podresources::ListPodResourcesRequest;
-use crate::deviceplugin::kubelet;
+use crate::kubelet::api::podresources::pod_resources_lister_client::PodResourcesListerClient;
+use crate::kubelet::api::podresources::ListPodResourcesRequest;
+use crate::kubelet::unix;
 
 /// kubelet's default pod-resources socket.
 pub const DEFAULT_SOCKET: &str = "/var/lib/kubelet/pod-resources/kubelet.sock";
@@ -101,7 +101,7 @@ impl PodResources {
 
     async fn list(&self) -> Result<Listed, PodResourcesError> {
         let channel =
-            kubelet::connect(&self.path)
+            unix::connect(&self.path)
                 .await
                 .map_err(|e| PodResourcesError::Unreachable {
                     path: self.path.clone(),
