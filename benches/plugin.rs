@@ -17,11 +17,12 @@ use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
+use gpumem::deviceplugin::list::{self, list_and_watch, KUBELET_MAX_MESSAGE};
 use gpumem::deviceplugin::plugin::{Plugin, PluginConfig, SOCKET_NAME};
 use gpumem::isolation::inject::Isolation;
 use gpumem::kubelet::unix;
 use gpumem::node::gpu::Gpu;
-use gpumem::node::inventory::{Inventory, KUBELET_MAX_MESSAGE};
+use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::{self, Policy};
 use gpumem::node::units::MemoryUnit;
 use gpumem_testkit::simulator::KubeletSim;
@@ -57,12 +58,18 @@ fn list_and_watch_sizes() {
     for (count, gib) in [(1u32, 16u64), (8, 16), (1, 141), (8, 141)] {
         for unit in [MemoryUnit::GiB, MemoryUnit::MiB] {
             let start = Instant::now();
-            let outcome = Inventory::new(gpus(count, gib * 1024), unit);
+            let outcome = Inventory::new(gpus(count, gib * 1024), unit)
+                .map_err(|err| err.to_string())
+                .and_then(|inv| {
+                    list::check(&inv)
+                        .map(|()| inv)
+                        .map_err(|err| err.to_string())
+                });
             let built = start.elapsed();
             match outcome {
                 Ok(inv) => {
                     let start = Instant::now();
-                    let bytes = inv.list_and_watch().encode_to_vec().len();
+                    let bytes = list_and_watch(&inv).encode_to_vec().len();
                     println!(
                         "{count} × {gib:>3} GiB in {unit}: {:>7} devices, {bytes:>8} bytes, build+check {built:.1?}, encode {:.1?}",
                         inv.device_count(),
@@ -78,8 +85,7 @@ fn list_and_watch_sizes() {
 fn preferred_allocation_pure() {
     println!("\n# GetPreferredAllocation logic, 8 GPUs × 141 units");
     let inv = Inventory::new(gpus(8, 141 * 1024), MemoryUnit::GiB).unwrap();
-    let available: Vec<String> = inv
-        .list_and_watch()
+    let available: Vec<String> = list_and_watch(&inv)
         .devices
         .into_iter()
         .map(|d| d.id)
@@ -120,8 +126,7 @@ async fn socket_latency() {
         start.elapsed()
     );
 
-    let ids: Vec<String> = inv
-        .list_and_watch()
+    let ids: Vec<String> = list_and_watch(&inv)
         .devices
         .into_iter()
         .map(|d| d.id)

@@ -7,5 +7,6 @@ pub mod api;
 pub mod checkpoint;
 pub mod holders;
 pub mod kubelet;
+pub mod list;
 pub mod plugin;
 pub mod service;

@@ -15,11 +15,13 @@ use crate::cluster::gpushare::{Extender, GpushareError};
 use crate::cluster::pods::PodsError;
 use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePlugin;
 use crate::deviceplugin::api::deviceplugin::{
-    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, DevicePluginOptions,
-    Empty, ListAndWatchResponse, PreStartContainerRequest, PreStartContainerResponse,
-    PreferredAllocationRequest, PreferredAllocationResponse,
+    AllocateRequest, AllocateResponse, CdiDevice, ContainerAllocateResponse,
+    ContainerPreferredAllocationResponse, DevicePluginOptions, Empty, ListAndWatchResponse, Mount,
+    PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse,
 };
-use crate::isolation::inject::{self, DeviceListStrategy, InjectError, Isolation};
+use crate::deviceplugin::list;
+use crate::isolation::inject::{self, DeviceListStrategy, Grant, InjectError, Isolation};
 use crate::node::inventory::Inventory;
 use crate::node::placement::{self, IdSample, PlacementError, Policy};
 
@@ -187,7 +189,7 @@ impl DevicePlugin for DevicePluginService {
                     },
                     Ok(()) = resend.changed() => {}
                 }
-                let list = rx.borrow_and_update().list_and_watch();
+                let list = list::list_and_watch(&rx.borrow_and_update());
                 Some((Ok(list), (rx, resend, stop, hang_up)))
             },
         );
@@ -316,12 +318,34 @@ fn allocate_all(
             cap_mib = gpu.cap_mib(assignment.units),
             "Allocate"
         );
-        let response =
-            inject::container_response(inv, assignment, &req.devices_ids, isolation, device_list)
+        let grant =
+            inject::container_grant(inv, assignment, &req.devices_ids, isolation, device_list)
                 .inspect_err(|err| warn!(%err, "Allocate failed"))?;
-        container_responses.push(response);
+        container_responses.push(container_response(grant));
     }
     Ok(AllocateResponse {
         container_responses,
     })
+}
+
+/// A grant in the device plugin's words.
+fn container_response(grant: Grant) -> ContainerAllocateResponse {
+    ContainerAllocateResponse {
+        envs: grant.env.into_iter().collect(),
+        mounts: grant
+            .mounts
+            .into_iter()
+            .map(|(container, host, read_only)| Mount {
+                container_path: container.display().to_string(),
+                host_path: host.display().to_string(),
+                read_only,
+            })
+            .collect(),
+        cdi_devices: grant
+            .cdi_devices
+            .into_iter()
+            .map(|name| CdiDevice { name })
+            .collect(),
+        ..Default::default()
+    }
 }

@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 
 use tracing::info;
 
-use crate::deviceplugin::api::deviceplugin::{CdiDevice, ContainerAllocateResponse, Mount};
 use crate::isolation::accounting::{self, AccountingError, Cap};
 use crate::isolation::cdi::{self, CdiError, ContainerEdits, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName, Containers};
@@ -144,12 +143,16 @@ pub enum InjectError {
     Cdi(#[from] CdiError),
 }
 
-/// What one container is given, before the strategy puts it into words.
-#[derive(Debug, Default)]
-struct Grant {
-    env: BTreeMap<String, String>,
+/// What one container is given: the isolation layer's answer, in no front
+/// end's words. The device plugin puts it into an Allocate response; DRA
+/// into CDI edits.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub env: BTreeMap<String, String>,
     /// (container path, host path, read-only).
-    mounts: Vec<(PathBuf, PathBuf, bool)>,
+    pub mounts: Vec<(PathBuf, PathBuf, bool)>,
+    /// Fully qualified CDI device names for the runtime.
+    pub cdi_devices: Vec<String>,
 }
 
 impl Grant {
@@ -166,6 +169,7 @@ impl Grant {
         Grant {
             env: env.map(|(k, v)| (k.to_owned(), v)).into(),
             mounts: Vec::new(),
+            cdi_devices: Vec::new(),
         }
     }
 
@@ -196,38 +200,18 @@ impl Grant {
                 .map(|(container, host, ro)| (container.as_path(), host.as_path(), *ro)),
         )
     }
-
-    fn into_response(self, cdi_devices: Vec<String>) -> ContainerAllocateResponse {
-        ContainerAllocateResponse {
-            envs: self.env.into_iter().collect(),
-            mounts: self
-                .mounts
-                .into_iter()
-                .map(|(container, host, read_only)| Mount {
-                    container_path: container.display().to_string(),
-                    host_path: host.display().to_string(),
-                    read_only,
-                })
-                .collect(),
-            cdi_devices: cdi_devices
-                .into_iter()
-                .map(|name| CdiDevice { name })
-                .collect(),
-            ..Default::default()
-        }
-    }
 }
 
-/// The response for one container holding `assignment` (the devices `ids`).
+/// The grant for one container holding `assignment` (the devices `ids`).
 /// With shim isolation this creates and syncs files (and with `cdi` writes a
 /// spec): call it off the async workers.
-pub fn container_response(
+pub fn container_grant(
     inv: &Inventory,
     assignment: Assignment,
     ids: &[String],
     isolation: &Isolation,
     device_list: &DeviceListStrategy,
-) -> Result<ContainerAllocateResponse, InjectError> {
+) -> Result<Grant, InjectError> {
     let gpu = &inv.gpus()[assignment.gpu];
     let uuid = &gpu.gpu.uuid;
     let (mut grant, dir) = match isolation {
@@ -255,7 +239,7 @@ pub fn container_response(
             grant
                 .env
                 .insert(env::VISIBLE_DEVICES.to_owned(), uuid.clone());
-            Ok(grant.into_response(Vec::new()))
+            Ok(grant)
         }
         DeviceListStrategy::VolumeMounts => {
             grant.env.insert(
@@ -267,7 +251,7 @@ pub fn container_response(
                 DEVICE_LIST_MOUNT_SOURCE.into(),
                 true,
             ));
-            Ok(grant.into_response(Vec::new()))
+            Ok(grant)
         }
         DeviceListStrategy::Cdi(specs) => {
             let mut devices = vec![cdi::qualified_name(cdi::NVIDIA_GPU_KIND, uuid)];
@@ -275,7 +259,8 @@ pub fn container_response(
                 // Nothing of ours to mount and no state to clean up: the env
                 // goes in the response, which kubelet applies whatever the
                 // runtime does with CDI.
-                return Ok(grant.into_response(devices));
+                grant.cdi_devices = devices;
+                return Ok(grant);
             };
             // The spec's device is named after the container's directory,
             // which is named after the devices it holds: a later container
@@ -290,7 +275,10 @@ pub fn container_response(
             let spec = cdi::container_spec(dir.name.as_str(), grant.edits())?;
             specs.write(&spec)?;
             devices.push(cdi::qualified_name(&spec.kind, dir.name.as_str()));
-            Ok(Grant::default().into_response(devices))
+            Ok(Grant {
+                cdi_devices: devices,
+                ..Grant::default()
+            })
         }
     }
 }

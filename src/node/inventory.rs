@@ -1,16 +1,11 @@
 //! The node's advertised devices: each GPU split into units, the stable
-//! device IDs that name them, and the ListAndWatch list kubelet receives.
+//! device IDs that name them, and each device's health.
 
 use std::collections::HashMap;
 use std::fmt;
 
-use crate::deviceplugin::api::deviceplugin::{self as dp, ListAndWatchResponse};
 use crate::node::gpu::Gpu;
 use crate::node::units::{cap_mib, MemoryUnit};
-
-/// Largest message kubelet's gRPC client accepts (grpc-go's default receive
-/// limit); a bigger ListAndWatch reply disconnects the plugin.
-pub const KUBELET_MAX_MESSAGE: usize = 4 * 1024 * 1024;
 
 /// A GPU with its share of units.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,17 +91,6 @@ pub enum InventoryError {
         key: GpuKey,
     },
     #[error(
-        "{devices} devices in {unit} units encode to up to {bytes} bytes per ListAndWatch message \
-         (with every GPU Unhealthy), over kubelet's {limit}-byte limit; {}",
-        too_large_advice(*.unit)
-    )]
-    TooLarge {
-        devices: usize,
-        unit: MemoryUnit,
-        bytes: usize,
-        limit: usize,
-    },
-    #[error(
         "{} smaller than one 1 {unit} unit, so there is nothing to advertise; use \
          --memory-unit MiB",
         describe_small(.gpus)
@@ -116,14 +100,6 @@ pub enum InventoryError {
         gpus: Vec<(String, u64)>,
         unit: MemoryUnit,
     },
-}
-
-fn too_large_advice(unit: MemoryUnit) -> &'static str {
-    match unit {
-        MemoryUnit::MiB => "use --memory-unit GiB",
-        // Only GPUs far larger than any made, or very many, get here.
-        MemoryUnit::GiB => "this node has more GPU memory than one resource can advertise",
-    }
 }
 
 fn describe_small(gpus: &[(String, u64)]) -> String {
@@ -146,7 +122,7 @@ pub struct Inventory {
 }
 
 impl Inventory {
-    /// Splits `gpus` into units and checks kubelet could receive the list.
+    /// Splits `gpus` into units.
     pub fn new(gpus: Vec<Gpu>, unit: MemoryUnit) -> Result<Self, InventoryError> {
         let mut by_key = HashMap::with_capacity(gpus.len());
         let mut split = Vec::with_capacity(gpus.len());
@@ -181,53 +157,11 @@ impl Inventory {
                  --memory-unit MiB would advertise it"
             );
         }
-        let inventory = Inventory {
+        Ok(Inventory {
             unit,
             gpus: split,
             by_key,
-        };
-        // The largest list this inventory can send: every GPU Unhealthy
-        // ("Unhealthy" is 2 bytes longer than "Healthy" per device). A
-        // health change resends the whole list, and one kubelet cannot
-        // receive ends the stream: kubelet drops the plugin's devices.
-        // Counted, not built: this is what bounds the devices any list
-        // holds (about 160,000), however many units the GPUs would make.
-        let bytes = inventory.worst_list_len();
-        // Leave room for gRPC's 5-byte frame header.
-        if bytes.saturating_add(5) > KUBELET_MAX_MESSAGE as u64 {
-            return Err(InventoryError::TooLarge {
-                devices: inventory.device_count(),
-                unit,
-                bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
-                limit: KUBELET_MAX_MESSAGE,
-            });
-        }
-        Ok(inventory)
-    }
-
-    /// The encoded length of [`Inventory::list_and_watch`] with every GPU
-    /// Unhealthy, worked out from the unit counts. A device ID is the 8-digit
-    /// key, `-` and the unit number, so devices differ only in how many
-    /// digits their unit number has.
-    fn worst_list_len(&self) -> u64 {
-        use prost::encoding::{encoded_len_varint as varint, key_len};
-        let health = dp::UNHEALTHY.len() as u64;
-        let string = |tag, len: u64| (key_len(tag) as u64) + varint(len) as u64 + len;
-        self.gpus
-            .iter()
-            .map(|gpu| {
-                let units = u64::from(gpu.units);
-                let mut total = 0u64;
-                // Units [low, high) have `digits` digits.
-                let (mut low, mut high, mut digits) = (0u64, 10u64, 1u64);
-                while low < units {
-                    let device = string(1, 8 + 1 + digits) + string(2, health);
-                    total += (units.min(high) - low) * string(1, device);
-                    (low, high, digits) = (high, high * 10, digits + 1);
-                }
-                total
-            })
-            .sum()
+        })
     }
 
     /// This inventory with one GPU's health changed; `None` when the UUID is
@@ -267,29 +201,17 @@ impl Inventory {
         Some((parsed, self.locate(&parsed)?))
     }
 
-    /// The complete device list, as every ListAndWatch message must carry it.
-    pub fn list_and_watch(&self) -> ListAndWatchResponse {
-        let mut devices = Vec::with_capacity(self.device_count());
-        for gpu in &self.gpus {
-            let health = if gpu.gpu.healthy {
-                dp::HEALTHY
-            } else {
-                dp::UNHEALTHY
-            };
-            devices.extend((0..gpu.units).map(|unit| dp::Device {
-                id: DeviceId { gpu: gpu.key, unit }.to_string(),
-                health: health.to_owned(),
-                topology: None,
-            }));
-        }
-        ListAndWatchResponse { devices }
+    /// Every device, each GPU's units in order, with its GPU's health.
+    pub fn devices(&self) -> impl Iterator<Item = (DeviceId, bool)> + '_ {
+        self.gpus.iter().flat_map(|gpu| {
+            (0..gpu.units).map(move |unit| (DeviceId { gpu: gpu.key, unit }, gpu.gpu.healthy))
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use prost::Message;
 
     fn gpu(index: u32, uuid: &str, memory_mib: u64) -> Gpu {
         Gpu {
@@ -332,112 +254,6 @@ mod tests {
     }
 
     #[test]
-    fn list_covers_every_unit_once_and_locates_them() {
-        let inv = Inventory::new(
-            vec![gpu(0, "GPU-a", 16160), gpu(1, "GPU-b", 16160)],
-            MemoryUnit::GiB,
-        )
-        .unwrap();
-        let list = inv.list_and_watch();
-        assert_eq!(list.devices.len(), 30);
-        let mut seen = std::collections::HashSet::new();
-        for d in &list.devices {
-            assert!(seen.insert(d.id.clone()));
-            assert!(d.id.len() <= 63);
-            assert_eq!(d.health, "Healthy");
-            assert!(inv.resolve(&d.id).is_some());
-        }
-        let out_of_range = DeviceId {
-            gpu: GpuKey::of("GPU-a"),
-            unit: 15,
-        };
-        assert_eq!(inv.locate(&out_of_range), None);
-    }
-
-    #[test]
-    fn mib_mode_fits_one_h100_but_not_eight_141_gib_cards() {
-        let h100 = Inventory::new(vec![gpu(0, "GPU-h100", 81559)], MemoryUnit::MiB).unwrap();
-        assert_eq!(h100.device_count(), 81559);
-        assert!(h100.list_and_watch().encoded_len() < KUBELET_MAX_MESSAGE);
-
-        let eight: Vec<_> = (0..8)
-            .map(|i| gpu(i, &format!("GPU-{i}"), 144_384))
-            .collect();
-        let err = Inventory::new(eight.clone(), MemoryUnit::MiB).unwrap_err();
-        assert!(err.to_string().contains("--memory-unit GiB"), "{err}");
-        assert!(Inventory::new(eight, MemoryUnit::GiB).is_ok());
-    }
-
-    #[test]
-    fn an_accepted_inventory_fits_kubelets_limit_with_every_gpu_unhealthy() {
-        // One H200 (143771 MiB): its Healthy list fits in MiB units, but
-        // not the same list once the GPU is Unhealthy.
-        let h200 = gpu(0, "GPU-h200", 143_771);
-        let healthy = Inventory {
-            unit: MemoryUnit::MiB,
-            gpus: vec![GpuUnits {
-                units: 143_771,
-                key: GpuKey::of("GPU-h200"),
-                gpu: h200.clone(),
-            }],
-            by_key: HashMap::new(),
-        };
-        assert!(healthy.list_and_watch().encoded_len() + 5 <= KUBELET_MAX_MESSAGE);
-        let err = Inventory::new(vec![h200.clone()], MemoryUnit::MiB).unwrap_err();
-        assert!(
-            err.to_string().contains("(with every GPU Unhealthy)")
-                && err.to_string().contains("--memory-unit GiB"),
-            "{err}"
-        );
-        // Whatever is accepted still fits once unhealthy.
-        for mib in [81_559, 100_000, 130_000] {
-            let Ok(inv) = Inventory::new(vec![gpu(0, "GPU-x", mib)], MemoryUnit::MiB) else {
-                continue;
-            };
-            let sick = inv.with_health("GPU-x", false).unwrap();
-            assert!(
-                sick.list_and_watch().encoded_len() + 5 <= KUBELET_MAX_MESSAGE,
-                "{mib}"
-            );
-        }
-    }
-
-    #[test]
-    fn the_worst_list_is_counted_as_prost_encodes_it() {
-        // Unit counts on each side of a change in digits, on two GPUs.
-        for units in [1u64, 9, 10, 11, 99, 100, 101, 1000, 10_001] {
-            let gpus = vec![gpu(0, "GPU-a", units), gpu(1, "GPU-b", 3 * units + 1)];
-            let inv = Inventory::new(gpus, MemoryUnit::MiB).unwrap();
-            let mut sick = inv.with_health("GPU-a", false).unwrap();
-            sick = sick.with_health("GPU-b", false).unwrap();
-            let encoded = sick.list_and_watch().encoded_len() as u64;
-            assert_eq!(inv.worst_list_len(), encoded, "{units}");
-        }
-    }
-
-    #[test]
-    fn too_many_units_are_refused_without_listing_them() {
-        // u32::MAX units of one GPU: counted in no time, never allocated.
-        let start = std::time::Instant::now();
-        let err = Inventory::new(vec![gpu(0, "GPU-x", u64::MAX)], MemoryUnit::MiB).unwrap_err();
-        assert!(start.elapsed() < std::time::Duration::from_secs(1));
-        assert!(
-            matches!(err, InventoryError::TooLarge { devices, .. } if devices == u32::MAX as usize),
-            "{err}"
-        );
-        // In GiB units the advice is not to use GiB units.
-        let huge: Vec<_> = (0..12)
-            .map(|i| gpu(i, &format!("GPU-{i}"), 16 << 20))
-            .collect();
-        let err = Inventory::new(huge, MemoryUnit::GiB).unwrap_err();
-        assert!(
-            err.to_string()
-                .ends_with("more GPU memory than one resource can advertise"),
-            "{err}"
-        );
-    }
-
-    #[test]
     fn a_gpu_smaller_than_one_unit_is_named_with_the_fix() {
         let err = Inventory::new(vec![gpu(0, "GPU-tiny", 500)], MemoryUnit::GiB).unwrap_err();
         assert_eq!(
@@ -454,19 +270,5 @@ mod tests {
         )
         .unwrap();
         assert_eq!(mixed.device_count(), 2);
-    }
-
-    #[test]
-    fn unhealthy_gpu_units_are_reported_unhealthy() {
-        let mut sick = gpu(1, "GPU-b", 2048);
-        sick.healthy = false;
-        let inv = Inventory::new(vec![gpu(0, "GPU-a", 2048), sick], MemoryUnit::GiB).unwrap();
-        let health: Vec<_> = inv
-            .list_and_watch()
-            .devices
-            .into_iter()
-            .map(|d| d.health)
-            .collect();
-        assert_eq!(health, ["Healthy", "Healthy", "Unhealthy", "Unhealthy"]);
     }
 }

@@ -150,6 +150,8 @@ pub enum StartError {
     #[error(transparent)]
     Inventory(#[from] crate::node::inventory::InventoryError),
     #[error(transparent)]
+    List(#[from] crate::deviceplugin::list::TooLarge),
+    #[error(transparent)]
     Address(#[from] metrics::BadAddress),
     #[error("--metrics-addr {addr}: cannot listen: {source}")]
     Listen {
@@ -163,6 +165,7 @@ pub enum StartError {
 pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
     let hardware = config.hardware;
     let inventory = Inventory::new(hardware.discover()?, config.unit)?;
+    crate::deviceplugin::list::check(&inventory)?;
     for g in inventory.gpus() {
         tracing::info!(
             index = g.gpu.index,

@@ -107,6 +107,8 @@ pub enum DemoError {
     #[error(transparent)]
     Inventory(#[from] InventoryError),
     #[error(transparent)]
+    List(#[from] crate::deviceplugin::list::TooLarge),
+    #[error(transparent)]
     Plugin(#[from] PluginError),
     #[error("cannot set up the simulated kubelet: {0}")]
     Io(#[from] std::io::Error),
@@ -129,6 +131,7 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         None => FakeGpus::parse(DEFAULT_NODE, Path::new("<embedded T4 node>"))?,
     };
     let inventory = Arc::new(Inventory::new(source.discover()?, config.unit)?);
+    crate::deviceplugin::list::check(&inventory)?;
     let kit = tenant_kit(config.tenant_dir.as_deref())?;
     if config.dra {
         let mut out = String::new();

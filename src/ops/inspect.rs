@@ -102,6 +102,8 @@ pub enum NodeReadError {
     #[error(transparent)]
     Inventory(#[from] InventoryError),
     #[error(transparent)]
+    List(#[from] crate::deviceplugin::list::TooLarge),
+    #[error(transparent)]
     Check(#[from] InspectError),
 }
 
@@ -135,6 +137,7 @@ pub async fn status(
                 Err(source) => return Err(NodeReadError::Gpu { direct, source }),
             };
             let inventory = Inventory::new(gpus, node.unit)?;
+            crate::deviceplugin::list::check(&inventory)?;
             direct.check(node.isolation)?;
             let resource = node.resource_name.to_string();
             let holdings = PodResources::new(node.pod_resources_socket, &resource)

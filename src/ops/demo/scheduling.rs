@@ -79,6 +79,7 @@ pub async fn run(
 
     let gpus = FakeGpus::parse(TWO_V100, Path::new("<embedded two-V100 node>"))?.discover()?;
     let inventory = Arc::new(Inventory::new(gpus, unit)?);
+    crate::deviceplugin::list::check(&inventory)?;
     crate::cluster::node::publish(&client, NODE, &inventory)
         .await
         .map_err(|err| DemoError::Cluster(err.to_string()))?;
