@@ -11,14 +11,13 @@
 #![forbid(unsafe_code)]
 
 // The layers, bottom up: node, isolation, cluster (the API server), kubelet
-// (what both kubelet front ends share), the front ends (deviceplugin and dra
-// for kubelet, extender for kube-scheduler; none uses another), ops. Each
-// uses only those before it, except where the device plugin's wire format
-// still reaches down: the inventory builds ListAndWatch's device list (and
-// checks kubelet's message limit at start) and inject builds the Allocate
-// response. Clean-up learns who holds what through a seam
-// (`cleanup::Holders`) each front end fills. `atomic_file` and `version`
-// (what build this is) are below them all.
+// (what both kubelet front ends share: the `:authority` fix, the
+// pod-resources client, unix-socket gRPC), the front ends (deviceplugin and
+// dra for kubelet, extender for kube-scheduler; none uses another), ops.
+// Each uses only those before it. Isolation answers with a front-end-neutral
+// grant that each front end puts into its own wire format; clean-up learns
+// who holds what through a seam (`cleanup::Holders`) each front end fills.
+// `atomic_file` and `version` (what build this is) are below them all.
 pub mod atomic_file;
 pub mod version;
 
