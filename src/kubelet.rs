@@ -5,4 +5,6 @@
 pub mod api;
 pub mod authority;
 pub mod podresources;
-pub mod unix;
+/// gRPC channels over unix sockets, from the `gpumem-kubelet-api` crate (the
+/// test kit's kubelet dials with the same).
+pub use gpumem_kubelet_api::unix;

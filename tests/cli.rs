@@ -660,20 +660,25 @@ async fn the_nvml_backend_advertises_what_nvml_reports() {
     kubelet.stop().await;
 }
 
+/// `gpumem plugin` on the T4 fixture with JSON logs on a pipe, for kubelet
+/// at `dir` (none answers there).
+fn json_plugin(dir: &std::path::Path) -> Command {
+    let mut cmd = common::bare_plugin(dir);
+    cmd.arg("--log-format")
+        .arg("json")
+        .arg("--fake-gpus")
+        .arg(fixture("t4"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    cmd
+}
+
 /// Everything from the command line to the plugin's "starting" log line,
 /// as JSON; the plugin is then stopped.
 fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = gpumem();
-    cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
-        .args(["--metrics-addr", "", "--status-socket", ""])
-        .arg("--kubelet-dir")
-        .arg(dir.path())
-        .arg("--fake-gpus")
-        .arg(fixture("t4"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    let mut cmd = json_plugin(dir.path());
     configure(&mut cmd);
     let mut child = cmd.spawn().unwrap();
     let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
@@ -1020,15 +1025,7 @@ fn exec_with_a_gpu_that_is_not_there_lists_those_that_are() {
 fn plugin_logs_until_registering(configure: impl FnOnce(&mut Command)) -> Vec<serde_json::Value> {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = gpumem();
-    cmd.args(["--log-format", "json", "plugin", "--isolation", "none"])
-        .args(["--metrics-addr", "", "--status-socket", ""])
-        .arg("--kubelet-dir")
-        .arg(dir.path())
-        .arg("--fake-gpus")
-        .arg(fixture("t4"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped());
+    let mut cmd = json_plugin(dir.path());
     configure(&mut cmd);
     let mut child = common::Killed(cmd.spawn().unwrap());
     let stderr = std::io::BufReader::new(child.0.stderr.take().unwrap());

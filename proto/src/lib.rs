@@ -6,6 +6,8 @@
 
 #![allow(missing_docs, clippy::all, clippy::pedantic)]
 
+pub mod unix;
+
 /// `k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1`.
 pub mod deviceplugin {
     tonic::include_proto!("v1beta1");

@@ -92,19 +92,10 @@ pub fn list_and_watch(inv: &Inventory) -> ListAndWatchResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::gpu::Gpu;
     use crate::node::inventory::{DeviceId, GpuKey};
     use prost::Message;
 
-    fn gpu(index: u32, uuid: &str, memory_mib: u64) -> Gpu {
-        Gpu {
-            index,
-            uuid: uuid.into(),
-            name: "test".into(),
-            memory_mib,
-            healthy: true,
-        }
-    }
+    use crate::node::gpu::test_gpu as gpu;
 
     #[test]
     fn list_covers_every_unit_once_and_locates_them() {

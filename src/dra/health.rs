@@ -177,18 +177,12 @@ impl DraResourceHealth for HealthService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::gpu::Gpu;
+    use crate::node::gpu::{test_gpu, Gpu};
     use crate::node::units::MemoryUnit;
     use futures_util::StreamExt;
 
     fn gpu(index: u32, memory_mib: u64) -> Gpu {
-        Gpu {
-            index,
-            uuid: format!("GPU-{index}"),
-            name: "Tesla T4".into(),
-            memory_mib,
-            healthy: true,
-        }
+        test_gpu(index, &format!("GPU-{index}"), memory_mib)
     }
 
     fn inventory(gpus: Vec<Gpu>) -> Inventory {

@@ -295,19 +295,25 @@ impl Enforcer {
                 Verdict::Act(over) => over.as_millis() as u64,
             };
             // Acted on: a new episode starts if it is still over next time.
+            let what_follows = match self.action {
+                OverCapAction::Report => " (--over-cap-action report: nothing killed)",
+                OverCapAction::Kill => {
+                    ": killing its GPU processes, newest first, until it is under"
+                }
+            };
+            warn!(
+                file = %footprint.file.display(),
+                gpu = footprint.gpu,
+                used_mib = footprint.total() >> 20,
+                cap_mib = footprint.cap >> 20,
+                over_ms,
+                window_ms = window(self.grace).as_millis() as u64,
+                "container over its GPU memory cap for the grace period in total within the \
+                 window{what_follows}"
+            );
             match self.action {
                 OverCapAction::Report => {
                     self.actions.reports.fetch_add(1, Ordering::Relaxed);
-                    warn!(
-                        file = %footprint.file.display(),
-                        gpu = footprint.gpu,
-                        used_mib = footprint.total() >> 20,
-                        cap_mib = footprint.cap >> 20,
-                        over_ms,
-                        window_ms = window(self.grace).as_millis() as u64,
-                        "container over its GPU memory cap for the grace period in total within \
-                         the window (--over-cap-action report: nothing killed)"
-                    );
                     notify(
                         footprint.gpu,
                         Noticed::OverCap {
@@ -318,16 +324,6 @@ impl Enforcer {
                     );
                 }
                 OverCapAction::Kill => {
-                    warn!(
-                        file = %footprint.file.display(),
-                        gpu = footprint.gpu,
-                        used_mib = footprint.total() >> 20,
-                        cap_mib = footprint.cap >> 20,
-                        over_ms,
-                        window_ms = window(self.grace).as_millis() as u64,
-                        "container over its GPU memory cap for the grace period in total within \
-                         the window: killing its GPU processes, newest first, until it is under"
-                    );
                     for (pid, bytes) in self.kill_until_under(footprint, sampled_at) {
                         killed.insert(pid);
                         notify(

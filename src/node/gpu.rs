@@ -39,6 +39,18 @@ pub struct Gpu {
     pub healthy: bool,
 }
 
+/// A healthy GPU, for the unit tests of what is built on GPUs.
+#[cfg(test)]
+pub(crate) fn test_gpu(index: u32, uuid: &str, memory_mib: u64) -> Gpu {
+    Gpu {
+        index,
+        uuid: uuid.into(),
+        name: "test".into(),
+        memory_mib,
+        healthy: true,
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     #[error("cannot read fake GPU file {path}: {source}")]

@@ -213,15 +213,7 @@ impl Inventory {
 mod tests {
     use super::*;
 
-    fn gpu(index: u32, uuid: &str, memory_mib: u64) -> Gpu {
-        Gpu {
-            index,
-            uuid: uuid.into(),
-            name: "test".into(),
-            memory_mib,
-            healthy: true,
-        }
-    }
+    use crate::node::gpu::test_gpu as gpu;
 
     #[test]
     fn ids_round_trip_and_reject_foreign_spellings() {

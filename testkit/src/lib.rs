@@ -9,5 +9,3 @@
 pub mod fake_apiserver;
 pub mod h2c;
 pub mod simulator;
-
-mod unix;

@@ -30,7 +30,6 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::unix;
 use gpumem_kubelet_api::deviceplugin::device_plugin_client::DevicePluginClient;
 use gpumem_kubelet_api::deviceplugin::registration_server::{Registration, RegistrationServer};
 use gpumem_kubelet_api::deviceplugin::{
@@ -46,6 +45,7 @@ use gpumem_kubelet_api::podresources::{
     ContainerResources, DynamicResource, GetPodResourcesRequest, GetPodResourcesResponse,
     ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
 };
+use gpumem_kubelet_api::unix;
 
 /// kubelet's registration socket, in the device plugin directory.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";

@@ -33,7 +33,7 @@ use gpumem_kubelet_api::pluginregistration::{
 };
 
 use crate::h2c::{grpc_go_authority, Authority, RawGrpc, FIRST_DYNAMIC};
-use crate::unix;
+use gpumem_kubelet_api::unix;
 
 /// The DRA versions of kubelets 1.34 to 1.37.
 pub const KUBELET_1_34: &[&str] = &[v1::SERVICE, v1beta1::SERVICE];

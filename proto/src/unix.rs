@@ -1,4 +1,5 @@
-//! gRPC channels over unix sockets, the transport of every kubelet API.
+//! gRPC channels over unix sockets, the transport of every kubelet API:
+//! how gpumem dials kubelet and how the test kit's kubelet dials gpumem.
 
 use std::path::Path;
 
