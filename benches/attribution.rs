@@ -388,7 +388,7 @@ impl Node {
                     };
                     let dir = containers.get(ContainerName::of(&inventory, assignment, &unit_ids));
                     let cap_mib = held.cap_mib(kind.units);
-                    dir.prepare(&[Cap {
+                    dir.prepare_afresh(&[Cap {
                         uuid: held.gpu.uuid.clone(),
                         cap_mib,
                         context_charge_mib: 0,

@@ -553,34 +553,10 @@ impl Admitted {
 
 /// `Admitted`, with a process in the pod that holds 1000 MiB under the shim
 /// (1300 MiB charged with its context).
-/// A child process killed when dropped, so a test that panics leaves no
-/// process behind to hold the test runner's output open.
-struct KillOnDrop(std::process::Child);
-
-impl std::ops::Deref for KillOnDrop {
-    type Target = std::process::Child;
-    fn deref(&self) -> &std::process::Child {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for KillOnDrop {
-    fn deref_mut(&mut self) -> &mut std::process::Child {
-        &mut self.0
-    }
-}
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 struct Holding {
     d: Daemon,
     dir: PathBuf,
-    holder: KillOnDrop,
+    holder: common::Killed,
     _host: TempDir,
     state: TempDir,
 }
@@ -605,7 +581,7 @@ impl Holding {
         Holding {
             d,
             dir,
-            holder: KillOnDrop(holder),
+            holder: common::Killed(holder),
             _host,
             state,
         }

@@ -249,12 +249,6 @@ impl ContainerDir {
         self.path.join(gpumem_layout::FILE_NAME)
     }
 
-    /// Creates the directory and its accounting file for `caps`, keeping a
-    /// file with the same caps (see `accounting::prepare`).
-    pub fn prepare(&self, caps: &[Cap]) -> Result<(), AccountingError> {
-        accounting::prepare(&self.path, caps).map(drop)
-    }
-
     /// Creates the directory and its accounting file for `caps` at Allocate,
     /// replacing a file no live process uses (see `accounting::prepare_afresh`).
     pub fn prepare_afresh(&self, caps: &[Cap]) -> Result<accounting::Found, AccountingError> {
@@ -349,7 +343,7 @@ mod tests {
             cap_mib: 1077,
             context_charge_mib: 0,
         };
-        dir.prepare(std::slice::from_ref(&cap)).unwrap();
+        dir.prepare_afresh(std::slice::from_ref(&cap)).unwrap();
         // A stray file beside the directories is not a container.
         std::fs::write(containers.root().join("stray"), b"").unwrap();
 
