@@ -163,6 +163,12 @@ impl Shared {
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
     }
+
+    fn mark_delivered(&self, kind: Kind, version: u64) {
+        let mut store = self.lock();
+        let delivered = store.delivered.entry(kind).or_default();
+        *delivered = (*delivered).max(version);
+    }
 }
 
 /// A running fake API server; stops when dropped.
@@ -396,8 +402,8 @@ impl FakeApiServer {
         });
     }
 
-    /// The newest resourceVersion of `kind` a watch has sent as it
-    /// happened (0: none yet).
+    /// The newest resourceVersion of `kind` some watch has brought its
+    /// client up to: its backlog, or a live event (0: none yet).
     pub fn watch_delivered(&self, kind: Kind) -> u64 {
         self.shared
             .lock()
@@ -1275,6 +1281,9 @@ fn list_or_watch(
                 return;
             }
         }
+        // The watcher has now seen every write up to `last`, whether in the
+        // backlog or in the list it started after.
+        shared.mark_delivered(kind, last);
         let deadline = tokio::time::sleep(timeout);
         tokio::pin!(deadline);
         loop {
@@ -1299,9 +1308,7 @@ fn list_or_watch(
                     if tx.send(line(c.kind_of_change, &c.object)).await.is_err() {
                         return;
                     }
-                    let mut store = shared.lock();
-                    let delivered = store.delivered.entry(kind).or_default();
-                    *delivered = (*delivered).max(c.version);
+                    shared.mark_delivered(kind, c.version);
                 }
                 Ok(_) => {}
                 // Fell behind: end the watch; the client relists.
@@ -1825,6 +1832,31 @@ mod tests {
         match events.try_next().await.unwrap() {
             Some(WatchEvent::Deleted(s)) => assert_eq!(s.metadata.name.as_deref(), Some("a-x")),
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// A client that listed before it watched has seen the listed writes:
+    /// `watch_delivered` must not wait for a live event that never comes.
+    #[tokio::test]
+    async fn a_watch_started_after_a_list_counts_as_delivered_up_to_the_list() {
+        let server = FakeApiServer::start().await.unwrap();
+        let api: Api<ResourceSlice> = Api::all(client(&server));
+        let created = api
+            .create(&PostParams::default(), &slice("s", "a", "x"))
+            .await
+            .unwrap();
+        let version: u64 = created.metadata.resource_version.unwrap().parse().unwrap();
+        let listed = api.list(&ListParams::default()).await.unwrap();
+        let since = listed.metadata.resource_version.unwrap();
+        let _events = api.watch(&WatchParams::default(), &since).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while server.watch_delivered(Kind::ResourceSlice) < version {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "watch_delivered stayed at {} below {version}",
+                server.watch_delivered(Kind::ResourceSlice)
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
