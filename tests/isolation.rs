@@ -4,6 +4,7 @@
 mod common;
 
 use common::{field, run_lines, shim_kit, Node, MIB, RESOURCE};
+use gpumem::deviceplugin::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
 use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem_testkit::simulator::AdmissionError;
 use tonic::Code;
@@ -113,6 +114,38 @@ async fn allocate_refuses_rather_than_run_a_container_uncapped() {
         .admit("nb-2", "main", RESOURCE, 4)
         .await
         .unwrap();
+    node.stop().await;
+}
+
+/// Allocate answers for every container or none: one container's bad IDs
+/// must not leave another's accounting directory behind.
+#[tokio::test]
+async fn an_allocate_with_one_bad_container_writes_nothing() {
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let node = Node::with_isolation("t4", shim_isolation(host.path(), state.path())).await;
+    let devices = node.devices().await;
+    let err = node
+        .client()
+        .await
+        .allocate(AllocateRequest {
+            container_requests: vec![
+                ContainerAllocateRequest {
+                    devices_ids: vec![devices[0].id.clone()],
+                },
+                ContainerAllocateRequest {
+                    devices_ids: vec!["deadbeef-3".into()],
+                },
+            ],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err}");
+    let containers = state.path().join("containers");
+    let written: Vec<_> = std::fs::read_dir(&containers)
+        .map(|dir| dir.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(written.is_empty(), "left behind: {written:?}");
     node.stop().await;
 }
 

@@ -23,7 +23,7 @@ use crate::deviceplugin::api::deviceplugin::{
 use crate::deviceplugin::list;
 use crate::isolation::inject::{self, DeviceListStrategy, Grant, InjectError, Isolation};
 use crate::node::inventory::Inventory;
-use crate::node::placement::{self, IdSample, PlacementError, Policy};
+use crate::node::placement::{self, Assignment, IdSample, PlacementError, Policy};
 
 /// The options we register with and report from GetDevicePluginOptions.
 pub fn plugin_options() -> DevicePluginOptions {
@@ -244,23 +244,7 @@ impl DevicePlugin for DevicePluginService {
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
         self.counters.allocations.inc();
-        let inv = self.snapshot();
-        let isolation = self.isolation.clone();
-        let device_list = self.device_list.clone();
-        let request = request.into_inner();
-        if let Some(extender) = &self.extender {
-            if let Err(status) = confirm_all(extender, &inv, &request).await {
-                self.counters.allocation_errors.inc();
-                return Err(status);
-            }
-        }
-        // Creating and syncing accounting files and CDI specs blocks: off
-        // the async workers.
-        let result = tokio::task::spawn_blocking(move || {
-            allocate_all(&inv, request, &isolation, &device_list)
-        })
-        .await
-        .unwrap_or_else(|err| Err(Status::internal(format!("Allocate failed: {err}"))));
+        let result = self.allocate_containers(request.into_inner()).await;
         if result.is_err() {
             self.counters.allocation_errors.inc();
         }
@@ -275,41 +259,76 @@ impl DevicePlugin for DevicePluginService {
     }
 }
 
-/// Checks each container is where gpushare's extender put its pod, and
-/// marks the pod assigned.
-async fn confirm_all(
-    extender: &Extender,
-    inv: &Inventory,
-    request: &AllocateRequest,
-) -> Result<(), Status> {
-    for req in &request.container_requests {
-        let assignment = placement::assign(inv, &req.devices_ids)?;
-        extender.confirm(inv, assignment).await.inspect_err(
-            |err| warn!(ids = %IdSample::of(&req.devices_ids), %err, "Allocate rejected"),
-        )?;
-    }
-    Ok(())
+/// One container's request: the device IDs kubelet gave it and where they
+/// are, resolved once for every step of Allocate.
+struct Placed {
+    ids: Vec<String>,
+    assignment: Assignment,
 }
 
-/// Places and prepares every container of one Allocate call.
-fn allocate_all(
-    inv: &Inventory,
-    request: AllocateRequest,
-    isolation: &Isolation,
-    device_list: &DeviceListStrategy,
-) -> Result<AllocateResponse, Status> {
+impl DevicePluginService {
+    /// Places every container before anything is written or marked: the
+    /// response is all or nothing.
+    async fn allocate_containers(
+        &self,
+        request: AllocateRequest,
+    ) -> Result<AllocateResponse, Status> {
+        let inv = self.snapshot();
+        let placed = place_all(&inv, request)?;
+        if let Some(extender) = &self.extender {
+            // Each container must be where gpushare's extender put its pod;
+            // confirming marks the pod assigned.
+            for container in &placed {
+                extender
+                    .confirm(&inv, container.assignment)
+                    .await
+                    .inspect_err(|err| {
+                        warn!(ids = %IdSample::of(&container.ids), %err, "Allocate rejected");
+                    })?;
+            }
+        }
+        let isolation = self.isolation.clone();
+        let device_list = self.device_list.clone();
+        // Creating and syncing accounting files and CDI specs blocks: off
+        // the async workers.
+        tokio::task::spawn_blocking(move || grant_all(&inv, placed, &isolation, &device_list))
+            .await
+            .unwrap_or_else(|err| Err(Status::internal(format!("Allocate failed: {err}"))))
+    }
+}
+
+/// Resolves each container's device IDs to one GPU and a unit count.
+fn place_all(inv: &Inventory, request: AllocateRequest) -> Result<Vec<Placed>, Status> {
     let requests = request.container_requests;
     if requests.is_empty() {
         return Err(Status::invalid_argument(
             "Allocate request holds no container requests",
         ));
     }
-    // Validate every container first: the response is all or nothing.
-    let mut container_responses = Vec::with_capacity(requests.len());
-    for req in &requests {
-        let assignment = placement::assign(inv, &req.devices_ids).inspect_err(|err| {
-            warn!(ids = %IdSample::of(&req.devices_ids), %err, "Allocate rejected");
-        })?;
+    requests
+        .into_iter()
+        .map(|req| {
+            let assignment = placement::assign(inv, &req.devices_ids).inspect_err(|err| {
+                warn!(ids = %IdSample::of(&req.devices_ids), %err, "Allocate rejected");
+            })?;
+            Ok(Placed {
+                ids: req.devices_ids,
+                assignment,
+            })
+        })
+        .collect()
+}
+
+/// Prepares every placed container: accounting files, CDI specs, and the
+/// env and mounts kubelet passes on.
+fn grant_all(
+    inv: &Inventory,
+    placed: Vec<Placed>,
+    isolation: &Isolation,
+    device_list: &DeviceListStrategy,
+) -> Result<AllocateResponse, Status> {
+    let mut container_responses = Vec::with_capacity(placed.len());
+    for Placed { ids, assignment } in placed {
         let gpu = &inv.gpus()[assignment.gpu];
         info!(
             gpu = gpu.gpu.index,
@@ -318,9 +337,8 @@ fn allocate_all(
             cap_mib = gpu.cap_mib(assignment.units),
             "Allocate"
         );
-        let grant =
-            inject::container_grant(inv, assignment, &req.devices_ids, isolation, device_list)
-                .inspect_err(|err| warn!(%err, "Allocate failed"))?;
+        let grant = inject::container_grant(inv, assignment, &ids, isolation, device_list)
+            .inspect_err(|err| warn!(%err, "Allocate failed"))?;
         container_responses.push(container_response(grant));
     }
     Ok(AllocateResponse {
