@@ -303,15 +303,13 @@ impl PreparedClaims {
     }
 
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
-        let dir = ContainerName::of_claim(&claim.uid)
-            .ok_or_else(|| PrepareError::BadUid(claim.uid.clone()))?;
+        let key = ClaimKey::new(&claim.uid)?;
         if let Some(done) = self.completed(&claim.uid) {
             // Kubelet asks again after its own restart, and for each pod
             // sharing the claim: the same answer, with the spec back if it
             // went (a reboot empties /var/run).
             let this = self.clone();
-            let uid = claim.uid.clone();
-            return tokio::task::spawn_blocking(move || this.restore_spec(&uid, &done))
+            return tokio::task::spawn_blocking(move || this.restore_spec(&key, &done))
                 .await
                 .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())));
         }
@@ -323,7 +321,7 @@ impl PreparedClaims {
         // the async workers.
         tokio::task::spawn_blocking(move || {
             let devices = this.plan(&claim, &object, &inv)?;
-            this.commit(&claim, dir, devices, &inv)
+            this.commit(&claim, key, devices, &inv)
         })
         .await
         .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())))
@@ -470,7 +468,7 @@ impl PreparedClaims {
     fn commit(
         &self,
         claim: &ClaimRef,
-        dir: ContainerName,
+        key: ClaimKey,
         devices: Vec<DeviceEntry>,
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
@@ -478,7 +476,7 @@ impl PreparedClaims {
             namespace: claim.namespace.clone(),
             name: claim.name.clone(),
             state: State::Started,
-            dir: dir.as_str().to_owned(),
+            dir: key.dir.as_str().to_owned(),
             cdi_device: claim.uid.clone(),
             devices,
             ..Default::default()
@@ -501,7 +499,7 @@ impl PreparedClaims {
         // panic is a failure like any other: the count and the entry are
         // settled below, not left to the next start.
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.make_files(&claim.uid, &entry, inv)
+            self.make_files(&key, &entry, inv)
         }))
         .unwrap_or_else(|_| {
             Err(PrepareError::Internal(
@@ -558,11 +556,11 @@ impl PreparedClaims {
     /// The claim's accounting directory (with the shim) and CDI spec.
     fn make_files(
         &self,
-        uid: &str,
+        key: &ClaimKey,
         entry: &ClaimEntry,
         inv: &Inventory,
     ) -> Result<(), PrepareError> {
-        let dir = self.shim_dir(uid)?;
+        let dir = self.shim_dir(key)?;
         if let Some((shim, dir)) = &dir {
             let caps: Vec<Cap> = caps_by_gpu(&entry.devices)
                 .into_iter()
@@ -577,17 +575,20 @@ impl PreparedClaims {
                 accounting::prepare_with(&dir.path, &caps, Durability::Unsynced)?;
             }
         }
-        self.write_spec_with(uid, entry, inv, &claim_gpus(entry, inv), dir.as_ref())?;
+        self.write_spec_with(key, entry, inv, &claim_gpus(entry, inv), dir.as_ref())?;
         Ok(())
     }
 
     /// With the shim, the claim's accounting directory, the shim checked
     /// first: a spec never names shim files that are not there.
-    fn shim_dir(&self, uid: &str) -> Result<Option<(&ShimConfig, ContainerDir)>, PrepareError> {
+    fn shim_dir(
+        &self,
+        key: &ClaimKey,
+    ) -> Result<Option<(&ShimConfig, ContainerDir)>, PrepareError> {
         match &self.inner.config.isolation {
             Isolation::Shim(shim) => {
                 inject::check_shim(shim)?;
-                Ok(Some((shim, shim.containers().get(claim_dir(uid)?))))
+                Ok(Some((shim, shim.containers().get(key.dir.clone()))))
             }
             Isolation::None => Ok(None),
         }
@@ -596,25 +597,25 @@ impl PreparedClaims {
     /// Writes the claim's CDI spec for its GPUs `gpus`; whether it changed.
     fn write_spec(
         &self,
-        uid: &str,
+        key: &ClaimKey,
         entry: &ClaimEntry,
         inv: &Inventory,
         gpus: &[ClaimGpu],
     ) -> Result<bool, PrepareError> {
-        let dir = self.shim_dir(uid)?;
-        self.write_spec_with(uid, entry, inv, gpus, dir.as_ref())
+        let dir = self.shim_dir(key)?;
+        self.write_spec_with(key, entry, inv, gpus, dir.as_ref())
     }
 
     /// `write_spec` with the shim's directory found already.
     fn write_spec_with(
         &self,
-        uid: &str,
+        key: &ClaimKey,
         entry: &ClaimEntry,
         inv: &Inventory,
         gpus: &[ClaimGpu],
         dir: Option<&(&ShimConfig, ContainerDir)>,
     ) -> Result<bool, PrepareError> {
-        let spec = claim_spec(uid, entry, inv, gpus, dir.map(|(s, d)| (*s, d)))?;
+        let spec = claim_spec(&key.uid, entry, inv, gpus, dir.map(|(s, d)| (*s, d)))?;
         Ok(self.inner.config.specs.write(&spec)?)
     }
 
@@ -644,16 +645,18 @@ impl PreparedClaims {
                 warn!(%uid, "a GPU of this prepared claim is not on the node any more: its CDI spec is left as it is");
                 continue;
             }
-            let refreshed = if self.files_missing(&uid) {
-                self.restore_files(&uid, &entry, &inv).map(|()| {
-                    info!(%uid, "made the missing files of a prepared claim again");
-                    false
-                })
-            } else if self.mounts_its_dir(&uid) {
-                self.write_spec(&uid, &entry, &inv, &gpus)
-            } else {
-                Ok(false)
-            };
+            let refreshed = ClaimKey::new(&uid).and_then(|key| {
+                if self.files_missing(&key) {
+                    self.restore_files(&key, &entry, &inv).map(|()| {
+                        info!(%uid, "made the missing files of a prepared claim again");
+                        false
+                    })
+                } else if self.mounts_its_dir(&key) {
+                    self.write_spec(&key, &entry, &inv, &gpus)
+                } else {
+                    Ok(false)
+                }
+            });
             match refreshed {
                 Ok(true) => info!(
                     %uid,
@@ -670,14 +673,18 @@ impl PreparedClaims {
 
     /// Whether the claim's spec mounts its accounting directory, with shim
     /// isolation on.
-    fn mounts_its_dir(&self, uid: &str) -> bool {
+    fn mounts_its_dir(&self, key: &ClaimKey) -> bool {
         let config = &self.inner.config;
-        let (Isolation::Shim(shim), Some(name)) = (&config.isolation, ContainerName::of_claim(uid))
-        else {
+        let Isolation::Shim(shim) = &config.isolation else {
             return false;
         };
-        let dir = shim.containers().get(name).path.display().to_string();
-        config.specs.read(uid).is_ok_and(|spec| {
+        let dir = shim
+            .containers()
+            .get(key.dir.clone())
+            .path
+            .display()
+            .to_string();
+        config.specs.read(&key.uid).is_ok_and(|spec| {
             spec.devices
                 .iter()
                 .flat_map(|d| &d.container_edits.mounts)
@@ -690,36 +697,31 @@ impl PreparedClaims {
     /// live, and stays as it is whatever the flags say now), and the spec.
     fn restore_files(
         &self,
-        uid: &str,
+        key: &ClaimKey,
         entry: &ClaimEntry,
         inv: &Inventory,
     ) -> Result<(), PrepareError> {
         match &self.inner.config.isolation {
-            Isolation::Shim(shim) if !self.accounting_file_present(shim, uid) => {
-                self.make_files(uid, entry, inv)
+            Isolation::Shim(shim) if !accounting_file_present(shim, key) => {
+                self.make_files(key, entry, inv)
             }
             _ => {
-                self.write_spec(uid, entry, inv, &claim_gpus(entry, inv))?;
+                self.write_spec(key, entry, inv, &claim_gpus(entry, inv))?;
                 Ok(())
             }
         }
     }
 
-    fn accounting_file_present(&self, shim: &ShimConfig, uid: &str) -> bool {
-        ContainerName::of_claim(uid)
-            .is_some_and(|name| shim.containers().get(name).accounting_file().is_file())
-    }
-
     /// Whether the claim's spec is gone, or the accounting file its spec
     /// mounts (a claim prepared without the shim has none, and keeps none).
-    fn files_missing(&self, uid: &str) -> bool {
+    fn files_missing(&self, key: &ClaimKey) -> bool {
         let config = &self.inner.config;
-        if !config.specs.path(uid).exists() {
+        if !config.specs.path(&key.uid).exists() {
             return true;
         }
         match &config.isolation {
             Isolation::Shim(shim) => {
-                !self.accounting_file_present(shim, uid) && self.mounts_its_dir(uid)
+                !accounting_file_present(shim, key) && self.mounts_its_dir(key)
             }
             Isolation::None => false,
         }
@@ -729,13 +731,13 @@ impl PreparedClaims {
     /// missing (see `restore_files`).
     fn restore_spec(
         &self,
-        uid: &str,
+        key: &ClaimKey,
         entry: &ClaimEntry,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
-        if self.files_missing(uid) {
+        if self.files_missing(key) {
             let inv = self.inner.inventory.borrow().clone();
-            self.restore_files(uid, entry, &inv)?;
-            info!(%uid, "made the missing files of a prepared claim again");
+            self.restore_files(key, entry, &inv)?;
+            info!(uid = %key.uid, "made the missing files of a prepared claim again");
         }
         Ok(answer(entry))
     }
@@ -850,9 +852,29 @@ fn claim_spec(
     Ok(cdi::spec(cdi::CLAIM_CLASS, uid, edits)?)
 }
 
-/// The accounting directory of claim `uid`.
-fn claim_dir(uid: &str) -> Result<ContainerName, PrepareError> {
-    ContainerName::of_claim(uid).ok_or_else(|| PrepareError::BadUid(uid.to_owned()))
+/// A claim's UID and the accounting directory named after it, checked
+/// and derived once per call.
+struct ClaimKey {
+    uid: String,
+    dir: ContainerName,
+}
+
+impl ClaimKey {
+    fn new(uid: &str) -> Result<ClaimKey, PrepareError> {
+        let dir =
+            ContainerName::of_claim(uid).ok_or_else(|| PrepareError::BadUid(uid.to_owned()))?;
+        Ok(ClaimKey {
+            uid: uid.to_owned(),
+            dir,
+        })
+    }
+}
+
+fn accounting_file_present(shim: &ShimConfig, key: &ClaimKey) -> bool {
+    shim.containers()
+        .get(key.dir.clone())
+        .accounting_file()
+        .is_file()
 }
 
 /// The node's GPUs a claim has a cap on, with the cap; those the node no
