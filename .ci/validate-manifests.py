@@ -53,6 +53,15 @@ VARIANTS = {
     "kubelet-only": {"apiServer": False},
     "gpushare-extender": {"scheduler": "gpushare-extender", "extender": {"enabled": True}},
     "dra": {"frontEnd": "dra"},
+    "adopter-settings": {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "podAnnotations": {"example.com/team": "ml-platform"},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "example.com/gpu", "operator": "Exists"}]}]}}},
+        "logFormat": "json",
+        "extraArgs": ["--status-socket=/var/lib/gpumem/status.sock"],
+        "uninstall": {"unpublish": False},
+    },
     "dra-custom": {
         "frontEnd": "dra",
         "isolation": "none",
@@ -509,6 +518,34 @@ def check_docs(image, failures):
     return results
 
 
+def check_pod_settings(name, values, docs, failures):
+    """The pod-level values reach the node agent, and the uninstall hook
+    renders exactly when it can run (it needs the API server)."""
+    agent = next((d for d in docs if d.get("kind") == "DaemonSet"), None)
+    if agent is None:
+        failures.append(f"{name}: no DaemonSet rendered")
+        return
+    pod = agent["spec"]["template"]
+    spec = pod["spec"]
+    expected = {
+        "imagePullSecrets": (spec.get("imagePullSecrets"), values.get("imagePullSecrets")),
+        "affinity": (spec.get("affinity"), values.get("affinity")),
+        "podAnnotations": (pod["metadata"].get("annotations"), values.get("podAnnotations")),
+    }
+    for key, (rendered, wanted) in expected.items():
+        if rendered != (wanted or None):
+            failures.append(f"{name}: {key} rendered as {rendered!r}, values say {wanted!r}")
+    args = next(c for c in spec["containers"] if c["name"] == "gpumem").get("args") or []
+    for arg in values.get("extraArgs", []) + [f"--log-format={values.get('logFormat', 'text')}"]:
+        if arg not in args:
+            failures.append(f"{name}: the agent's args lack {arg}")
+    wants_hook = values.get("apiServer", True) and values.get("uninstall", {}).get("unpublish", True)
+    hooks = [d for d in docs if d.get("kind") == "Job"
+             and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "post-delete"]
+    if bool(hooks) != bool(wants_hook):
+        failures.append(f"{name}: the uninstall hook Job should {'' if wants_hook else 'not '}render")
+
+
 def main():
     failures = []
     checked = 0
@@ -568,6 +605,7 @@ def main():
         for expected in node_selector.get("nodeSelector", {}):
             if not any(expected in text for text in rendered.values()):
                 failures.append(f"chart[{variant}]: nodeSelector {expected} not rendered")
+        check_pod_settings(f"chart[{variant}]", values, docs, failures)
         # The host's PID namespace only where reconciliation needs it.
         wants = values.get("isolation", "shim") == "shim" and values.get("reconcileSecs", 2) > 0
         if any("hostPID: true" in text for text in rendered.values()) != wants:

@@ -60,6 +60,10 @@ pub enum Command {
     /// Run gpumem's kube-scheduler extender: filters and scores nodes by
     /// each GPU's free units and binds pods with gpushare's annotations.
     Extender(ExtenderArgs),
+    /// Remove what gpumem published on Nodes (the gpumem.io/gpus annotation
+    /// and the aliyun.com/gpu-count capacity) once gpumem is uninstalled:
+    /// the chart's post-delete hook.
+    Unpublish(UnpublishArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -101,6 +105,17 @@ impl KubeconfigArgs {
     pub fn path(&self) -> Option<&Path> {
         self.kubeconfig.as_deref()
     }
+}
+
+#[derive(Args)]
+pub struct UnpublishArgs {
+    /// Only this Node (repeatable; default: every Node carrying gpumem's
+    /// annotation). A named Node without it is an error.
+    #[arg(long = "node", value_name = "NAME")]
+    pub nodes: Vec<String>,
+
+    #[command(flatten)]
+    pub kubeconfig: KubeconfigArgs,
 }
 
 /// `--fake-gpus`, for every command that reads GPUs (exec and the demo

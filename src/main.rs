@@ -21,14 +21,15 @@ use gpumem::ops::inspect;
 use gpumem::ops::metrics;
 
 use cli::{
-    Cli, Command, DraArgs, ExecArgs, ExtenderArgs, InspectArgs, LogFormat, OutputFormat, PluginArgs,
+    Cli, Command, DraArgs, ExecArgs, ExtenderArgs, InspectArgs, LogFormat, OutputFormat,
+    PluginArgs, UnpublishArgs,
 };
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Plugin(_) | Command::Dra(_) => "info",
-        Command::InstallShim(_) | Command::Extender(_) => "info",
+        Command::InstallShim(_) | Command::Extender(_) | Command::Unpublish(_) => "info",
         #[cfg(feature = "demo")]
         Command::Demo(_) => "warn",
         Command::Exec(_) | Command::Inspect(_) => "warn",
@@ -75,6 +76,7 @@ fn main() -> ExitCode {
                     Command::Exec(args) => exec(args).await,
                     Command::Inspect(args) => inspect(args).await.map(|()| ExitCode::SUCCESS),
                     Command::Extender(args) => extender(args).await.map(|()| ExitCode::SUCCESS),
+                    Command::Unpublish(args) => unpublish(args).await.map(|()| ExitCode::SUCCESS),
                     Command::InstallShim(args) => {
                         let from = match args.from {
                             Some(path) => path,
@@ -210,6 +212,18 @@ async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {
         assume_timeout: Duration::from_secs(args.assume_timeout_secs),
     };
     gpumem::extender::run(config, client, listener, shutdown).await?;
+    Ok(())
+}
+
+async fn unpublish(args: UnpublishArgs) -> anyhow::Result<()> {
+    let client = gpumem::cluster::client::connect(args.kubeconfig.path()).await?;
+    let changed = gpumem::cluster::node::unpublish(&client, &args.nodes).await?;
+    if changed.is_empty() {
+        println!("no Node carries gpumem's annotation: nothing to remove");
+    }
+    for node in changed {
+        println!("removed gpumem's GPU count and annotation from Node {node}");
+    }
     Ok(())
 }
 

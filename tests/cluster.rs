@@ -558,6 +558,77 @@ async fn the_node_shows_its_gpu_count_and_each_gpus_units() {
         .any(|r| r == &format!("PATCH /api/v1/nodes/{NODE}/status")));
 }
 
+/// The chart's uninstall hook: what the plugin published goes, on its Node
+/// only; a GPU count gpushare's own plugin wrote elsewhere stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpublish_removes_what_the_plugin_wrote_on_its_node_only() {
+    let mut c = Cluster::start(&[]).await;
+    c.wait_for("the node's annotation", || {
+        c.api
+            .get(Kind::Node, "", NODE)?
+            .pointer("/metadata/annotations/gpumem.io~1gpus")
+            .map(|_| ())
+    })
+    .await;
+    c.plugin.kill().unwrap();
+    c.plugin.wait().unwrap();
+    let gpushares = json!({
+        "kind": "Node",
+        "metadata": {"name": "gpushare-node", "annotations": {"other": "kept"}},
+        "status": {"capacity": {"aliyun.com/gpu-count": "1"}},
+    });
+    c.api.put(gpushares);
+    let kubeconfig = c._dir.path().join("kubeconfig");
+    let unpublish = |extra: &[&str]| {
+        let output = common::gpumem_cmd()
+            .arg("unpublish")
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+
+    let (ok, out, err) = unpublish(&[]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out,
+        format!("removed gpumem's GPU count and annotation from Node {NODE}\n")
+    );
+    let node = c.api.get(Kind::Node, "", NODE).unwrap();
+    assert_eq!(node.pointer("/metadata/annotations/gpumem.io~1gpus"), None);
+    assert_eq!(node.pointer("/status/capacity/aliyun.com~1gpu-count"), None);
+    assert_eq!(
+        node.pointer("/status/allocatable/aliyun.com~1gpu-count"),
+        None
+    );
+    assert_eq!(node.pointer("/status/capacity/cpu"), Some(&json!("8")));
+    let other = c.api.get(Kind::Node, "", "gpushare-node").unwrap();
+    assert_eq!(
+        other.pointer("/status/capacity/aliyun.com~1gpu-count"),
+        Some(&json!("1"))
+    );
+
+    // Again: nothing left to do, and a named Node that is not ours is an error.
+    let (ok, out, err) = unpublish(&[]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out,
+        "no Node carries gpumem's annotation: nothing to remove\n"
+    );
+    let (ok, _, err) = unpublish(&["--node", "gpushare-node"]);
+    assert!(!ok);
+    assert!(
+        err.contains("Node gpushare-node does not exist or carries no gpumem.io/gpus annotation"),
+        "{err}"
+    );
+}
+
 fn plugin_error(args: &[&str], kubeconfig: Option<&Path>) -> String {
     let dir = tempfile::tempdir().unwrap();
     let mut command = common::bare_plugin(dir.path());

@@ -54,9 +54,17 @@ fn the_daemonset_passes_only_flags_and_values_the_plugin_accepts() {
     assert_installer_flags(&manifest);
 }
 
+/// The chart's template for a DaemonSet with the flags it includes from
+/// `_helpers.tpl` (`gpumem.agentArgs`, shared by both front ends).
+fn chart_daemonset(template: &str) -> String {
+    let text = read(template);
+    assert!(text.contains(r#"{{- include "gpumem.agentArgs" . | nindent 12 }}"#));
+    text + &read("deploy/helm/gpumem/templates/_helpers.tpl")
+}
+
 #[test]
 fn the_helm_chart_passes_only_flags_the_plugin_accepts() {
-    let template = read("deploy/helm/gpumem/templates/daemonset.yaml");
+    let template = chart_daemonset("deploy/helm/gpumem/templates/daemonset.yaml");
     let (_, help) = gpumem(&["plugin", "--help"]);
     let args = plugin_args(&template);
     assert!(args.len() >= 8, "{args:?}");
@@ -77,6 +85,11 @@ fn the_helm_chart_passes_only_flags_the_plugin_accepts() {
         "image",
         "apiServer",
         "scheduler",
+        "logFormat",
+        "ignoreXids",
+        "healthRecoverySecs",
+        "stateGraceSecs",
+        "extraArgs",
     ] {
         assert!(
             values.contains(&format!("{key}:")),
@@ -182,7 +195,7 @@ fn assert_installer_flags(manifest: &str) {
 
 #[test]
 fn the_helm_charts_dra_front_end_passes_only_flags_the_driver_accepts() {
-    let template = read("deploy/helm/gpumem/templates/daemonset-dra.yaml");
+    let template = chart_daemonset("deploy/helm/gpumem/templates/daemonset-dra.yaml");
     assert!(template.contains(r#"command: ["/opt/gpumem/gpumem", "dra"]"#));
     assert!(template.contains(r#"{{- if eq .Values.frontEnd "dra" }}"#));
     let (_, help) = gpumem(&["dra", "--help"]);
@@ -235,4 +248,24 @@ fn the_helm_charts_dra_front_end_passes_only_flags_the_driver_accepts() {
     let class = read("deploy/helm/gpumem/templates/deviceclass.yaml");
     assert!(class.contains(".Values.dra.deviceClass.create"));
     assert!(class.contains(r#"device.driver == {{ .Values.dra.driverName | quote }}"#));
+}
+
+#[test]
+fn the_uninstall_hook_runs_a_command_gpumem_accepts() {
+    let hook = read("deploy/helm/gpumem/templates/uninstall.yaml");
+    assert!(hook.contains(r#"command: ["/opt/gpumem/gpumem", "unpublish"]"#));
+    assert!(hook.contains(r#"args: ["--log-format={{ .Values.logFormat }}"]"#));
+    assert!(hook.contains("helm.sh/hook: post-delete"));
+    // With no API server to reach, it gets as far as the kubeconfig.
+    let (ok, text) = gpumem(&[
+        "unpublish",
+        "--log-format=text",
+        "--kubeconfig",
+        "/nonexistent/gpumem-deploy-test",
+    ]);
+    assert!(!ok);
+    assert!(
+        text.contains("gpumem-deploy-test"),
+        "clap refused the hook's args: {text}"
+    );
 }

@@ -1,13 +1,14 @@
 //! What gpumem publishes on its Node: gpushare's GPU count in the node's
 //! capacity (its tools divide the node's units by it), and each GPU's own
 //! size, health and UUID in an annotation, for a scheduler extender that
-//! must not assume equal GPUs.
+//! must not assume equal GPUs. `unpublish` takes both away again, when
+//! gpumem is uninstalled.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Node;
-use kube::api::{Patch, PatchParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -71,6 +72,73 @@ pub async fn publish(client: &Client, node: &str, inv: &Inventory) -> Result<(),
         .patch(node, &PatchParams::default(), &Patch::Merge(&meta))
         .await?;
     Ok(())
+}
+
+/// Removes what `publish` wrote from each Node named in `only` (every Node,
+/// if empty) that carries gpumem's annotation; the names of those changed.
+/// A node without the annotation keeps its GPU count: gpushare's own
+/// device plugin writes it too.
+pub async fn unpublish(client: &Client, only: &[String]) -> Result<Vec<String>, UnpublishError> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let listed = nodes
+        .list(&ListParams::default())
+        .await
+        .map_err(UnpublishError::List)?;
+    let mut changed = Vec::new();
+    for node in listed.items {
+        let Some(name) = node.metadata.name else {
+            continue;
+        };
+        let ours = node
+            .metadata
+            .annotations
+            .is_some_and(|a| a.contains_key(GPUS_ANNOTATION));
+        if !ours || !(only.is_empty() || only.contains(&name)) {
+            continue;
+        }
+        // Merge patches: null removes the key (RFC 7386).
+        let status = json!({"status": {
+            "capacity": {GPU_COUNT: null},
+            "allocatable": {GPU_COUNT: null},
+        }});
+        nodes
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .map_err(|source| UnpublishError::Patch {
+                node: name.clone(),
+                source,
+            })?;
+        let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: null}}});
+        nodes
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&meta))
+            .await
+            .map_err(|source| UnpublishError::Patch {
+                node: name.clone(),
+                source,
+            })?;
+        changed.push(name);
+    }
+    if let Some(missing) = only.iter().find(|n| !changed.contains(n)) {
+        return Err(UnpublishError::NotOurs {
+            node: missing.clone(),
+            done: changed,
+        });
+    }
+    Ok(changed)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UnpublishError {
+    #[error("cannot list Nodes: {0}")]
+    List(#[source] kube::Error),
+    #[error("cannot remove gpumem's GPU count and annotation from Node {node}: {source}")]
+    Patch {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("Node {node} does not exist or carries no {GPUS_ANNOTATION} annotation (cleaned: {})", if done.is_empty() { "none".to_owned() } else { done.join(", ") })]
+    NotOurs { node: String, done: Vec<String> },
 }
 
 /// Publishes now and after every inventory change (GPU health), retrying

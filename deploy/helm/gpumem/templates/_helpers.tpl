@@ -26,3 +26,26 @@ capabilities:
   add: ["KILL"]
   {{- end }}
 {{- end -}}
+
+{{/* Pod-level settings every gpumem pod takes from the values. */}}
+{{- define "gpumem.podSettings" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The node agent's flags shared by both front ends, then extraArgs. */}}
+{{- define "gpumem.agentArgs" -}}
+- --log-format={{ .Values.logFormat }}
+- --state-grace-secs={{ .Values.stateGraceSecs }}
+- --ignore-xids={{ .Values.ignoreXids }}
+- --health-recovery-secs={{ .Values.healthRecoverySecs }}
+{{- with .Values.extraArgs }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
