@@ -193,7 +193,7 @@ impl Driver {
         api.put(json!({"kind": "Node", "metadata": {"name": NODE, "uid": NODE_UID}}));
         let kubeconfig = host.path("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
-        let client = gpumem::cluster::client::connect(Some(&kubeconfig))
+        let (client, api_health) = gpumem::cluster::client::connect_watched(Some(&kubeconfig))
             .await
             .unwrap();
         let sockets = host.sockets();
@@ -207,6 +207,7 @@ impl Driver {
             },
             sockets: sockets.clone(),
             client,
+            api: api_health,
             facts: NodeFacts::default(),
             boot_id: BOOT_ID.to_owned(),
             pod_resources_socket: host.path("no-pod-resources.sock"),

@@ -461,9 +461,11 @@ impl ClusterArgs {
             }
             return Ok(None);
         };
-        let client = gpumem::cluster::client::connect(self.kubeconfig.path()).await?;
+        let (client, api) =
+            gpumem::cluster::client::connect_watched(self.kubeconfig.path()).await?;
         Ok(Some(daemon::Cluster {
             client,
+            api,
             node,
             gpushare_extender: self.scheduler == SchedulerMode::GpushareExtender,
         }))

@@ -5,6 +5,7 @@
 //! Optional: without `--node-name` the plugin runs on kubelet alone, as
 //! before.
 
+pub mod backoff;
 pub mod client;
 pub mod events;
 pub mod gpushare;

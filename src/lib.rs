@@ -17,8 +17,10 @@
 // Each uses only those before it. Isolation answers with a front-end-neutral
 // grant that each front end puts into its own wire format; clean-up learns
 // who holds what through a seam (`cleanup::Holders`) each front end fills.
-// `atomic_file` and `version` (what build this is) are below them all.
+// `atomic_file`, `error_text` and `version` (what build this is) are below
+// them all.
 pub mod atomic_file;
+pub mod error_text;
 pub mod version;
 
 pub mod node;

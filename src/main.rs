@@ -34,8 +34,15 @@ fn main() -> ExitCode {
         Command::Demo(_) => "warn",
         Command::Exec(_) | Command::Inspect(_) => "warn",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // kube's client logs every failed request at ERROR with only its top
+    // level ("client error (Connect)"), and its watcher each refused list;
+    // gpumem says once which server and why (`cluster::client::ApiHealth`),
+    // and each watch's failures with their backoff.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(format!(
+            "{default_level},kube_client::client::builder=off,kube_runtime::watcher=error"
+        ))
+    });
     // Colours only for a person at a terminal: `kubectl logs` and log
     // pipelines would show the escape codes.
     let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
@@ -92,29 +99,13 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("gpumem: error: {}", one_line(err.as_ref()));
+            eprintln!(
+                "gpumem: error: {}",
+                gpumem::error_text::one_line(err.as_ref())
+            );
             ExitCode::FAILURE
         }
     }
-}
-
-/// An error and its causes on one line, each said once. gpumem's errors put
-/// their cause in their own message, so they read whole wherever they are
-/// shown; anyhow's `{:#}` would then print the cause a second time.
-fn one_line(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = String::new();
-    let mut outer = String::new();
-    for cause in std::iter::successors(Some(err), |e| e.source()) {
-        let text = cause.to_string();
-        if !outer.contains(&text) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&text);
-        }
-        outer = text;
-    }
-    line
 }
 
 async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
@@ -164,7 +155,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
         metrics = %args.daemon.metrics_addr,
         "starting the DRA driver"
     );
-    let client = gpumem::cluster::client::connect(args.kubeconfig.path()).await?;
+    let (client, api) = gpumem::cluster::client::connect_watched(args.kubeconfig.path()).await?;
     let boot_id = dra::checkpoint::current_boot_id()
         .context("cannot read the boot ID (/proc/sys/kernel/random/boot_id)")?;
     let config = daemon::DraDaemonConfig {
@@ -181,6 +172,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
             registry_dir: args.kubelet_registry_dir,
         },
         client,
+        api,
         facts,
         boot_id,
         pod_resources_socket: args.daemon.node.pod_resources_socket.clone(),
@@ -252,7 +244,7 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
         Err(err) => match err.exit_code() {
             // A shell's status for a command it cannot start.
             Some(code) => {
-                eprintln!("gpumem: error: {}", one_line(&err));
+                eprintln!("gpumem: error: {}", gpumem::error_text::one_line(&err));
                 return Ok(ExitCode::from(code));
             }
             None => return Err(err.into()),

@@ -1237,6 +1237,85 @@ fn free_addr() -> String {
     format!("127.0.0.1:{port}")
 }
 
+/// An API server nobody answers at: said once, naming it and why, retried
+/// with growing waits, and told on /healthz without failing the probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_api_server_is_named_backed_off_and_told_on_healthz() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    // A port nothing listens on.
+    let server = format!("http://{}", free_addr());
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster: {{server: \"{server}\"}}\n\
+             contexts:\n- name: c\n  context: {{cluster: c, user: u}}\ncurrent-context: c\n\
+             users:\n- name: u\n  user: {{token: t}}\n"
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("plugin.log");
+    let addr = free_addr();
+    let _plugin = common::Killed(
+        gpumem()
+            .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
+            .args(["--status-socket", "", "--node-name", "gpu-node-1"])
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .arg("--fake-gpus")
+            .arg(fixture("t4"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_some());
+    let deadline = std::time::Instant::now() + WAIT;
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("retry_in=3.2s") || std::time::Instant::now() > deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        text.contains("watching this node's pods")
+            && text.contains("retry_in=800ms")
+            && text.contains("retry_in=1.6s")
+            && text.contains("retry_in=3.2s"),
+        "the pod watch is not backed off:\n{text}"
+    );
+    let said: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("cannot reach the API server"))
+        .collect();
+    assert_eq!(said.len(), 1, "said once, not at every retry:\n{text}");
+    assert!(
+        said[0].contains(&format!("server={server}")) && said[0].contains("Connection refused"),
+        "{}",
+        said[0]
+    );
+    assert!(
+        !text.contains("kube_client"),
+        "kube's own error lines:\n{text}"
+    );
+
+    let (code, body) = http_get(&addr, "/healthz");
+    assert_eq!(code, 200, "registered with kubelet: {body}");
+    assert!(
+        body.contains(&format!("cannot reach the API server at {server} for")),
+        "{body}"
+    );
+    kubelet.stop().await;
+}
+
 // Multi-threaded: the test blocks on `gpumem inspect` while the simulated
 // kubelet it admits through runs on the same runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -600,6 +600,32 @@ async fn healthz_fails_while_the_pod_watch_keeps_failing_and_recovers_with_it() 
         .await;
 }
 
+/// A watch whose history is gone lists afresh; lists that keep failing
+/// must count as failures too, not be forgiven at each new try.
+#[tokio::test]
+async fn healthz_fails_while_relists_keep_failing() {
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &[]).await;
+    cluster.api.forbid(Kind::Pod, true);
+    cluster.api.expire_watches(Kind::Pod, true);
+    cluster.api.end_watches();
+    let why = extender
+        .wait_for("/healthz to answer 503", || async {
+            let (code, body) = extender.get("/healthz").await;
+            (code == 503).then_some(body)
+        })
+        .await;
+    assert!(
+        why.contains("the pods watch has failed 3 times in a row")
+            && why.contains("listing: 403 Forbidden")
+            && why.contains("pods is forbidden"),
+        "{why}"
+    );
+    // Spaced: 0.8 s, 1.6 s, 3.2 s ... between lists, not one a second.
+    let log = extender.log();
+    assert!(log.contains(r#""retry_in":"1.6s""#), "{log}");
+}
+
 #[tokio::test]
 async fn a_refused_bind_says_why_and_frees_its_booking() {
     let cluster = Cluster::start().await;

@@ -86,11 +86,12 @@ impl Daemon {
                 "spec": {"nodeName": NODE, "containers": [{"name": "main"}]},
                 "status": {"phase": "Running"},
             }));
-            let client = gpumem::cluster::client::connect(Some(&kubeconfig))
+            let (client, api) = gpumem::cluster::client::connect_watched(Some(&kubeconfig))
                 .await
                 .unwrap();
             let cluster = daemon::Cluster {
                 client,
+                api,
                 node: NODE.to_owned(),
                 gpushare_extender: false,
             };

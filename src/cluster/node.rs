@@ -16,6 +16,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::cluster::client::describe;
 use crate::cluster::gpushare::GPU_COUNT;
 use crate::node::inventory::Inventory;
 
@@ -160,7 +161,7 @@ pub async fn run(
                 }
             }
             Err(err) => {
-                warn!(node, %err, "cannot publish GPUs on the Node; retrying");
+                warn!(node, err = %describe(&err), "cannot publish GPUs on the Node; retrying");
                 tokio::select! {
                     () = stop.cancelled() => return,
                     () = tokio::time::sleep(RETRY) => {}

@@ -9,12 +9,15 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::core::Status;
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher::{self, watcher, Event};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
+
+use crate::cluster::backoff::WatchBackoff;
+use crate::cluster::client::describe_watch;
 
 /// Writes that lose a race with another writer are tried this often.
 const CONFLICT_RETRIES: usize = 5;
@@ -60,27 +63,38 @@ impl NodePods {
         let api: Api<Pod> = Api::all(client.clone());
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let stream = reflector::reflector(writer, watcher(api.clone(), config))
-            .default_backoff()
-            .applied_objects();
+        let stream = reflector::reflector(writer, watcher(api.clone(), config));
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
+            let mut backoff = WatchBackoff::default();
             loop {
                 let next = tokio::select! {
                     () = stop.cancelled() => return,
                     next = stream.next() => next,
                 };
+                let Some(next) = next else { return };
+                let wait = backoff.after(&next);
                 match next {
-                    None => return,
-                    Some(Ok(pod)) => {
+                    Ok(Event::Apply(pod) | Event::InitApply(pod)) => {
                         debug!(
                             pod = pod.metadata.name.as_deref().unwrap_or(""),
                             "pod changed"
                         )
                     }
-                    // The watcher relists and rewatches (410 Gone included);
-                    // the backoff spaces its attempts.
-                    Some(Err(err)) => warn!(%err, "watching this node's pods"),
+                    Ok(_) => {}
+                    // The watcher relists and rewatches (410 Gone included)
+                    // when polled again, after the wait.
+                    Err(err) => warn!(
+                        err = %describe_watch(&err),
+                        retry_in = ?wait.unwrap_or_default(),
+                        "watching this node's pods"
+                    ),
+                }
+                if let Some(wait) = wait {
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(wait) => {}
+                    }
                 }
             }
         });

@@ -21,7 +21,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher::{self, watcher, Event};
 use kube::{Api, Client};
 use serde::Serialize;
 use serde_json::Value;
@@ -30,6 +30,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::cluster::backoff::WatchBackoff;
+use crate::cluster::client::describe_watch;
 use crate::node::gpu::{Gpu, NodeFacts};
 use crate::node::inventory::Inventory;
 use crate::node::quantity;
@@ -297,8 +299,10 @@ pub async fn run(
     let name = publisher.name.clone();
     status.send_modify(|s| s.name = name);
     let config = watcher::Config::default().fields(&publisher.selector());
-    let events = watcher(publisher.slices.clone(), config).default_backoff();
+    let events = watcher(publisher.slices.clone(), config);
     let mut events = std::pin::pin!(events);
+    let mut watch_backoff = WatchBackoff::default();
+    let mut watch_resume: Option<Instant> = None;
     let mut dirty = true;
     let mut retry_at: Option<Instant> = None;
     let mut backoff = BACKOFF_MIN;
@@ -374,21 +378,34 @@ pub async fn run(
                 }
                 dirty = true;
             }
-            Some(event) = events.next() => match event {
-                Ok(event) => {
-                    watch_failing.clear();
-                    if publisher.needs_look(&event) {
-                        dirty = true;
-                    }
+            Some(event) = async {
+                if let Some(at) = watch_resume {
+                    tokio::time::sleep_until(at).await;
                 }
-                // The watcher relists and rewatches itself (a 410 included),
-                // spaced by its backoff; a relist ends in InitDone.
-                Err(err) => {
-                    let kind = FailureKind { step: Step::Watch, class: watch_class(&err) };
-                    if watch_failing.first(kind) {
-                        warn!(%err, "watching this node's ResourceSlices; retrying");
-                    } else {
-                        debug!(%err, "watching this node's ResourceSlices");
+                events.next().await
+            } => {
+                let wait = watch_backoff.after(&event);
+                watch_resume = wait.map(|wait| Instant::now() + wait);
+                match event {
+                    // Init only says a list is about to be tried.
+                    Ok(Event::Init) => {}
+                    Ok(event) => {
+                        watch_failing.clear();
+                        if publisher.needs_look(&event) {
+                            dirty = true;
+                        }
+                    }
+                    // The watcher relists and rewatches itself (a 410
+                    // included) when polled again, after the wait; a relist
+                    // ends in InitDone.
+                    Err(err) => {
+                        let kind = FailureKind { step: Step::Watch, class: watch_class(&err) };
+                        let retry_in = wait.unwrap_or_default();
+                        if watch_failing.first(kind) {
+                            warn!(err = %describe_watch(&err), ?retry_in, "watching this node's ResourceSlices; retrying");
+                        } else {
+                            debug!(err = %describe_watch(&err), ?retry_in, "watching this node's ResourceSlices");
+                        }
                     }
                 }
             },

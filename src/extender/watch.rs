@@ -13,13 +13,14 @@ use std::time::Instant;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::cluster::backoff::WatchBackoff;
+use crate::cluster::client::describe_watch;
 use crate::cluster::gpushare::requested_units;
 use crate::extender::cache::Cache;
 
@@ -96,8 +97,9 @@ where
     K::DynamicType: Default,
 {
     let resource = lock(&cache).resource().to_owned();
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    let stream = watcher::watcher(api, watcher::Config::default());
     let mut stream = std::pin::pin!(stream);
+    let mut backoff = WatchBackoff::default();
     // A relist's objects, applied together once it is complete.
     let mut listing: Vec<K> = Vec::new();
     loop {
@@ -105,10 +107,14 @@ where
             () = stop.cancelled() => return,
             next = stream.next() => next,
         };
+        let wait = next.as_ref().and_then(|item| backoff.after(item));
         match &next {
+            // Init only says a list is about to be tried: it proves nothing.
+            Some(Ok(Event::Init)) | None => {}
             Some(Ok(_)) => lock(&cache).watch_delivered(K::WHAT),
-            Some(Err(err)) => lock(&cache).watch_failed(K::WHAT, err.to_string(), Instant::now()),
-            None => {}
+            Some(Err(err)) => {
+                lock(&cache).watch_failed(K::WHAT, describe_watch(err), Instant::now())
+            }
         }
         match next {
             None => return,
@@ -132,10 +138,20 @@ where
                 K::apply(&mut lock(&cache), &object);
             }
             Some(Ok(Event::Delete(object))) => K::remove(&mut lock(&cache), &object),
-            // The watcher relists and rewatches (410 Gone included); the
-            // backoff spaces its attempts. One that keeps failing turns
+            // The watcher relists and rewatches (410 Gone included) when
+            // polled again, after the wait. One that keeps failing turns
             // /healthz to 503 (`Cache::stale`).
-            Some(Err(err)) => warn!(%err, "watching {}", K::WHAT),
+            Some(Err(err)) => warn!(
+                err = %describe_watch(&err),
+                retry_in = ?wait.unwrap_or_default(),
+                "watching {}", K::WHAT
+            ),
+        }
+        if let Some(wait) = wait {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(wait) => {}
+            }
         }
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-use crate::cluster::client::ADMISSION_CALL_BOUND;
+use crate::cluster::client::{ApiHealth, ADMISSION_CALL_BOUND};
 use crate::cluster::events::{self, PodEvents};
 use crate::cluster::gpushare::{self, Extender, PlacedContainer, PlacedPod};
 use crate::cluster::pods::NodePods;
@@ -209,6 +209,8 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
 /// The API server and what gpumem does with it.
 pub struct Cluster {
     pub client: kube::Client,
+    /// Whether the API server answers, for /healthz.
+    pub api: ApiHealth,
     /// This node's name.
     pub node: String,
     /// Place containers where gpushare's scheduler extender chose.
@@ -267,6 +269,10 @@ pub async fn run(
         isolation.clone(),
         reconciler.as_ref().map(|(r, _)| r),
     );
+    let observed = match &config.cluster {
+        Some(cluster) => observed.with_api(cluster.api.clone()),
+        None => observed,
+    };
     serve_endpoints(&mut tasks, &mut common, observed, &stop);
     if let Some(cluster) = config.cluster {
         let pods = NodePods::watch(cluster.client.clone(), &cluster.node, stop.clone());
@@ -620,6 +626,8 @@ fn placed_pods(
 
 /// `gpumem dra`: the DRA driver's configuration.
 pub struct DraDaemonConfig {
+    /// Whether the API server answers, for /healthz.
+    pub api: ApiHealth,
     pub driver: DriverConfig,
     pub sockets: DraSockets,
     pub client: kube::Client,
@@ -710,7 +718,8 @@ pub async fn run_dra(
         PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
         isolation.clone(),
         reconciler.as_ref().map(|(r, _)| r),
-    );
+    )
+    .with_api(config.api.clone());
     serve_endpoints(&mut tasks, &mut common, observed, &stop);
     tasks.spawn(slice::run(
         config.client.clone(),

@@ -24,6 +24,7 @@ use tokio::task::JoinError;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
+use crate::cluster::client::ApiHealth;
 use crate::deviceplugin::plugin::PluginStatus;
 use crate::deviceplugin::service::Counters;
 use crate::dra::prepare::PreparedClaims;
@@ -87,6 +88,8 @@ pub struct Observed {
     pub unmanaged: Option<Unmanaged>,
     /// Over-cap actions taken, where the action is on.
     pub over_cap: Option<Arc<Actions>>,
+    /// Whether the API server answers, where gpumem uses one.
+    pub api: Option<ApiHealth>,
 }
 
 impl Observed {
@@ -110,7 +113,14 @@ impl Observed {
             overheads: reconciler.map(Reconciler::overheads),
             unmanaged: reconciler.map(Reconciler::unmanaged),
             over_cap: reconciler.and_then(Reconciler::actions),
+            api: None,
         }
+    }
+
+    /// Reports the API server's reachability too.
+    pub fn with_api(mut self, api: ApiHealth) -> Self {
+        self.api = Some(api);
+        self
     }
 
     /// Asks pod-resources, then reads the accounting files off the async
@@ -252,15 +262,28 @@ pub async fn serve(
         .await
 }
 
+/// Live while registered with kubelet. An API server that cannot be
+/// reached is said, but does not fail the probe: a restart would not bring
+/// it back, and kubelet would restart every node's gpumem at once.
 async fn healthz(State(endpoint): State<Endpoint>) -> impl IntoResponse {
-    if endpoint.observed.front_end.registered() {
-        (StatusCode::OK, "ok\n")
+    let (code, mut text) = if endpoint.observed.front_end.registered() {
+        (StatusCode::OK, "ok\n".to_owned())
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not registered with kubelet\n",
+            "not registered with kubelet\n".to_owned(),
         )
+    };
+    if let Some(why) = endpoint
+        .observed
+        .api
+        .as_ref()
+        .and_then(ApiHealth::unreachable)
+    {
+        text.push_str(&why);
+        text.push('\n');
     }
+    (code, text)
 }
 
 /// `/status`: who holds what, with their pods' names, for the status

@@ -144,6 +144,8 @@ struct Store {
     /// Kinds whose lists and watches are answered 403 Forbidden, as after
     /// a ClusterRole lost their verbs.
     forbidden: Vec<Kind>,
+    /// Kinds whose watches from a resourceVersion are told it is too old.
+    expired: Vec<Kind>,
     /// Per kind, the newest resourceVersion a watch has sent live.
     delivered: BTreeMap<Kind, u64>,
 }
@@ -375,6 +377,17 @@ impl FakeApiServer {
     /// up) and unapplied, as an overloaded API server may.
     pub fn hang_next_bindings(&self, n: u32) {
         self.shared.lock().hung_bindings = n;
+    }
+
+    /// Tells each watch of `kind` that resumes from a resourceVersion that
+    /// it is too old (`on`), as a server whose watch cache has moved on
+    /// does: a 410 Gone ERROR event, after which clients list afresh.
+    pub fn expire_watches(&self, kind: Kind, on: bool) {
+        let mut store = self.shared.lock();
+        store.expired.retain(|k| *k != kind);
+        if on {
+            store.expired.push(kind);
+        }
     }
 
     /// Answers lists and watches of `kind` with 403 Forbidden (`on`), as
@@ -1198,6 +1211,19 @@ fn list_or_watch(
     };
     let watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
     let store = s.lock();
+    let resumed = q
+        .get("resourceVersion")
+        .is_some_and(|v| !matches!(v.as_str(), "" | "0"));
+    if watch && resumed && store.expired.contains(&kind) {
+        let gone = json!({"type": "ERROR", "object": {
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": "too old resource version", "reason": "Expired", "code": 410,
+        }});
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(format!("{gone}\n")))
+            .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
     if store.forbidden.contains(&kind) {
         let verb = if watch { "watch" } else { "list" };
         let group = kind

@@ -46,7 +46,7 @@ pub async fn run(
     api.put(json!({"kind": "Node", "metadata": {"name": NODE, "uid": NODE_UID}}));
     let kubeconfig = dir.path().join("kubeconfig");
     api.write_kubeconfig(&kubeconfig)?;
-    let client = crate::cluster::client::connect(Some(&kubeconfig))
+    let (client, api_health) = crate::cluster::client::connect_watched(Some(&kubeconfig))
         .await
         .map_err(|e| fail("API client", &e))?;
     let isolation = node_isolation(kit, dir.path())?;
@@ -68,6 +68,7 @@ pub async fn run(
         },
         sockets: sockets.clone(),
         client,
+        api: api_health,
         facts: NodeFacts::default(),
         boot_id: current_boot_id().unwrap_or_else(|_| "demo".to_owned()),
         pod_resources_socket: dir.path().join("no-pod-resources.sock"),

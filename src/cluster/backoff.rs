@@ -1,0 +1,69 @@
+//! Spacing a watcher's retries while the API server keeps failing it.
+//!
+//! kube's `default_backoff` resets at every `Ok` item, and a list-then-watch
+//! watcher yields `Ok(Event::Init)` before each list it tries: against a
+//! server that refused every list, it retried about once a second, forever,
+//! logging each time. This one resets only on progress: an object, or a
+//! list complete.
+
+use std::time::Duration;
+
+use kube::runtime::watcher::{self, Event};
+
+const FIRST: Duration = Duration::from_millis(800);
+const MOST: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub struct WatchBackoff {
+    next: Duration,
+}
+
+impl Default for WatchBackoff {
+    fn default() -> Self {
+        WatchBackoff { next: FIRST }
+    }
+}
+
+impl WatchBackoff {
+    /// Sees the watcher's next item: after a failure, how long to wait
+    /// before polling it again (it tries again only when polled).
+    pub fn after<K>(&mut self, item: &Result<Event<K>, watcher::Error>) -> Option<Duration> {
+        match item {
+            // A marker: the list is about to be tried, nothing has arrived.
+            Ok(Event::Init) => None,
+            Ok(_) => {
+                self.next = FIRST;
+                None
+            }
+            Err(_) => {
+                let wait = self.next;
+                self.next = (self.next * 2).min(MOST);
+                Some(wait)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+
+    fn failed() -> Result<Event<Pod>, watcher::Error> {
+        Err(watcher::Error::NoResourceVersion)
+    }
+
+    #[test]
+    fn failures_double_the_wait_and_list_markers_do_not_reset_it() {
+        let mut backoff = WatchBackoff::default();
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            assert_eq!(backoff.after::<Pod>(&Ok(Event::Init)), None);
+            waits.push(backoff.after(&failed()).unwrap().as_millis());
+        }
+        assert_eq!(waits, [800, 1600, 3200, 6400, 12800, 25600, 30000]);
+        // An object arrived: the next failure waits the least again.
+        assert_eq!(backoff.after(&Ok(Event::InitDone::<Pod>)), None);
+        assert_eq!(backoff.after(&failed()), Some(FIRST));
+    }
+}
