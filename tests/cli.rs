@@ -1260,7 +1260,7 @@ async fn an_unreachable_api_server_is_named_backed_off_and_told_on_healthz() {
     let _plugin = common::Killed(
         gpumem()
             .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
-            .args(["--status-socket", "", "--node-name", "gpu-node-1"])
+            .args(["--node-name", "gpu-node-1"])
             .arg("--kubeconfig")
             .arg(&kubeconfig)
             .arg("--kubelet-dir")
@@ -1312,6 +1312,18 @@ async fn an_unreachable_api_server_is_named_backed_off_and_told_on_healthz() {
     assert!(
         body.contains(&format!("cannot reach the API server at {server} for")),
         "{body}"
+    );
+    let (out, text) = run(gpumem()
+        .arg("inspect")
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env("LD_LIBRARY_PATH", dir.path()));
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "warning: cannot reach the API server at {server} for"
+        )),
+        "{text}"
     );
     kubelet.stop().await;
 }

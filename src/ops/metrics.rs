@@ -142,6 +142,7 @@ impl Observed {
             holdings,
             &self.isolation,
         );
+        status.api_server_error = self.api.as_ref().and_then(ApiHealth::unreachable);
         if let FrontEnd::Dra {
             registration,
             slice,
@@ -688,6 +689,7 @@ mod tests {
                 pod_resources_error: None,
                 claims: vec![],
                 dra: None,
+                api_server_error: None,
             },
             overheads: HashMap::new(),
             over_cap: None,

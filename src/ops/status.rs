@@ -38,6 +38,9 @@ pub struct NodeStatus {
     /// The DRA driver's own state; `None` for the device plugin.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dra: Option<DraStatus>,
+    /// Why the API server cannot be reached, while it cannot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_server_error: Option<String>,
 }
 
 /// One DRA claim's share of one GPU: every container referencing the claim
@@ -201,6 +204,7 @@ impl NodeStatus {
             pod_resources_error,
             claims: Vec::new(),
             dra: None,
+            api_server_error: None,
         }
     }
 
@@ -286,6 +290,9 @@ impl NodeStatus {
         );
         if let Some(err) = &self.pod_resources_error {
             let _ = writeln!(out, "warning: allocations unknown: {err}");
+        }
+        if let Some(err) = &self.api_server_error {
+            let _ = writeln!(out, "warning: {err}");
         }
         for g in &self.gpus {
             if let Some(mib) = g.unmanaged_mib.filter(|&mib| mib > 0) {
@@ -493,6 +500,7 @@ mod tests {
             pod_resources_error: None,
             claims: vec![],
             dra: None,
+            api_server_error: None,
         };
         let table = status.table(true);
         let lines: Vec<&str> = table.lines().collect();
