@@ -51,7 +51,8 @@ fn main() -> ExitCode {
         .with_env_filter(filter)
         .with_ansi(colour)
         .with_writer(std::io::stderr);
-    match cli.log_format {
+    let log_format = cli.log_format;
+    match log_format {
         LogFormat::Text => logs.init(),
         LogFormat::Json => logs.json().init(),
     }
@@ -99,10 +100,13 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!(
-                "gpumem: error: {}",
-                gpumem::error_text::one_line(err.as_ref())
-            );
+            let message = gpumem::error_text::one_line(err.as_ref());
+            match log_format {
+                // One more record for the log pipeline, not a line it
+                // cannot parse.
+                LogFormat::Json => tracing::error!(error = %message, "gpumem stopped"),
+                LogFormat::Text => eprintln!("gpumem: error: {message}"),
+            }
             ExitCode::FAILURE
         }
     }

@@ -673,6 +673,30 @@ fn json_plugin(dir: &std::path::Path) -> Command {
     cmd
 }
 
+/// With JSON logs, the error that stops gpumem is one more JSON record, so
+/// a log pipeline keeps it.
+#[test]
+fn a_fatal_error_is_a_json_record_with_json_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = json_plugin(dir.path());
+    cmd.args([
+        "--node-name",
+        "n1",
+        "--kubeconfig",
+        "/nonexistent/gpumem-kubeconfig",
+    ]);
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().last().unwrap_or_default();
+    let record: serde_json::Value = serde_json::from_str(last)
+        .unwrap_or_else(|err| panic!("not JSON ({err}): {last}\nall of it:\n{stderr}"));
+    assert_eq!(record["level"], "ERROR", "{record}");
+    assert_eq!(record["fields"]["message"], "gpumem stopped", "{record}");
+    let error = record["fields"]["error"].as_str().unwrap_or_default();
+    assert!(error.contains("/nonexistent/gpumem-kubeconfig"), "{record}");
+}
+
 /// Everything from the command line to the plugin's "starting" log line,
 /// as JSON; the plugin is then stopped.
 fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
