@@ -219,6 +219,8 @@ impl Driver {
                 state_grace: Duration::from_secs(300),
                 reconcile: None,
                 over_cap: None,
+                sensors: None,
+                hostname: "bench-node".to_owned(),
             },
         };
         let socket = sockets.registration_socket();

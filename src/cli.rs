@@ -672,7 +672,12 @@ impl NodeArgs {
 
 impl DaemonArgs {
     /// What `daemon::start` needs from the flags both front ends share.
-    pub fn node<'a>(&'a self, hardware: &'a Hardware, unit: MemoryUnit) -> daemon::NodeConfig<'a> {
+    pub fn node<'a>(
+        &'a self,
+        hardware: &'a Hardware,
+        unit: MemoryUnit,
+        node_name: Option<&'a str>,
+    ) -> daemon::NodeConfig<'a> {
         daemon::NodeConfig {
             hardware,
             unit,
@@ -690,6 +695,7 @@ impl DaemonArgs {
                 self.over_cap_action,
                 Duration::from_secs(self.over_cap_grace_secs),
             ),
+            node_name,
         }
     }
 }

@@ -115,7 +115,8 @@ fn main() -> ExitCode {
 async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     let unit = args.resource.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
-    let daemon = daemon::start(args.daemon.node(&hardware, unit)).await?;
+    let node_name = args.cluster.node_name.as_deref();
+    let daemon = daemon::start(args.daemon.node(&hardware, unit, node_name)).await?;
     info!(
         %unit,
         placement = %args.placement.placement,
@@ -151,7 +152,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
     let unit = args.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
     let facts = hardware.facts()?;
-    let daemon = daemon::start(args.daemon.node(&hardware, unit)).await?;
+    let daemon = daemon::start(args.daemon.node(&hardware, unit, Some(&args.node_name))).await?;
     info!(
         driver = %args.driver_name,
         node = %args.node_name,

@@ -11,4 +11,5 @@ pub mod placement;
 pub mod processes;
 pub mod quantity;
 pub mod resource;
+pub mod sensors;
 pub mod units;

@@ -16,6 +16,7 @@ use gpumem::node::health::FakeHealth;
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
 use gpumem::node::processes::FakeProcesses;
+use gpumem::node::sensors::Sensors;
 use gpumem::node::units::MemoryUnit;
 use gpumem::ops::daemon::{self, Common, DaemonConfig};
 use gpumem::ops::status::NodeStatus;
@@ -27,6 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 /// How often the test daemon reconciles untracked usage.
 const RECONCILE: Duration = Duration::from_millis(100);
+/// What the daemons call their node in metrics.
+const HOSTNAME: &str = "test-node";
 
 /// The whole daemon (plugin, health, endpoint, clean-up) against the
 /// simulated kubelet, on a copy of a fixture that tests may edit.
@@ -301,7 +304,7 @@ async fn an_unhealthy_gpu_stops_receiving_pods_and_recovers() {
     assert_eq!(code, 200);
     assert!(
         body.contains(
-            "gpumem_gpu_healthy{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 0"
+            "gpumem_gpu_healthy{gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"} 0"
         ),
         "{body}"
     );
@@ -359,10 +362,10 @@ async fn status_and_metrics_show_who_holds_what() {
     assert_eq!((code, body.trim()), (200, "ok"));
     let (_, metrics) = d.get("/metrics").await;
     for expected in [
-        "gpumem_gpu_allocated_units{gpu=\"0\",uuid=\"GPU-1a2b3c4d-0000-4000-8000-000000010000\"} 12",
-        "gpumem_gpu_units{gpu=\"1\",uuid=\"GPU-1a2b3c4d-0000-4000-8000-000000010001\"} 15",
-        "gpumem_container_cap_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 4518313984",
-        "gpumem_container_used_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\"} 1363148800",
+        "gpumem_gpu_allocated_units{gpu=\"0\",UUID=\"GPU-1a2b3c4d-0000-4000-8000-000000010000\",modelName=\"Tesla V100-SXM2-16GB\",Hostname=\"test-node\"} 12",
+        "gpumem_gpu_units{gpu=\"1\",UUID=\"GPU-1a2b3c4d-0000-4000-8000-000000010001\",modelName=\"Tesla V100-SXM2-16GB\",Hostname=\"test-node\"} 15",
+        "gpumem_container_cap_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\",UUID=\"GPU-1a2b3c4d-0000-4000-8000-000000010000\",modelName=\"Tesla V100-SXM2-16GB\",Hostname=\"test-node\"} 4518313984",
+        "gpumem_container_used_bytes{namespace=\"default\",pod=\"nb-1\",container=\"main\",gpu=\"0\",UUID=\"GPU-1a2b3c4d-0000-4000-8000-000000010000\",modelName=\"Tesla V100-SXM2-16GB\",Hostname=\"test-node\"} 1363148800",
         "gpumem_allocate_calls_total 3",
         "gpumem_allocate_errors_total 0",
         "gpumem_registrations_total 1",
@@ -620,9 +623,9 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
     assert_eq!(c.used_mib, Some(1600));
     let (_, metrics) = d.get("/metrics").await;
     for expected in [
-        "gpumem_container_untracked_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 314572800",
+        "gpumem_container_untracked_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"} 314572800",
         // What processes hold beyond their charges: reconciliation's part.
-        "gpumem_gpu_process_overhead_bytes{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 314572800",
+        "gpumem_gpu_process_overhead_bytes{gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"} 314572800",
     ] {
         assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
     }
@@ -659,8 +662,8 @@ async fn memory_the_driver_holds_beyond_allocations_counts_against_the_cap() {
     let (_, metrics) = d.get("/metrics").await;
     for expected in [
         "# TYPE gpumem_container_refused_allocations counter",
-        "gpumem_container_refused_allocations_total{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 1",
-        "gpumem_container_peak_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\"} 4517265408",
+        "gpumem_container_refused_allocations_total{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"} 1",
+        "gpumem_container_peak_bytes{namespace=\"default\",pod=\"nb\",container=\"main\",gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"} 4517265408",
     ] {
         assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
     }
@@ -710,7 +713,7 @@ async fn every_gpu_process_is_attributed_by_its_cgroup() {
         status.table(false)
     );
     let (_, metrics) = d.get("/metrics").await;
-    let expected = "gpumem_gpu_unmanaged_bytes{gpu=\"0\",uuid=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\"} 943718400";
+    let expected = "gpumem_gpu_unmanaged_bytes{gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"} 943718400";
     assert!(metrics.contains(expected), "missing {expected}:\n{metrics}");
 
     // And the container's processes see it: 4308 - 1800 MiB left.
@@ -1211,10 +1214,10 @@ async fn without_pod_resources_the_state_dir_still_shows_each_container() {
 
     let (_, metrics) = d.get("/metrics").await;
     for expected in [
-        format!("gpumem_container_cap_bytes{{accounting_dir=\"{idle}\",gpu=\"0\"}} 4517265408"),
-        format!("gpumem_container_used_bytes{{accounting_dir=\"{busy}\",gpu=\"0\"}} 1363148800"),
+        format!("gpumem_container_cap_bytes{{accounting_dir=\"{idle}\",gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"}} 4517265408"),
+        format!("gpumem_container_used_bytes{{accounting_dir=\"{busy}\",gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"}} 1363148800"),
         format!(
-            "gpumem_container_refused_allocations_total{{accounting_dir=\"{busy}\",gpu=\"0\"}} 0"
+            "gpumem_container_refused_allocations_total{{accounting_dir=\"{busy}\",gpu=\"0\",UUID=\"GPU-6b1c2d3e-0000-4000-8000-000000000400\",modelName=\"Tesla T4\",Hostname=\"test-node\"}} 0"
         ),
         "gpumem_pod_resources_up 0".to_owned(),
     ] {
@@ -1363,6 +1366,8 @@ fn spawn_daemon(
             state_grace: Duration::from_secs(300),
             reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
             over_cap: None,
+            sensors: Some(Sensors::Fake(node_file.to_owned())),
+            hostname: HOSTNAME.into(),
         },
         cluster: None,
     };

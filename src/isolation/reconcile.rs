@@ -75,6 +75,31 @@ fn untracked(
 /// metrics endpoint.
 pub type Unmanaged = Arc<Mutex<HashMap<String, u64>>>;
 
+/// Whose each process NVML listed at the last tick is. Shared with the
+/// metrics endpoint, which pairs it with NVML's per-process SM samples:
+/// only attribution from outside can give each pod its share of a GPU.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Whose {
+    /// By accounting directory name, then GPU UUID: the container's
+    /// processes there, slot holders and processes without the shim alike.
+    pub containers: HashMap<String, HashMap<String, Vec<u32>>>,
+    /// Processes in no gpumem container.
+    pub strangers: Vec<Stranger>,
+}
+
+/// A process holding GPU memory outside every gpumem container.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stranger {
+    pub gpu_uuid: String,
+    pub pid: u32,
+    pub bytes: u64,
+    /// Its pod and container, where its cgroup names them.
+    pub owner: Option<Owner>,
+}
+
+/// [`Whose`], kept current by [`Reconciler::tick`].
+pub type Attribution = Arc<Mutex<Whose>>;
+
 /// Slot holders of the last tick by PID and start time, with since when
 /// each one that let go of its slot has been exiting.
 type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
@@ -339,6 +364,7 @@ pub struct Reconciler {
     footprints: Footprints,
     overheads: Overheads,
     unmanaged: Unmanaged,
+    whose: Attribution,
     /// Unmanaged processes already logged, so each is said once.
     reported: HashSet<(String, u32)>,
     /// Files stood in for by their grant (see `load`) already logged.
@@ -373,6 +399,7 @@ impl Reconciler {
             footprints: Footprints::default(),
             overheads: Overheads::default(),
             unmanaged: Unmanaged::default(),
+            whose: Attribution::default(),
             reported: HashSet::new(),
             stood_in: HashSet::new(),
             publish_failing: HashSet::new(),
@@ -413,6 +440,11 @@ impl Reconciler {
     /// `tick`.
     pub fn unmanaged(&self) -> Unmanaged {
         self.unmanaged.clone()
+    }
+
+    /// Whose each GPU process is, kept current by `tick`.
+    pub fn attribution(&self) -> Attribution {
+        self.whose.clone()
     }
 
     /// The per-GPU overhead estimate, kept current by `tick`.
@@ -472,6 +504,7 @@ impl Reconciler {
         }
         self.last_holders = holders;
         self.report_unmanaged(&attributed);
+        self.publish_whose(&loaded, &memory, &attributed, &elsewhere);
         self.warn_of_stand_ins(&loaded, &stood_in, &attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
         let mut seen = HashSet::new();
@@ -733,6 +766,47 @@ impl Reconciler {
         }
         self.reported = present;
         *self.unmanaged.lock().unwrap_or_else(|e| e.into_inner()) = attributed.unmanaged.clone();
+    }
+
+    /// Publishes whose each listed process is, for the metrics endpoint.
+    fn publish_whose(
+        &self,
+        loaded: &[(PathBuf, Processes)],
+        memory: &ProcessMemory,
+        attributed: &Attributed,
+        elsewhere: &[Vec<HashSet<u32>>],
+    ) {
+        let mut whose = Whose {
+            strangers: attributed
+                .strangers
+                .iter()
+                .map(|(uuid, pid, bytes, owner)| Stranger {
+                    gpu_uuid: uuid.clone(),
+                    pid: *pid,
+                    bytes: *bytes,
+                    owner: owner.clone(),
+                })
+                .collect(),
+            ..Whose::default()
+        };
+        for (((file, processes), unslotted), elsewhere) in
+            loaded.iter().zip(&attributed.unslotted).zip(elsewhere)
+        {
+            let Some(name) = file.parent().and_then(Path::file_name) else {
+                continue;
+            };
+            let per_gpu = whose
+                .containers
+                .entry(name.to_string_lossy().into_owned())
+                .or_default();
+            for (dev, device) in processes.devices.iter().enumerate() {
+                let pids = per_gpu.entry(device.uuid.clone()).or_default();
+                let holders = listed(processes, memory, dev, &elsewhere[dev]);
+                pids.extend(holders.into_iter().flatten().map(|(pid, _, _)| pid));
+                pids.extend(unslotted[dev].iter().map(|&(pid, _)| pid));
+            }
+        }
+        *self.whose.lock().unwrap_or_else(|e| e.into_inner()) = whose;
     }
 
     /// Remembers what each live process holds beyond what it was charged.

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use nix::libc;
 use serde::Deserialize;
 
+use crate::node::sensors::{GpuReading, Readings};
+
 /// The most memory one GPU may have, in MiB: 16 TiB. The largest GPUs
 /// today hold 288 GB (B300, MI355X) and those announced about 1 TB, so a
 /// size past 16 times that is a typo or a driver gone wrong, not a GPU.
@@ -143,8 +145,11 @@ pub type ProcessMemory = HashMap<String, HashMap<u32, u64>>;
 /// (`"7.5"`), and optional `[[gpu.process]]` tables with `pid` and
 /// `used_mib` standing in for NVML's per-process usage, and `cgroup`,
 /// `mountinfo` and `stat` for what `/proc/<pid>/cgroup`, `mountinfo` and
-/// `stat` say of that process; optional top-level `driver_version` (`"580.65.06"`) and
-/// `cuda_driver_version` (`"13.0"`)). Sizes are at most
+/// `stat` say of that process, and `sm_percent` for its share of the SMs;
+/// optional top-level `driver_version` (`"580.65.06"`) and
+/// `cuda_driver_version` (`"13.0"`); and optional sensor readings per GPU:
+/// `memory_used_mib` (the processes' sum where left out),
+/// `utilization_percent`, `temperature_celsius`, `power_watts`). Sizes are at most
 /// [`MAX_GPU_MEMORY_MIB`], and the file a regular one of at most
 /// [`MAX_FAKE_FILE_BYTES`].
 #[derive(Debug, Clone)]
@@ -152,6 +157,7 @@ pub struct FakeGpus {
     gpus: Vec<Gpu>,
     facts: NodeFacts,
     processes: ProcessMemory,
+    readings: Readings,
     /// `(pid, file name)` → what `/proc/<pid>/<file name>` holds.
     proc_files: HashMap<(u32, String), String>,
 }
@@ -175,6 +181,10 @@ struct FakeEntry {
     #[serde(default = "default_healthy")]
     healthy: bool,
     compute_capability: Option<String>,
+    memory_used_mib: Option<u64>,
+    utilization_percent: Option<u32>,
+    temperature_celsius: Option<u32>,
+    power_watts: Option<u32>,
     #[serde(default)]
     process: Vec<FakeProcess>,
 }
@@ -187,6 +197,7 @@ struct FakeProcess {
     cgroup: Option<String>,
     mountinfo: Option<String>,
     stat: Option<String>,
+    sm_percent: Option<u32>,
 }
 
 fn default_healthy() -> bool {
@@ -295,6 +306,7 @@ impl FakeGpus {
         let mut indices = HashSet::new();
         let mut gpus = Vec::with_capacity(file.gpu.len());
         let mut processes = ProcessMemory::new();
+        let mut readings = Readings::default();
         let mut proc_files = HashMap::new();
         for (position, entry) in file.gpu.into_iter().enumerate() {
             let index = match entry.index {
@@ -332,8 +344,25 @@ impl FakeGpus {
             if entry.name.trim().is_empty() {
                 return Err(field(position, "name", "must not be empty".into()));
             }
+            let percent = |name: &str, value: Option<u32>| match value {
+                Some(v) if v > 100 => Err(field(position, name, format!("{v} is over 100"))),
+                _ => Ok(()),
+            };
+            percent("utilization_percent", entry.utilization_percent)?;
+            if let Some(used) = entry.memory_used_mib.filter(|&m| m > entry.memory_mib) {
+                return Err(field(
+                    position,
+                    "memory_used_mib",
+                    format!("{used} is more than memory_mib ({})", entry.memory_mib),
+                ));
+            }
             let mut memory = HashMap::new();
+            let mut sm = HashMap::new();
             for (i, p) in entry.process.iter().enumerate() {
+                percent(&format!("process[{i}].sm_percent"), p.sm_percent)?;
+                if let Some(percent) = p.sm_percent {
+                    sm.insert(p.pid, percent);
+                }
                 if p.pid == 0 {
                     return Err(field(
                         position,
@@ -381,6 +410,21 @@ impl FakeGpus {
                     .compute_capability
                     .insert(entry.uuid.clone(), capability);
             }
+            let listed: u64 = memory.values().fold(0, |a: u64, &b| a.saturating_add(b));
+            readings.gpus.insert(
+                entry.uuid.clone(),
+                GpuReading {
+                    memory_used_bytes: Some(
+                        entry
+                            .memory_used_mib
+                            .map_or(listed, |mib| mib.saturating_mul(1 << 20)),
+                    ),
+                    utilization_percent: entry.utilization_percent,
+                    temperature_celsius: entry.temperature_celsius,
+                    power_milliwatts: entry.power_watts.map(|w| w.saturating_mul(1000)),
+                },
+            );
+            readings.process_sm.insert(entry.uuid.clone(), sm);
             processes.insert(entry.uuid.clone(), memory);
             gpus.push(Gpu {
                 index,
@@ -395,8 +439,14 @@ impl FakeGpus {
             gpus,
             facts,
             processes,
+            readings,
             proc_files,
         })
+    }
+
+    /// The sensor readings the file describes.
+    pub fn readings(&self) -> &Readings {
+        &self.readings
     }
 
     /// The per-process usage the file describes.
@@ -573,6 +623,59 @@ mod tests {
         );
         let err = parse(&format!("{gpu}[[gpu.process]]\npid = 0\nused_mib = 1\n")).unwrap_err();
         assert!(err.to_string().contains("gpu[0].process[0].pid"), "{err}");
+    }
+
+    #[test]
+    fn sensor_readings_come_from_the_file_and_are_optional() {
+        use crate::node::sensors::GpuReading;
+        let gpu = "[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 15079\n";
+        let plain = FakeGpus::parse(gpu, Path::new("node.toml")).unwrap();
+        assert_eq!(
+            plain.readings().gpus["GPU-a"],
+            GpuReading {
+                memory_used_bytes: Some(0),
+                ..GpuReading::default()
+            }
+        );
+        let text = format!(
+            "{gpu}utilization_percent = 87\ntemperature_celsius = 64\npower_watts = 70\n\
+             [[gpu.process]]\npid = 41\nused_mib = 600\nsm_percent = 30\n\
+             [[gpu.process]]\npid = 42\nused_mib = 100\n"
+        );
+        let fake = FakeGpus::parse(&text, Path::new("node.toml")).unwrap();
+        assert_eq!(
+            fake.readings().gpus["GPU-a"],
+            GpuReading {
+                // The processes' sum, where the file does not say.
+                memory_used_bytes: Some(700 << 20),
+                utilization_percent: Some(87),
+                temperature_celsius: Some(64),
+                power_milliwatts: Some(70_000),
+            }
+        );
+        assert_eq!(fake.readings().process_sm["GPU-a"], [(41, 30)].into());
+        let used =
+            FakeGpus::parse(&format!("{gpu}memory_used_mib = 900\n"), Path::new("n")).unwrap();
+        assert_eq!(
+            used.readings().gpus["GPU-a"].memory_used_bytes,
+            Some(900 << 20)
+        );
+
+        let err = parse(&format!("{gpu}utilization_percent = 101\n")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "fake GPU file node.toml: gpu[0].utilization_percent: 101 is over 100"
+        );
+        let err = parse(&format!("{gpu}memory_used_mib = 15080\n")).unwrap_err();
+        assert!(err.to_string().contains("gpu[0].memory_used_mib"), "{err}");
+        let err = parse(&format!(
+            "{gpu}[[gpu.process]]\npid = 41\nused_mib = 1\nsm_percent = 200\n"
+        ))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("gpu[0].process[0].sm_percent"),
+            "{err}"
+        );
     }
 
     #[test]

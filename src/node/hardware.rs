@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 use nvml_wrapper::Nvml;
 
 use crate::node::gpu::{FakeGpus, Gpu, GpuError, GpuSource, NodeFacts, NvmlGpus};
+use crate::node::sensors::Sensors;
 
 /// Where the node's GPUs, their health and their processes are read.
 /// Discovery, driver facts, the health watch and process usage are all
@@ -33,6 +34,15 @@ impl Hardware {
         match self {
             Hardware::Fake(path) => FakeGpus::from_file(path)?.discover(),
             Hardware::Nvml(nvml) => NvmlGpus::new(nvml.get()).discover(),
+        }
+    }
+
+    /// Where the GPUs' sensor readings are read, for the metrics endpoint;
+    /// `None` where NVML is not usable (discovery has said why).
+    pub fn sensors(&self) -> Option<Sensors> {
+        match self {
+            Hardware::Fake(path) => Some(Sensors::Fake(path.clone())),
+            Hardware::Nvml(nvml) => nvml.get().ok().map(Sensors::Nvml),
         }
     }
 

@@ -36,6 +36,7 @@ use crate::node::health::{self, HealthWatch};
 use crate::node::inventory::Inventory;
 use crate::node::placement;
 use crate::node::processes::{self, ProcessUsage};
+use crate::node::sensors::Sensors;
 use crate::node::units::MemoryUnit;
 use crate::ops::metrics::{self, FrontEnd, Observed};
 use crate::ops::status_socket;
@@ -62,6 +63,10 @@ pub struct Common {
     /// Per-process GPU memory and how often to compare it with the
     /// containers' charges (shim isolation only).
     pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
+    /// The GPUs' sensors, for the metrics endpoint.
+    pub sensors: Option<Sensors>,
+    /// The node's name, as the metrics label each GPU's series.
+    pub hostname: String,
     /// What to do with a container over its cap for the grace period in total
     /// within the window (`enforce::window`), and that grace period, seen
     /// from outside by reconciliation; `None`: nothing.
@@ -132,6 +137,9 @@ pub struct NodeConfig<'a> {
     pub state_dir: PathBuf,
     pub state_grace: Duration,
     pub over_cap: (OverCapAction, Duration),
+    /// `--node-name`, where given: what metrics call the node (else see
+    /// [`hostname`]).
+    pub node_name: Option<&'a str>,
 }
 
 /// A front end's daemon, ready to run: what [`start`] gave.
@@ -201,9 +209,30 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
             state_grace: config.state_grace,
             reconcile,
             over_cap: Some(config.over_cap),
+            sensors: hardware.sensors(),
+            hostname: hostname(config.node_name),
         },
         shutdown,
     })
+}
+
+/// The node's name for metrics: `--node-name`, else `NODE_NAME`, else the
+/// kernel's host name: what dcgm-exporter labels `Hostname` (NODE_NAME, else
+/// the host name), so that the two join on a node where both run. The chart
+/// sets NODE_NAME from the pod's node: a pod's own host name is its name.
+pub fn hostname(node_name: Option<&str>) -> String {
+    let from_env = std::env::var("NODE_NAME").ok();
+    let named = [node_name, from_env.as_deref()]
+        .into_iter()
+        .flatten()
+        .map(str::trim)
+        .find(|n| !n.is_empty());
+    match named {
+        Some(name) => name.to_owned(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|name| name.trim().to_owned())
+            .unwrap_or_default(),
+    }
 }
 
 /// The API server and what gpumem does with it.
@@ -268,6 +297,8 @@ pub async fn run(
         pod_resources.clone(),
         isolation.clone(),
         reconciler.as_ref().map(|(r, _)| r),
+        common.sensors.take(),
+        common.hostname.clone(),
     );
     let observed = match &config.cluster {
         Some(cluster) => observed.with_api(cluster.api.clone()),
@@ -718,6 +749,8 @@ pub async fn run_dra(
         PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
         isolation.clone(),
         reconciler.as_ref().map(|(r, _)| r),
+        common.sensors.take(),
+        common.hostname.clone(),
     )
     .with_api(config.api.clone());
     serve_endpoints(&mut tasks, &mut common, observed, &stop);

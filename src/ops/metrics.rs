@@ -22,7 +22,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 use tokio::task::JoinError;
 use tokio_util::sync::CancellationToken;
-use tracing::error;
+use tracing::{debug, error};
 
 use crate::cluster::client::ApiHealth;
 use crate::deviceplugin::plugin::PluginStatus;
@@ -32,9 +32,10 @@ use crate::dra::registration::Registration;
 use crate::dra::slice::SliceStatus;
 use crate::isolation::enforce::Actions;
 use crate::isolation::inject::Isolation;
-use crate::isolation::reconcile::{Overheads, Reconciler, Unmanaged};
+use crate::isolation::reconcile::{Attribution, Overheads, Reconciler, Unmanaged, Whose};
 use crate::kubelet::podresources::{Holding, PodResources, PodResourcesError};
 use crate::node::inventory::Inventory;
+use crate::node::sensors::{Readings, Sensors};
 use crate::ops::status::{
     ClaimShare, ClaimStatus, ContainerStatus, DraStatus, GpuStatus, NodeStatus,
 };
@@ -90,10 +91,18 @@ pub struct Observed {
     pub over_cap: Option<Arc<Actions>>,
     /// Whether the API server answers, where gpumem uses one.
     pub api: Option<ApiHealth>,
+    /// Whose each GPU process is, where reconciled.
+    pub attribution: Option<Attribution>,
+    /// The GPUs' sensors, where they can be read.
+    pub sensors: Option<Sensors>,
+    /// The node's name (`Hostname` on every GPU's series, as dcgm-exporter
+    /// labels its own, so the two join).
+    pub hostname: String,
 }
 
 impl Observed {
     /// What the endpoints report on; `reconciler` where usage is reconciled.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         resource: String,
         inventory: watch::Receiver<Arc<Inventory>>,
@@ -102,6 +111,8 @@ impl Observed {
         pod_resources: PodResources,
         isolation: Arc<Isolation>,
         reconciler: Option<&Reconciler>,
+        sensors: Option<Sensors>,
+        hostname: String,
     ) -> Self {
         Observed {
             resource,
@@ -114,6 +125,9 @@ impl Observed {
             unmanaged: reconciler.map(Reconciler::unmanaged),
             over_cap: reconciler.and_then(Reconciler::actions),
             api: None,
+            attribution: reconciler.map(Reconciler::attribution),
+            sensors,
+            hostname,
         }
     }
 
@@ -198,11 +212,26 @@ impl Observed {
                 a.reports.load(std::sync::atomic::Ordering::Relaxed),
             )
         });
+        let sensors = match self.sensors.as_ref().map(Sensors::read) {
+            Some(Ok(readings)) => readings,
+            Some(Err(err)) => {
+                debug!(%err, "no GPU readings for this scrape");
+                Readings::default()
+            }
+            None => Readings::default(),
+        };
+        let whose = self
+            .attribution
+            .as_ref()
+            .map(|w| w.lock().unwrap_or_else(|e| e.into_inner()).clone());
         Reading {
             status: self.build(holdings),
             overheads,
             registrations: self.front_end.registrations(),
             over_cap,
+            sensors,
+            whose,
+            hostname: self.hostname.clone(),
         }
     }
 }
@@ -390,6 +419,10 @@ struct Reading {
     registrations: u64,
     /// Over-cap kills and reports so far, where the action is on.
     over_cap: Option<(u64, u64)>,
+    sensors: Readings,
+    /// Whose each GPU process is, where reconciled.
+    whose: Option<Whose>,
+    hostname: String,
 }
 
 /// Reports the latest reading: GPUs and containers come and go, and their
@@ -417,18 +450,30 @@ fn family<M: EncodeMetric + TypedMetric>(
     Ok(())
 }
 
+/// The labels of a GPU's series, named as dcgm-exporter names its own
+/// (`gpu`, `UUID`, `modelName`, `Hostname`), so the two join on them.
+fn gpu_labels(gpu: &GpuStatus, hostname: &str) -> Labels {
+    vec![
+        ("gpu", gpu.index.to_string()),
+        ("UUID", gpu.uuid.clone()),
+        ("modelName", gpu.name.clone()),
+        ("Hostname", hostname.to_owned()),
+    ]
+}
+
 /// A gauge per GPU.
-fn per_gpu<'a>(
+fn per_gpu<'a, M: EncodeMetric + TypedMetric>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    gpus: &'a [GpuStatus],
-    value: impl Fn(&'a GpuStatus) -> Option<u64>,
+    reading: &'a Reading,
+    value: impl Fn(&'a GpuStatus) -> Option<M>,
 ) -> std::fmt::Result {
-    let samples = gpus.iter().filter_map(|g| {
-        let labels = vec![("gpu", g.index.to_string()), ("uuid", g.uuid.clone())];
-        Some((labels, ConstGauge::new(value(g)?)))
-    });
+    let samples = reading
+        .status
+        .gpus
+        .iter()
+        .filter_map(|g| Some((gpu_labels(g, &reading.hostname), value(g)?)));
     family(encoder, name, help, samples)
 }
 
@@ -437,20 +482,22 @@ fn per_container<'a, M: EncodeMetric + TypedMetric>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
-    containers: &'a [ContainerStatus],
+    reading: &'a Reading,
     value: impl Fn(&'a ContainerStatus) -> Option<M>,
 ) -> std::fmt::Result {
-    let samples = containers
+    let samples = reading
+        .status
+        .containers
         .iter()
-        .filter_map(|c| Some((container_labels(c), value(c)?)));
+        .filter_map(|c| Some((container_labels(c, reading), value(c)?)));
     family(encoder, name, help, samples)
 }
 
 /// Who holds the container, or where no one knows (pod-resources
 /// unreadable), its accounting directory: two such containers on one GPU
-/// must not share a series.
-fn container_labels(c: &ContainerStatus) -> Labels {
-    let mut labels = Vec::with_capacity(4);
+/// must not share a series. Then its GPU's labels.
+fn container_labels(c: &ContainerStatus, reading: &Reading) -> Labels {
+    let mut labels = Vec::with_capacity(7);
     match (&c.namespace, &c.pod, &c.container) {
         (Some(namespace), Some(pod), Some(container)) => labels.extend([
             ("namespace", namespace.clone()),
@@ -463,10 +510,28 @@ fn container_labels(c: &ContainerStatus) -> Labels {
                 .map(|dir| ("accounting_dir", dir.clone())),
         ),
     }
-    labels.push(("gpu", c.gpu.to_string()));
+    match reading.status.gpus.iter().find(|g| g.index == c.gpu) {
+        Some(gpu) => labels.extend(gpu_labels(gpu, &reading.hostname)),
+        None => labels.push(("gpu", c.gpu.to_string())),
+    }
     labels
 }
 
+/// The SMs a set of processes on GPU `uuid` keeps busy, as a ratio of the
+/// GPU's (NVML samples each process in percent of the whole GPU).
+fn sm_ratio(sensors: &Readings, uuid: &str, pids: &[u32]) -> f64 {
+    let per_pid = sensors.process_sm.get(uuid);
+    let percent: u32 = pids
+        .iter()
+        .filter_map(|pid| per_pid?.get(pid))
+        .fold(0, |a, &b| a.saturating_add(b));
+    f64::from(percent.min(100)) / 100.0
+}
+
+/// GPU memory in bytes, from MiB.
+fn bytes(mib: u64) -> u64 {
+    mib.saturating_mul(MIB)
+}
 /// One metric without labels.
 fn single<M: EncodeMetric + TypedMetric>(
     encoder: &mut DescriptorEncoder,
@@ -481,100 +546,186 @@ fn single<M: EncodeMetric + TypedMetric>(
 impl Collector for NodeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(Reading {
+        let Some(r) = reading.as_ref() else {
+            return Ok(());
+        };
+        let Reading {
             status,
             overheads,
             registrations,
             over_cap,
-        }) = reading.as_ref()
-        else {
-            return Ok(());
-        };
+            sensors,
+            whose,
+            hostname,
+        } = r;
         let e = &mut encoder;
-        let gpus = &status.gpus;
-        per_gpu(
-            e,
-            "gpu_units",
-            "Units the GPU is advertised as",
-            gpus,
-            |g| Some(g.units.into()),
-        )?;
+        let sensor = |g: &GpuStatus| sensors.gpus.get(&g.uuid);
+        per_gpu(e, "gpu_units", "Units the GPU is advertised as", r, |g| {
+            Some(ConstGauge::new(u64::from(g.units)))
+        })?;
         per_gpu(
             e,
             "gpu_allocated_units",
             "Units of the GPU held by containers",
-            gpus,
-            |g| Some(g.allocated_units.into()),
+            r,
+            |g| Some(ConstGauge::new(u64::from(g.allocated_units))),
         )?;
         per_gpu(
             e,
-            "gpu_memory_mib",
-            "GPU memory as NVML reports it, MiB",
-            gpus,
-            |g| Some(g.memory_mib),
+            "gpu_memory_total_bytes",
+            "GPU memory as NVML reports it",
+            r,
+            |g| Some(ConstGauge::new(bytes(g.memory_mib))),
+        )?;
+        per_gpu(
+            e,
+            "gpu_memory_used_bytes",
+            "GPU memory allocated on the GPU by anyone (NVML's used: every process, \
+             gpumem's or not, and the driver's own reserve)",
+            r,
+            |g| Some(ConstGauge::new(sensor(g)?.memory_used_bytes?)),
+        )?;
+        per_gpu(
+            e,
+            "gpu_utilization_ratio",
+            "Share of NVML's last sample period (1/6 s to 1 s) in which a kernel ran on the GPU",
+            r,
+            |g| {
+                let percent = sensor(g)?.utilization_percent?;
+                Some(ConstGauge::new(f64::from(percent) / 100.0))
+            },
+        )?;
+        per_gpu(
+            e,
+            "gpu_temperature_celsius",
+            "The GPU's core temperature",
+            r,
+            |g| Some(ConstGauge::new(u64::from(sensor(g)?.temperature_celsius?))),
+        )?;
+        per_gpu(
+            e,
+            "gpu_power_watts",
+            "The GPU's power draw (the board's, where NVML reports it)",
+            r,
+            |g| {
+                let milliwatts = sensor(g)?.power_milliwatts?;
+                Some(ConstGauge::new(f64::from(milliwatts) / 1000.0))
+            },
         )?;
         per_gpu(
             e,
             "gpu_healthy",
             "1 if the GPU's units are Healthy",
-            gpus,
-            |g| Some(g.healthy.into()),
+            r,
+            |g| Some(ConstGauge::new(u64::from(g.healthy))),
         )?;
         per_gpu(
             e,
             "gpu_process_overhead_bytes",
             "Median GPU memory a recent process held beyond what the shim charged it (modules \
              loaded lazily, library workspaces, pool reserves): what reconciliation catches",
-            gpus,
-            |g| overheads.get(&g.uuid).copied(),
+            r,
+            |g| overheads.get(&g.uuid).copied().map(ConstGauge::new),
         )?;
         per_gpu(
             e,
             "gpu_unmanaged_bytes",
             "GPU memory held by processes in no gpumem container (host daemons, pods that \
              reached the GPU without asking for it), where reconciled",
-            gpus,
-            |g| g.unmanaged_mib.map(|mib| mib.saturating_mul(MIB)),
+            r,
+            |g| g.unmanaged_mib.map(|mib| ConstGauge::new(bytes(mib))),
         )?;
 
-        let containers = &status.containers;
-        let bytes = |mib: Option<u64>| mib.map(|mib| ConstGauge::new(mib.saturating_mul(MIB)));
+        let gauge = |mib: Option<u64>| mib.map(|mib| ConstGauge::new(bytes(mib)));
         per_container(
             e,
             "container_cap_bytes",
             "The container's GPU memory cap",
-            containers,
-            |c| bytes(Some(c.cap_mib)),
+            r,
+            |c| gauge(Some(c.cap_mib)),
         )?;
         per_container(
             e,
             "container_used_bytes",
             "GPU memory the container's processes hold",
-            containers,
-            |c| bytes(c.used_mib),
+            r,
+            |c| gauge(c.used_mib),
         )?;
         per_container(
             e,
             "container_untracked_bytes",
             "Part of container_used_bytes held beyond charged allocations (CUDA contexts, \
              libraries)",
-            containers,
-            |c| bytes(c.untracked_mib),
+            r,
+            |c| gauge(c.untracked_mib),
         )?;
         per_container(
             e,
             "container_peak_bytes",
             "Highest GPU memory use an allocation of the container reached",
-            containers,
-            |c| bytes(c.peak_mib),
+            r,
+            |c| gauge(c.peak_mib),
+        )?;
+        // From NVML's per-process samples of the processes attributed to
+        // the container from outside (shim or not): where reconciled.
+        per_container(
+            e,
+            "container_sm_utilization_ratio",
+            "Share of the GPU's SMs the container's processes kept busy over NVML's last \
+             sample period",
+            r,
+            |c| {
+                let whose = whose.as_ref()?;
+                let uuid = &status.gpus.iter().find(|g| g.index == c.gpu)?.uuid;
+                let pids = whose
+                    .containers
+                    .get(c.accounting_dir.as_ref()?)
+                    .and_then(|per_gpu| per_gpu.get(uuid))
+                    .map_or(&[][..], Vec::as_slice);
+                Some(ConstGauge::new(sm_ratio(sensors, uuid, pids)))
+            },
         )?;
         // Counted by the shims in the accounting file since it was made.
         per_container(
             e,
             "container_refused_allocations",
             "Allocations refused for the container's cap (it wanted more than its slice)",
-            containers,
+            r,
             |c| c.refused_allocations.map(ConstCounter::new),
+        )?;
+
+        // Each process outside every gpumem container, with its pod where
+        // its cgroup names one: who to ask about unmanaged memory.
+        let strangers = whose.iter().flat_map(|w| &w.strangers).filter_map(|s| {
+            let gpu = status.gpus.iter().find(|g| g.uuid == s.gpu_uuid)?;
+            let mut labels = gpu_labels(gpu, hostname);
+            labels.push(("pid", s.pid.to_string()));
+            if let Some(owner) = &s.owner {
+                labels.push(("pod_uid", owner.pod_uid.clone()));
+                if let Some(id) = &owner.container_id {
+                    labels.push(("container_id", id.clone()));
+                }
+            }
+            Some((labels, s))
+        });
+        let strangers: Vec<_> = strangers.collect();
+        family(
+            e,
+            "unmanaged_process_memory_bytes",
+            "GPU memory a process in no gpumem container holds",
+            strangers
+                .iter()
+                .map(|(labels, s)| (labels.clone(), ConstGauge::new(s.bytes))),
+        )?;
+        family(
+            e,
+            "unmanaged_process_sm_utilization_ratio",
+            "Share of the GPU's SMs a process in no gpumem container kept busy over NVML's \
+             last sample period",
+            strangers.iter().map(|(labels, s)| {
+                let ratio = sm_ratio(sensors, &s.gpu_uuid, &[s.pid]);
+                (labels.clone(), ConstGauge::new(ratio))
+            }),
         )?;
 
         let claims = &status.claims;
@@ -584,11 +735,14 @@ impl Collector for NodeCollector {
                          value: &dyn Fn(&ClaimStatus) -> Option<u64>|
          -> std::fmt::Result {
             let samples = claims.iter().filter_map(|c| {
-                let labels: Labels = vec![
+                let mut labels: Labels = vec![
                     ("namespace", c.namespace.clone()),
                     ("claim", c.name.clone()),
-                    ("gpu", c.gpu.to_string()),
                 ];
+                match status.gpus.iter().find(|g| g.index == c.gpu) {
+                    Some(gpu) => labels.extend(gpu_labels(gpu, hostname)),
+                    None => labels.push(("gpu", c.gpu.to_string())),
+                }
                 Some((labels, ConstGauge::new(value(c)?.saturating_mul(MIB))))
             });
             family(e, name, help, samples)
@@ -694,7 +848,80 @@ mod tests {
             overheads: HashMap::new(),
             over_cap: None,
             registrations: 2,
+            sensors: Readings::default(),
+            whose: None,
+            hostname: "node-1".into(),
         }
+    }
+
+    const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
+
+    #[test]
+    fn gpus_and_their_processes_carry_dcgm_exporters_labels() {
+        use crate::isolation::attribution::Owner;
+        use crate::isolation::reconcile::Stranger;
+        use crate::node::sensors::GpuReading;
+
+        let mut r = reading(vec![container(Some("nb"), "a-4u-1", 0)]);
+        r.status.gpus = vec![GpuStatus {
+            index: 0,
+            name: "Tesla T4".into(),
+            uuid: T4.into(),
+            healthy: true,
+            memory_mib: 15079,
+            units: 14,
+            allocated_units: 4,
+            allocated_mib: 4308,
+            unmanaged_mib: Some(200),
+        }];
+        r.sensors.gpus.insert(
+            T4.into(),
+            GpuReading {
+                memory_used_bytes: Some(1500 * MIB),
+                utilization_percent: Some(87),
+                temperature_celsius: Some(64),
+                power_milliwatts: Some(61_250),
+            },
+        );
+        // Two processes of the container (one without the shim) and a
+        // stranger in another pod.
+        r.sensors.process_sm = [(T4.into(), [(10, 30), (11, 25), (12, 20)].into())].into();
+        r.whose = Some(Whose {
+            containers: [("a-4u-1".into(), [(T4.into(), vec![10, 11])].into())].into(),
+            strangers: vec![Stranger {
+                gpu_uuid: T4.into(),
+                pid: 12,
+                bytes: 200 * MIB,
+                owner: Some(Owner {
+                    pod_uid: "0a1b".into(),
+                    container_id: Some("c0ffee".into()),
+                }),
+            }],
+        });
+        let text = Metrics::new(&Counters::default()).encode(r).unwrap();
+        let gpu = format!("gpu=\"0\",UUID=\"{T4}\",modelName=\"Tesla T4\",Hostname=\"node-1\"");
+        let pod = "namespace=\"default\",pod=\"nb\",container=\"main\"";
+        for expected in [
+            format!("gpumem_gpu_memory_total_bytes{{{gpu}}} 15811477504"),
+            format!("gpumem_gpu_memory_used_bytes{{{gpu}}} 1572864000"),
+            format!("gpumem_gpu_utilization_ratio{{{gpu}}} 0.87"),
+            format!("gpumem_gpu_temperature_celsius{{{gpu}}} 64"),
+            format!("gpumem_gpu_power_watts{{{gpu}}} 61.25"),
+            format!("gpumem_gpu_unmanaged_bytes{{{gpu}}} 209715200"),
+            format!("gpumem_container_used_bytes{{{pod},{gpu}}} 1363148800"),
+            format!("gpumem_container_sm_utilization_ratio{{{pod},{gpu}}} 0.55"),
+            format!(
+                "gpumem_unmanaged_process_memory_bytes{{{gpu},pid=\"12\",pod_uid=\"0a1b\",\
+                 container_id=\"c0ffee\"}} 209715200"
+            ),
+            format!(
+                "gpumem_unmanaged_process_sm_utilization_ratio{{{gpu},pid=\"12\",\
+                 pod_uid=\"0a1b\",container_id=\"c0ffee\"}} 0.2"
+            ),
+        ] {
+            assert!(text.contains(&expected), "missing {expected}:\n{text}");
+        }
+        assert!(!text.contains("_mib"), "{text}");
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub async fn run(
             state_grace: Duration::from_secs(300),
             reconcile: None,
             over_cap: None,
+            // No metrics endpoint: nothing reads sensors.
+            sensors: None,
+            hostname: NODE.to_owned(),
         },
     };
     let shutdown = CancellationToken::new();
