@@ -62,6 +62,12 @@ VARIANTS = {
         "extraArgs": ["--status-socket=/var/lib/gpumem/status.sock"],
         "uninstall": {"unpublish": False},
     },
+    "monitoring": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+                               "prometheusRule": {"enabled": True},
+                               "dashboard": {"namespace": "monitoring"}}},
+    "monitoring-podmonitor": {"frontEnd": "dra", "metrics": {"podMonitor": {"enabled": True},
+                                                             "service": {"enabled": False},
+                                                             "dashboard": {"enabled": False}}},
     "dra-custom": {
         "frontEnd": "dra",
         "isolation": "none",
@@ -85,7 +91,75 @@ REFUSED = {
     "dra-without-api-server": ({"frontEnd": "dra", "apiServer": False}, "needs apiServer"),
     "dra-with-gpushare-extender": ({"frontEnd": "dra", "scheduler": "gpushare-extender"}, "frontEnd: devicePlugin"),
     "dra-bad-driver-name": ({"frontEnd": "dra", "dra": {"driverName": "GPUmem_io"}}, "DNS subdomain"),
+    "two-monitors": ({"metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
+                     "enable one, not both"),
+    "service-monitor-without-service": ({"metrics": {"serviceMonitor": {"enabled": True},
+                                                     "service": {"enabled": False}}}, "needs metrics.service"),
 }
+
+# prometheus-operator's kinds: their CRDs are not in Kubernetes' schemas, so
+# check_monitoring checks them for what they must reach instead, and the
+# fields they may have (monitoring.coreos.com/v1).
+MONITORING_KINDS = {
+    "ServiceMonitor": {"selector", "namespaceSelector", "endpoints", "jobLabel", "podTargetLabels",
+                       "targetLabels", "sampleLimit"},
+    "PodMonitor": {"selector", "namespaceSelector", "podMetricsEndpoints", "jobLabel", "podTargetLabels",
+                   "sampleLimit"},
+    "PrometheusRule": {"groups"},
+}
+ENDPOINT_FIELDS = {"port", "path", "interval", "scrapeTimeout", "relabelings", "metricRelabelings",
+                   "honorLabels", "scheme"}
+DASHBOARD = ROOT / "deploy" / "helm" / "gpumem" / "monitoring" / "gpumem-dashboard.json"
+RULES = ROOT / "deploy" / "helm" / "gpumem" / "monitoring" / "gpumem.rules.yaml"
+
+
+def check_monitoring(name, docs, failures):
+    """The monitors find the metrics port, the rule is the repository's rules
+    file, and the dashboard ConfigMap holds the repository's dashboard."""
+    services = [d for d in docs if d.get("kind") == "Service"]
+    pods = [d["spec"]["template"] for d in docs if d.get("kind") == "DaemonSet"]
+    for doc in docs:
+        kind = doc.get("kind")
+        where = f"{name}: {kind} {doc.get('metadata', {}).get('name')}"
+        if kind in MONITORING_KINDS:
+            if doc.get("apiVersion") != "monitoring.coreos.com/v1":
+                failures.append(f"{where}: apiVersion {doc.get('apiVersion')!r}, not monitoring.coreos.com/v1")
+            unknown = set(doc.get("spec", {})) - MONITORING_KINDS[kind]
+            if unknown:
+                failures.append(f"{where}: unknown spec fields {sorted(unknown)}")
+        if kind in ("ServiceMonitor", "PodMonitor"):
+            wanted = doc["spec"]["selector"].get("matchLabels", {})
+            endpoints = doc["spec"].get("endpoints" if kind == "ServiceMonitor" else "podMetricsEndpoints") or []
+            for endpoint in endpoints:
+                if set(endpoint) - ENDPOINT_FIELDS:
+                    failures.append(f"{where}: unknown endpoint fields {sorted(set(endpoint) - ENDPOINT_FIELDS)}")
+            if kind == "ServiceMonitor":
+                targets = [(s["metadata"].get("labels", {}), {p.get("name") for p in s["spec"].get("ports", [])})
+                           for s in services]
+            else:
+                targets = [(t["metadata"].get("labels", {}),
+                            {p.get("name") for c in t["spec"]["containers"] for p in c.get("ports", [])})
+                           for t in pods]
+            matched = [ports for labels, ports in targets if wanted.items() <= labels.items()]
+            if not matched:
+                failures.append(f"{where}: selects nothing the chart renders ({wanted})")
+            for endpoint in endpoints:
+                if matched and not any(endpoint.get("port") in ports for ports in matched):
+                    failures.append(f"{where}: port {endpoint.get('port')!r} is not a port of what it selects")
+        if kind == "PrometheusRule":
+            if doc["spec"].get("groups") != yaml.safe_load(RULES.read_text())["groups"]:
+                failures.append(f"{where}: its groups are not {RULES.relative_to(ROOT)}'s")
+        if kind == "ConfigMap" and doc["metadata"].get("labels", {}).get("grafana_dashboard") == "1":
+            try:
+                dashboard = json.loads(doc["data"]["gpumem.json"])
+            except (KeyError, ValueError) as err:
+                failures.append(f"{where}: no dashboard JSON in gpumem.json: {err}")
+                continue
+            if dashboard != json.loads(DASHBOARD.read_text()):
+                failures.append(f"{where}: not {DASHBOARD.relative_to(ROOT)}")
+            targets = [t for p in dashboard.get("panels", []) for t in p.get("targets", [])]
+            if not targets or not all(t.get("expr") for t in targets):
+                failures.append(f"{where}: a panel target without a query")
 
 # kube-scheduler decodes its configuration strictly: the fields of an
 # extender (kubescheduler.config.k8s.io/v1 Extender) and what they hold.
@@ -588,10 +662,24 @@ def main():
             if not path.endswith((".yaml", ".yml")):
                 continue
             for name, doc in documents(f"chart[{variant}]:{path}", text):
-                validate(name, doc, failures, DRA_VERSIONS if is_dra else VERSIONS)
+                if doc.get("kind") not in MONITORING_KINDS:
+                    validate(name, doc, failures, DRA_VERSIONS if is_dra else VERSIONS)
                 checked += 1
                 commands += check_containers(image, name, doc, image_failures)
                 docs.append(doc)
+        check_monitoring(f"chart[{variant}]", docs, failures)
+        # Each of the chart's monitoring documents is there exactly when on.
+        wanted = {"ServiceMonitor": ("serviceMonitor", False), "PodMonitor": ("podMonitor", False),
+                  "PrometheusRule": ("prometheusRule", False), "Service": ("service", True),
+                  "ConfigMap": ("dashboard", True)}
+        for kind, (key, default) in wanted.items():
+            want = values.get("metrics", {}).get(key, {}).get("enabled", default)
+            ours = [d for d in docs if d.get("kind") == kind
+                    and (kind != "Service" or d["metadata"]["name"].endswith("-metrics"))
+                    and (kind != "ConfigMap" or d["metadata"].get("labels", {}).get("grafana_dashboard"))]
+            if bool(ours) != want:
+                failures.append(f"chart[{variant}]: metrics.{key}.enabled is {want}, but a {kind} is "
+                                f"{'missing' if want else 'rendered'}")
         if is_dra:
             wants_class = values.get("dra", {}).get("deviceClass", {}).get("create", True)
             _, dra = check_dra(f"chart[{variant}]", docs, image, failures, wants_class)
