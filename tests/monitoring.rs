@@ -4,9 +4,10 @@
 //! should; `promtool test rules` proves each alert fires and clears.
 //!
 //! Needs `prometheus` and `promtool` on PATH (Debian and Ubuntu: `apt-get
-//! install prometheus`; `.ci/run` installs them). Without them these tests
-//! fail, saying so: a monitoring test that passes without Prometheus proves
-//! nothing.
+//! install prometheus`; `.ci/run` installs them). Without them the tests
+//! that use them fail, saying so: a monitoring test that passes without
+//! Prometheus proves nothing. The NVML path's readings are checked too,
+//! through the fake `libnvidia-ml.so.1`.
 
 mod common;
 
@@ -336,6 +337,117 @@ async fn every_dashboard_query_returns_its_series() {
     )
     .await;
     assert_eq!(pending.len(), 1, "{pending:?}\n{}", logs());
+}
+
+/// The value of the one sample of `name` in a scrape whose labels include
+/// each of `labels`.
+fn sample<'a>(scrape: &'a str, name: &str, labels: &[&str]) -> Option<&'a str> {
+    scrape.lines().find_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let rest = series.strip_prefix(name)?.strip_prefix('{')?;
+        labels.iter().all(|l| rest.contains(l)).then_some(value)
+    })
+}
+
+/// The same readings through NVML itself (the fake `libnvidia-ml.so.1`),
+/// as a node without `--fake-gpus` reads them: the GPU's sensors, and the
+/// per-process SM samples summed for the pod whose process holds memory.
+/// No Prometheus needed.
+#[tokio::test]
+async fn nvml_readings_and_each_pods_sm_use_reach_the_metrics() {
+    let kit = shim_kit();
+    let dir = tempfile::tempdir().unwrap();
+    let (kubelet_dir, host, state) = (
+        dir.path().join("kubelet"),
+        dir.path().join("shim"),
+        dir.path().join("state"),
+    );
+    for d in [&kubelet_dir, &host, &state] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    common::fake_installed_shim(&host);
+    // The fake driver's view of the node, shared by the plugin's NVML and
+    // the pod's CUDA.
+    let node = dir.path().join("fake-node");
+    let kubelet = KubeletSim::start(&kubelet_dir).unwrap();
+    let metrics_port = free_port();
+    let log = dir.path().join("plugin.log");
+    let _plugin = Killed(
+        common::gpumem_cmd()
+            .arg("plugin")
+            .arg("--kubelet-dir")
+            .arg(&kubelet_dir)
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .arg("--shim-host-dir")
+            .arg(&host)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--status-socket", "", "--reconcile-secs", "1"])
+            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
+            .env("NODE_NAME", NODE)
+            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+            .env("FAKEGPU_NODE_FILE", &node)
+            .env("FAKEGPU_UTILIZATION_PERCENT", "87")
+            .env("FAKEGPU_TEMPERATURE_C", "64")
+            .env("FAKEGPU_POWER_MW", "70500")
+            .env("FAKEGPU_PROCESS_SM_PERCENT", "40")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let plugin_log = || std::fs::read_to_string(&log).unwrap_or_default();
+    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
+        panic!("the plugin did not register:\n{}", plugin_log());
+    }
+    let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let container = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let mut holder = Killed(
+        kit.probe(Some(&container))
+            .env("FAKEGPU_NODE_FILE", &node)
+            .args(["alloc:1000", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut holder, "holding");
+
+    let gpu = format!("UUID=\"{T4}\"");
+    let host_label = format!("Hostname=\"{NODE}\"");
+    let pod = "pod=\"nb\"";
+    let expected: [(&str, &[&str], &str); 5] = [
+        ("gpumem_gpu_utilization_ratio", &[&gpu, &host_label], "0.87"),
+        ("gpumem_gpu_temperature_celsius", &[&gpu, &host_label], "64"),
+        ("gpumem_gpu_power_watts", &[&gpu, &host_label], "70.5"),
+        // The pod's process: NVML lists it, reconciliation attributes it.
+        ("gpumem_container_sm_utilization_ratio", &[pod, &gpu], "0.4"),
+        ("gpumem_container_used_bytes", &[pod, &gpu], "1363148800"),
+    ];
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let scrape = get(metrics_port, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        let missing: Vec<_> = expected
+            .iter()
+            .filter(|(name, labels, value)| sample(&scrape, name, labels) != Some(*value))
+            .collect();
+        if missing.is_empty() {
+            // NVML's used memory counts the pod's process too.
+            let used = sample(&scrape, "gpumem_gpu_memory_used_bytes", &[&gpu]);
+            let used: u64 = used.and_then(|v| v.parse().ok()).unwrap_or(0);
+            assert!(used >= 1300 << 20, "{scrape}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{missing:?} not in:\n{scrape}\n{}",
+            plugin_log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Whether `series` is what a panel with legend `legend` should show: at

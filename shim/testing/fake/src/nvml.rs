@@ -242,6 +242,18 @@ fn listed_on(dev: usize) -> Vec<(u32, u64)> {
 
 /// The node's processes, then the file's lines: a line for a PID already
 /// listed says what the driver shows for it instead.
+fn running_on(dev: usize) -> Vec<(u32, u64)> {
+    let mut processes = node::processes(dev);
+    for (pid, used) in listed_on(dev) {
+        match processes.iter_mut().find(|p| p.0 == pid) {
+            Some(p) => p.1 = used,
+            None => processes.push((pid, used)),
+        }
+    }
+    processes
+}
+
+/// The processes NVML lists on the device (see [`running_on`]).
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     handle: *mut c_void,
@@ -254,13 +266,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     if count.is_null() {
         return NVML_INVALID_ARGUMENT;
     }
-    let mut processes = node::processes(dev);
-    for (pid, used) in listed_on(dev) {
-        match processes.iter_mut().find(|p| p.0 == pid) {
-            Some(p) => p.1 = used,
-            None => processes.push((pid, used)),
-        }
-    }
+    let processes = running_on(dev);
     // As the real one: the needed count comes back with INSUFFICIENT_SIZE.
     // SAFETY: checked non-null; an in/out parameter (NVML's contract).
     let room = unsafe { *count } as usize;
@@ -278,6 +284,135 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
                 used_gpu_memory: used,
                 gpu_instance_id: u32::MAX,
                 compute_instance_id: u32::MAX,
+            })
+        };
+    }
+    NVML_SUCCESS
+}
+
+/// A sensor reading from the environment (`FAKEGPU_UTILIZATION_PERCENT`,
+/// `FAKEGPU_TEMPERATURE_C`, `FAKEGPU_POWER_MW`,
+/// `FAKEGPU_PROCESS_SM_PERCENT`): unset, the board does not support it, as
+/// some do not.
+fn reading(name: &str) -> Result<c_uint, NvmlReturn> {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or(NVML_NOT_SUPPORTED)
+}
+
+/// Writes `value` through a checked out-parameter.
+unsafe fn answer<T>(out: *mut T, value: Result<T, NvmlReturn>) -> NvmlReturn {
+    match value {
+        // SAFETY: the caller checked `out` non-null (device_query); an
+        // out-parameter, valid for writes (NVML's contract).
+        Ok(value) => unsafe {
+            out.write(value);
+            NVML_SUCCESS
+        },
+        Err(error) => error,
+    }
+}
+
+#[repr(C)]
+pub struct NvmlUtilization {
+    gpu: c_uint,
+    memory: c_uint,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    handle: *mut c_void,
+    utilization: *mut NvmlUtilization,
+) -> NvmlReturn {
+    if let Err(error) = device_query(handle, utilization) {
+        return error;
+    }
+    let value =
+        reading("FAKEGPU_UTILIZATION_PERCENT").map(|gpu| NvmlUtilization { gpu, memory: 0 });
+    // SAFETY: `utilization` checked non-null by device_query.
+    unsafe { answer(utilization, value) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(
+    handle: *mut c_void,
+    _sensor: c_uint,
+    celsius: *mut c_uint,
+) -> NvmlReturn {
+    if let Err(error) = device_query(handle, celsius) {
+        return error;
+    }
+    // SAFETY: `celsius` checked non-null by device_query.
+    unsafe { answer(celsius, reading("FAKEGPU_TEMPERATURE_C")) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(
+    handle: *mut c_void,
+    milliwatts: *mut c_uint,
+) -> NvmlReturn {
+    if let Err(error) = device_query(handle, milliwatts) {
+        return error;
+    }
+    // SAFETY: `milliwatts` checked non-null by device_query.
+    unsafe { answer(milliwatts, reading("FAKEGPU_POWER_MW")) }
+}
+
+#[repr(C)]
+pub struct NvmlProcessUtilizationSample {
+    pid: c_uint,
+    time_stamp: c_ulonglong,
+    sm_util: c_uint,
+    mem_util: c_uint,
+    enc_util: c_uint,
+    dec_util: c_uint,
+}
+
+/// One sample per process NVML lists on the device, each at
+/// `FAKEGPU_PROCESS_SM_PERCENT` of the SMs; NOT_FOUND with none, as the
+/// real one answers an idle GPU.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    handle: *mut c_void,
+    samples: *mut NvmlProcessUtilizationSample,
+    count: *mut c_uint,
+    _last_seen: c_ulonglong,
+) -> NvmlReturn {
+    let dev = match device_query(handle, count) {
+        Ok(dev) => dev,
+        Err(error) => return error,
+    };
+    let sm = match reading("FAKEGPU_PROCESS_SM_PERCENT") {
+        Ok(sm) => sm,
+        Err(error) => return error,
+    };
+    let processes = running_on(dev);
+    if processes.is_empty() {
+        return NVML_NOT_FOUND;
+    }
+    // As the real one: the needed count comes back with INSUFFICIENT_SIZE.
+    // SAFETY: checked non-null by device_query; an in/out parameter.
+    let room = unsafe { *count } as usize;
+    // SAFETY: as above.
+    unsafe { *count = processes.len() as c_uint };
+    if samples.is_null() || processes.len() > room {
+        return NVML_INSUFFICIENT_SIZE;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64);
+    for (i, (pid, _)) in processes.into_iter().enumerate() {
+        // SAFETY: `samples` holds `room` entries (NVML's contract) and `i`
+        // is below `processes.len() <= room`.
+        unsafe {
+            samples.add(i).write(NvmlProcessUtilizationSample {
+                pid,
+                time_stamp: now,
+                sm_util: sm,
+                mem_util: 0,
+                enc_util: 0,
+                dec_util: 0,
             })
         };
     }
