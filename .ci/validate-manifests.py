@@ -49,6 +49,7 @@ VARIANTS = {
         "image": {"repository": "registry.example.com/gpumem", "tag": "dev", "pullPolicy": "Always"},
     },
     "volume-mounts": {"deviceListStrategy": "volume-mounts"},
+    "unbounded-state": {"boundedStateDirs": False},
     "cdi": {"deviceListStrategy": "cdi"},
     "kubelet-only": {"apiServer": False},
     "gpushare-extender": {"scheduler": "gpushare-extender", "extender": {"enabled": True}},
@@ -545,6 +546,33 @@ def check_containers(image, name, doc, failures):
     return results
 
 
+def check_state_mounts(name, docs, wants, failures):
+    """The node daemon mounts a bounded tmpfs for each container's state
+    directory (`wants`) only with the state volume's mounts propagating to
+    the host (Bidirectional), which the API server allows to a privileged
+    container only, and one that does not also refuse privilege escalation;
+    without them it gets no privilege. The schemas check none of this."""
+    for doc in docs:
+        if doc.get("kind") != "DaemonSet":
+            continue
+        for container in doc["spec"]["template"]["spec"].get("containers") or []:
+            context = container.get("securityContext") or {}
+            privileged = context.get("privileged", False)
+            bidirectional = any(m.get("mountPropagation") == "Bidirectional"
+                                for m in container.get("volumeMounts") or [])
+            where = f"{name} containers[{container.get('name')}]"
+            if bidirectional != wants or privileged != wants:
+                failures.append(f"{where}: privileged {privileged} and Bidirectional state volume "
+                                f"{bidirectional}; bounded state directories want both {wants}")
+            flag = flags(container.get("args") or []).get("--bound-state-dirs")
+            if flag != ("require" if wants else "off"):
+                failures.append(f"{where}: --bound-state-dirs={flag}; the privileges granted want "
+                                f"{'require' if wants else 'off'}")
+            if privileged and context.get("allowPrivilegeEscalation") is False:
+                failures.append(f"{where}: privileged with allowPrivilegeEscalation: false, "
+                                "which the API server refuses")
+
+
 # `kubectl [flags] exec [flags] TARGET [flags] -- PROGRAM ARGS...` in the docs.
 EXEC_FLAGS_WITH_VALUE = {"-n", "--namespace", "-c", "--container", "--context", "--kubeconfig", "--pod-running-timeout"}
 
@@ -646,6 +674,8 @@ def main():
         if not disjoint(plugin_selector, dra["selector"]):
             failures.append(f"daemonset/gpumem-dra.yaml: nodeSelector {dra['selector']} can match the same node as "
                             f"daemonset/gpumem.yaml's {plugin_selector}: a node runs one front end")
+    for file in ("gpumem.yaml", "gpumem-dra.yaml"):
+        check_state_mounts(f"daemonset/{file}", loaded[file], True, failures)
     extender_docs = [doc for _, doc in documents("extender", (ROOT / "daemonset" / "extender.yaml").read_text())]
     config = ROOT / "daemonset" / "kube-scheduler-config.yaml"
     check_scheduler_config(str(config.relative_to(ROOT)), yaml.safe_load(config.read_text()),
@@ -694,6 +724,8 @@ def main():
             if not any(expected in text for text in rendered.values()):
                 failures.append(f"chart[{variant}]: nodeSelector {expected} not rendered")
         check_pod_settings(f"chart[{variant}]", values, docs, failures)
+        bounded = values.get("isolation", "shim") == "shim" and values.get("boundedStateDirs", True)
+        check_state_mounts(f"chart[{variant}]", docs, bounded, failures)
         # The host's PID namespace only where reconciliation needs it.
         wants = values.get("isolation", "shim") == "shim" and values.get("reconcileSecs", 2) > 0
         if any("hostPID: true" in text for text in rendered.values()) != wants:

@@ -27,6 +27,7 @@ use gpumem::isolation::accounting::{self, Cap};
 use gpumem::isolation::containers::{ContainerName, Containers};
 use gpumem::isolation::enforce::{self, OverCapAction};
 use gpumem::isolation::reconcile::Reconciler;
+use gpumem::isolation::statefs::StateFs;
 use gpumem::node::gpu::{Gpu, GpuError, ProcessMemory};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Assignment;
@@ -388,11 +389,14 @@ impl Node {
                     };
                     let dir = containers.get(ContainerName::of(&inventory, assignment, &unit_ids));
                     let cap_mib = held.cap_mib(kind.units);
-                    dir.prepare_afresh(&[Cap {
-                        uuid: held.gpu.uuid.clone(),
-                        cap_mib,
-                        context_charge_mib: 0,
-                    }])
+                    dir.prepare_afresh(
+                        &[Cap {
+                            uuid: held.gpu.uuid.clone(),
+                            cap_mib,
+                            context_charge_mib: 0,
+                        }],
+                        StateFs::Shared,
+                    )
                     .expect("accounting file");
                     let file = files.len();
                     files.push(dir.accounting_file());

@@ -42,6 +42,7 @@ use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::containers::ContainerName;
 use gpumem::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
 use gpumem::isolation::install::preload_line;
+use gpumem::isolation::statefs::{Bounding, StateFs};
 use gpumem::node::gpu::{Gpu, NodeFacts};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::units::MemoryUnit;
@@ -146,6 +147,7 @@ impl Host {
             host_dir: self.path("shim"),
             state_dir: self.path("state"),
             context_charge_mib: 0,
+            state_fs: StateFs::Shared,
         }
     }
 
@@ -217,6 +219,7 @@ impl Driver {
                 status_socket: None,
                 // `gpumem dra`'s default.
                 state_grace: Duration::from_secs(300),
+                bound_state_dirs: Bounding::Off,
                 reconcile: None,
                 over_cap: None,
                 sensors: None,
@@ -783,6 +786,7 @@ fn make_files(
             context_charge_mib: 0,
         }],
         Durability::Unsynced,
+        StateFs::Shared,
     )
     .unwrap();
     let accounting = lap.next();

@@ -10,6 +10,7 @@ use gpumem::dra;
 use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
+use gpumem::isolation::statefs::{Bounding, StateFs};
 use gpumem::kubelet::podresources;
 use gpumem::node::hardware::Hardware;
 use gpumem::node::health::XidList;
@@ -70,6 +71,24 @@ pub enum Command {
 pub enum LogFormat {
     Text,
     Json,
+}
+
+/// `--bound-state-dirs`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BoundStateDirs {
+    Off,
+    Auto,
+    Require,
+}
+
+impl From<BoundStateDirs> for Bounding {
+    fn from(mode: BoundStateDirs) -> Bounding {
+        match mode {
+            BoundStateDirs::Off => Bounding::Off,
+            BoundStateDirs::Auto => Bounding::Auto,
+            BoundStateDirs::Require => Bounding::Require,
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -195,6 +214,20 @@ pub struct NodeArgs {
     /// container at /var/run/gpumem).
     #[arg(long, env = "GPUMEM_STATE_DIR", default_value = "/var/lib/gpumem")]
     pub state_dir: PathBuf,
+
+    /// Mount a tmpfs of a few hundred KiB for each container's state
+    /// directory, so no container can fill the disk under --state-dir
+    /// through it: off, auto (where this process can mount one the runtime
+    /// sees; else unbounded, said at start) or require (else refuse to
+    /// start). Needs CAP_SYS_ADMIN and mount propagation to the host
+    /// (docs/SECURITY.md, "The state directory").
+    #[arg(
+        long,
+        env = "GPUMEM_BOUND_STATE_DIRS",
+        default_value = "off",
+        value_name = "off|auto|require"
+    )]
+    pub bound_state_dirs: BoundStateDirs,
 
     /// Unix socket where the plugin serves /status, who holds what (pods'
     /// names and usage), and `gpumem inspect` reads it; mode 0600, for the
@@ -664,6 +697,8 @@ impl NodeArgs {
                 host_dir: self.shim_host_dir.clone(),
                 state_dir: self.state_dir.clone(),
                 context_charge_mib: self.context.context_charge_mib,
+                // The daemon decides at start whether it can bound them.
+                state_fs: StateFs::Shared,
             }),
             IsolationMode::None => Isolation::None,
         }
@@ -691,6 +726,7 @@ impl DaemonArgs {
             },
             state_dir: self.node.state_dir.clone(),
             state_grace: Duration::from_secs(self.state_grace_secs),
+            bound_state_dirs: self.node.bound_state_dirs.into(),
             over_cap: (
                 self.over_cap_action,
                 Duration::from_secs(self.over_cap_grace_secs),

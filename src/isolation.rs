@@ -12,3 +12,4 @@ pub mod enforce;
 pub mod inject;
 pub mod install;
 pub mod reconcile;
+pub mod statefs;

@@ -124,15 +124,35 @@ impl Driver {
         gpus: &Path,
         extra: &[&str],
     ) -> Driver {
+        let cmd = Driver::command(host, api, pod_resources, gpus, extra);
+        Driver::spawn(host, cmd).await
+    }
+
+    /// `start`, with each claim's directory a bounded tmpfs, in a mount
+    /// namespace of its own (`common::with_bounded_state`).
+    async fn start_bounded(host: &Host, api: &FakeApiServer) -> Driver {
+        let sock = host.path("no-kubelet.sock");
+        let flags = ["--reconcile-secs", "0"];
+        let cmd = Driver::command(host, api, &sock, &fixture("t4"), &flags);
+        Driver::spawn(host, common::with_bounded_state(&cmd, &host.path("state"))).await
+    }
+
+    /// `gpumem dra` on the node file `gpus`, with `extra` flags.
+    fn command(
+        host: &Host,
+        api: &FakeApiServer,
+        pod_resources: &Path,
+        gpus: &Path,
+        extra: &[&str],
+    ) -> Command {
         let kubeconfig = host.path("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
         let metrics = {
             let probe = TcpListener::bind("127.0.0.1:0").unwrap();
             probe.local_addr().unwrap().to_string()
         };
-        let log = host.path(&format!("driver-{}.log", std::process::id()));
-        let child = Command::new(env!("CARGO_BIN_EXE_gpumem"))
-            .arg("dra")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_gpumem"));
+        cmd.arg("dra")
             .args(["--node-name", NODE, "--driver-name", DRIVER])
             .arg("--kubeconfig")
             .arg(&kubeconfig)
@@ -152,7 +172,14 @@ impl Driver {
             .arg(pod_resources)
             .args(["--state-grace-secs", "1"])
             .args(extra)
-            .args(["--metrics-addr", &metrics])
+            .args(["--metrics-addr", &metrics]);
+        cmd
+    }
+
+    /// Runs `cmd` and waits until it serves its registration socket.
+    async fn spawn(host: &Host, mut cmd: Command) -> Driver {
+        let log = host.path(&format!("driver-{}.log", std::process::id()));
+        let child = cmd
             .stdout(Stdio::null())
             .stderr(
                 std::fs::OpenOptions::new()
@@ -1461,4 +1488,56 @@ async fn device_health_is_served_to_v1_and_v1beta1_kubelets_until_shutdown() {
     }
     let status = driver.child.wait().unwrap();
     assert!(status.success(), "{status}\n{}", driver.log());
+}
+
+/// Issue 29, item 3, for claims: a tenant that writes all it can into its
+/// claim's directory (a file beside the accounting file, and the file
+/// grown) fills only a bounded tmpfs of its own. The next claim is still
+/// prepared (its accounting file and the checkpoint written), its
+/// container's process is capped by the real shim, and the state dir's
+/// file system keeps its space.
+#[tokio::test]
+async fn a_tenant_filling_its_claims_directory_cannot_fail_the_next_prepare() {
+    if !common::root() {
+        eprintln!("skipped: the driver mounts, which needs root (CI runs as root)");
+        return;
+    }
+    let host = Host::new();
+    let api = api().await;
+    let driver = Driver::start_bounded(&host, &api).await;
+    let pid = driver.child.id();
+    let kubelet = kubelet_1_34(&host).await;
+    let state = host.path("state");
+    let before = common::free_bytes(pid, &state);
+    let dir = |n: u32| format!("{}/containers/claim-{}", state.display(), uid(n));
+
+    api.put(claim("a", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    prepare_all(&kubelet, &driver, &[claim_ref("a", &uid(1))]).await;
+    let (_, out, err) = common::in_container(
+        pid,
+        &dir(1),
+        "cat /dev/zero > /run/gpumem/fill
+         cat /dev/zero >> /run/gpumem/accounting",
+    );
+    assert!(err.contains("No space left on device"), "{out}{err}");
+
+    api.put(claim("b", &uid(2), &[("gpu-0", Some("4Gi"), None)]));
+    prepare_all(&kubelet, &driver, &[claim_ref("b", &uid(2))]).await;
+    let (ok, out, err) = common::in_container(
+        pid,
+        &dir(2),
+        "env -i LD_LIBRARY_PATH=\"$FAKE\" LD_PRELOAD=\"$SHIM\" \
+         GPUMEM_STATE_DIR=/run/gpumem \"$PROBE\" info alloc:3600 alloc:600",
+    );
+    assert!(ok, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(common::field(lines[1], "total"), 4096 << 20, "{out}");
+    assert_eq!(lines[2..], ["alloc:3600 0 #0", "alloc:600 2 #1"], "{out}");
+
+    let lost = before.saturating_sub(common::free_bytes(pid, &state));
+    assert!(
+        lost < 512 << 10,
+        "the state dir lost {lost} bytes\n{}",
+        driver.log()
+    );
 }

@@ -3,10 +3,14 @@
 
 mod common;
 
-use common::{field, run_lines, shim_kit, Node, MIB, RESOURCE};
+use std::process::Stdio;
+
+use common::{field, run_lines, shim_kit, Killed, Node, MIB, RESOURCE, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::{AllocateRequest, ContainerAllocateRequest};
 use gpumem::isolation::inject::{Isolation, ShimConfig};
+use gpumem::isolation::statefs::StateFs;
 use gpumem_testkit::simulator::AdmissionError;
+use gpumem_testkit::simulator::KubeletSim;
 use tonic::Code;
 
 fn shim_isolation(host: &std::path::Path, state: &std::path::Path) -> Isolation {
@@ -14,6 +18,7 @@ fn shim_isolation(host: &std::path::Path, state: &std::path::Path) -> Isolation 
         host_dir: host.to_owned(),
         state_dir: state.to_owned(),
         context_charge_mib: 0,
+        state_fs: StateFs::Shared,
     })
 }
 
@@ -165,4 +170,78 @@ async fn isolation_none_leaves_enforcement_to_others() {
         "4"
     );
     node.stop().await;
+}
+
+/// Issue 29, item 3: a tenant that writes all it can into its state
+/// directory (a file beside the accounting file, and the accounting file
+/// grown) fills only a bounded file system of its own. The next pod's
+/// Allocate still writes its accounting file, its process is capped by the
+/// real shim, and the state dir's file system keeps its space. The real
+/// `gpumem plugin`, as root (it mounts), in a mount namespace of its own
+/// whose state dir is a 4 MiB tmpfs shared as a Bidirectional volume is.
+#[tokio::test]
+async fn a_tenant_filling_its_state_directory_cannot_fail_the_next_allocate() {
+    if !common::root() {
+        eprintln!("skipped: the plugin mounts, which needs root (CI runs as root)");
+        return;
+    }
+    let kubelet_dir = tempfile::tempdir().unwrap();
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
+    let log = kubelet_dir.path().join("plugin.log");
+    let plugin = common::shim_plugin(kubelet_dir.path(), &kubelet, host.path(), state.path());
+    let plugin = Killed(
+        common::with_bounded_state(&plugin, state.path())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = plugin.id();
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
+        panic!("the plugin did not register: {}", logs());
+    }
+    let before = common::free_bytes(pid, state.path());
+
+    let first = kubelet.admit("nb-1", "main", RESOURCE, 4).await.unwrap();
+    let (_, out, err) = common::in_container(
+        pid,
+        &first.response.mounts[2].host_path,
+        "cat /dev/zero > /run/gpumem/fill
+         cat /dev/zero >> /run/gpumem/accounting
+         ls -l /run/gpumem",
+    );
+    assert!(err.contains("No space left on device"), "{out}{err}");
+
+    let second = kubelet
+        .admit("nb-2", "main", RESOURCE, 4)
+        .await
+        .unwrap_or_else(|err| panic!("nb-2 not admitted: {err}\n{}", logs()));
+    let (ok, out, err) = common::in_container(
+        pid,
+        &second.response.mounts[2].host_path,
+        "env -i LD_LIBRARY_PATH=\"$FAKE\" LD_PRELOAD=\"$SHIM\" \
+         GPUMEM_STATE_DIR=/run/gpumem \"$PROBE\" info alloc:4000 alloc:400",
+    );
+    assert!(ok, "{out}{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(field(lines[1], "total"), 4308 * MIB, "{out}");
+    assert_eq!(lines[2..], ["alloc:4000 0 #0", "alloc:400 2 #1"], "{out}");
+
+    // nb-1 wrote no more than its own bounded tmpfs holds (two accounting
+    // files' worth); the state dir lost only the files Allocate wrote.
+    let lost = before.saturating_sub(common::free_bytes(pid, state.path()));
+    assert!(
+        lost < 512 << 10,
+        "the state dir lost {lost} bytes\n{}",
+        logs()
+    );
+    assert!(
+        logs().contains("each container's state directory is a tmpfs of its own"),
+        "{}",
+        logs()
+    );
+    drop(plugin);
 }

@@ -11,6 +11,7 @@ use common::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
+use gpumem::isolation::statefs::{Bounding, StateFs};
 use gpumem::node::gpu::{FakeGpus, GpuSource};
 use gpumem::node::health::FakeHealth;
 use gpumem::node::inventory::Inventory;
@@ -281,6 +282,7 @@ fn shim(host: &Path, state: &Path) -> Isolation {
         host_dir: host.to_owned(),
         state_dir: state.to_owned(),
         context_charge_mib: 0,
+        state_fs: StateFs::Shared,
     })
 }
 
@@ -1364,6 +1366,7 @@ fn spawn_daemon(
             metrics: None,
             status_socket: None,
             state_grace: Duration::from_secs(300),
+            bound_state_dirs: Bounding::Off,
             reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
             over_cap: None,
             sensors: Some(Sensors::Fake(node_file.to_owned())),

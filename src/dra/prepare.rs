@@ -572,7 +572,7 @@ impl PreparedClaims {
                 .collect();
             if !caps.is_empty() {
                 // After a reboot kubelet prepares the claim again.
-                accounting::prepare_with(&dir.path, &caps, Durability::Unsynced)?;
+                accounting::prepare_with(&dir.path, &caps, Durability::Unsynced, shim.state_fs)?;
             }
         }
         self.write_spec_with(key, entry, inv, &claim_gpus(entry, inv), dir.as_ref())?;

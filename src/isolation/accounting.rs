@@ -15,6 +15,7 @@ use gpumem_layout::protocol::{self, AccountingFile, Snapshot};
 use gpumem_layout::{self as layout, DeviceSpec};
 
 use crate::atomic_file;
+use crate::isolation::statefs::{self, StateFs};
 
 const MIB: u64 = 1 << 20;
 
@@ -26,6 +27,8 @@ pub enum AccountingError {
     TooManyGpus { count: usize, max: usize },
     #[error("cannot write accounting state in {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+    #[error("cannot mount the bounded file system of the accounting directory {path}: {source}")]
+    Mount { path: PathBuf, source: io::Error },
 }
 
 /// One GPU's cap in a container.
@@ -62,7 +65,7 @@ fn specs(caps: &[Cap]) -> Result<Vec<DeviceSpec>, AccountingError> {
 /// changing since must not empty a live file); anything else is replaced
 /// atomically, so no process ever maps a half-written file.
 pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
-    prepare_with(dir, caps, Durability::Synced)
+    prepare_with(dir, caps, Durability::Synced, StateFs::Shared)
 }
 
 /// Whether a new accounting file is on disk before `prepare` returns:
@@ -71,13 +74,37 @@ pub fn prepare(dir: &Path, caps: &[Cap]) -> Result<PathBuf, AccountingError> {
 /// unsynced for the DRA driver, which prepares every claim anew after one.
 pub use crate::atomic_file::Durability;
 
-/// `prepare`, with the file as durable as `durability` says.
+/// `prepare`, with the file as durable as `durability` says, on a tmpfs of
+/// its own with `StateFs::Tmpfs`: mounted unless one is there already, or
+/// a live process uses the file on the state dir's own file system (a
+/// container from before, which keeps what it has).
 pub fn prepare_with(
     dir: &Path,
     caps: &[Cap],
     durability: Durability,
+    fs: StateFs,
 ) -> Result<PathBuf, AccountingError> {
+    if fs == StateFs::Tmpfs {
+        let path = dir.join(layout::FILE_NAME);
+        let mounted = statefs::is_mount_point(dir).unwrap_or(false);
+        if !mounted && !has_live_process(&path).unwrap_or(false) {
+            mount_fresh(dir, caps)?;
+        }
+    }
     write(dir, caps, durability, true)
+}
+
+/// Mounts a new tmpfs for `caps`'s file at `dir`, detaching whatever was
+/// mounted there: a container that ended may have filled its own.
+fn mount_fresh(dir: &Path, caps: &[Cap]) -> Result<(), AccountingError> {
+    let err = |source| AccountingError::Mount {
+        path: dir.to_owned(),
+        source,
+    };
+    fs::create_dir_all(dir).map_err(err)?;
+    statefs::unmount(dir).map_err(err)?;
+    let len = layout::file_len(caps.len(), layout::DEFAULT_SLOTS as usize);
+    statefs::mount_bounded(dir, statefs::size_for(len)).map_err(err)
 }
 
 /// What [`prepare_afresh`] did with the file it found.
@@ -99,7 +126,16 @@ pub enum Found {
 /// replaced, so a new container starts with no slots, usage, peak or
 /// refusals of the last one's. A process that had the old file open keeps
 /// that inode; one that starts later maps the new file.
-pub fn prepare_afresh(dir: &Path, caps: &[Cap]) -> Result<(PathBuf, Found), AccountingError> {
+///
+/// With `StateFs::Tmpfs` a file made afresh is written twice: synced on
+/// the state dir's file system, where a container kubelet restarts from
+/// its cached answer after a reboot finds it before gpumem is back, and on
+/// a new tmpfs mounted over it, which is what containers get meanwhile.
+pub fn prepare_afresh(
+    dir: &Path,
+    caps: &[Cap],
+    fs: StateFs,
+) -> Result<(PathBuf, Found), AccountingError> {
     let path = dir.join(layout::FILE_NAME);
     let found = match processes(&path) {
         Ok(processes) if !processes.live.is_empty() => Found::InUse,
@@ -108,6 +144,17 @@ pub fn prepare_afresh(dir: &Path, caps: &[Cap]) -> Result<(PathBuf, Found), Acco
         // unused: nothing of it is worth keeping.
         _ => Found::LeftOver,
     };
+    if fs == StateFs::Tmpfs && found != Found::InUse {
+        let err = |source| AccountingError::Mount {
+            path: dir.to_owned(),
+            source,
+        };
+        statefs::unmount(dir).map_err(err)?;
+        write(dir, caps, Durability::Synced, false)?;
+        mount_fresh(dir, caps)?;
+        let path = write(dir, caps, Durability::Unsynced, false)?;
+        return Ok((path, found));
+    }
     let path = write(dir, caps, Durability::Synced, found == Found::InUse)?;
     Ok((path, found))
 }
@@ -485,11 +532,11 @@ mod tests {
     fn afresh_keeps_only_a_file_in_use() {
         let dir = tempfile::tempdir().unwrap();
         let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).unwrap());
-        let (path, found) = prepare_afresh(dir.path(), &t4(4308)).unwrap();
+        let (path, found) = prepare_afresh(dir.path(), &t4(4308), StateFs::Shared).unwrap();
         assert_eq!(found, Found::Nothing);
         publish_untracked(&path, 0, 600 * MIB).unwrap();
         let left = inode(&path);
-        let (path, found) = prepare_afresh(dir.path(), &t4(4308)).unwrap();
+        let (path, found) = prepare_afresh(dir.path(), &t4(4308), StateFs::Shared).unwrap();
         assert_eq!(found, Found::LeftOver);
         assert_ne!(inode(&path), left, "replaced, not rewritten in place");
         assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 0);
@@ -509,7 +556,7 @@ mod tests {
             .unwrap();
         let mut holder = hold_lock(&path, protocol::slot_lock_offset(geometry, 0));
         let running = inode(&path);
-        let again = prepare_afresh(dir.path(), &t4(4308));
+        let again = prepare_afresh(dir.path(), &t4(4308), StateFs::Shared);
         holder.kill().unwrap();
         holder.wait().unwrap();
         let (path, found) = again.unwrap();

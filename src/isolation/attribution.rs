@@ -23,6 +23,8 @@ use std::path::{Path, PathBuf};
 
 use gpumem_layout::protocol::start_time_in_stat;
 
+use crate::isolation::statefs;
+
 /// The pod and container a process runs in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Owner {
@@ -78,9 +80,16 @@ pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
             if !own {
                 inside()?;
             }
-            let (parent, name) = root.rsplit_once('/')?;
-            (parent.ends_with("/containers") || parent == "/containers")
-                .then(|| (!own, name.to_owned()))
+            let name = if root == "/" {
+                // The directory's own tmpfs, named by its source.
+                let mut source = line.split_once(" - ")?.1.split(' ');
+                (source.next()? == "tmpfs").then_some(())?;
+                source.next()?.strip_prefix(statefs::SOURCE_PREFIX)?
+            } else {
+                let (parent, name) = root.rsplit_once('/')?;
+                (parent.ends_with("/containers") || parent == "/containers").then_some(name)?
+            };
+            Some((!own, name.to_owned()))
         })
         .collect();
     found.sort();
@@ -410,6 +419,15 @@ mod tests {
             "2 1 8:1 /var/lib/gpumem/containers/{name} /run/gpumem rw - ext4 /dev/sda1 rw\n"
         );
         assert_eq!(mounted_containers(&mountinfo), [name]);
+        // The directory on a tmpfs of its own (statefs): named by the
+        // tmpfs's source, and only a tmpfs's.
+        let mountinfo = format!(
+            "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
+             2 1 0:61 / /var/run/gpumem rw,nosuid master:3 - tmpfs gpumem-state:{name} rw,size=106496k\n"
+        );
+        assert_eq!(mounted_containers(&mountinfo), [name]);
+        let other = format!("2 1 0:61 / /var/run/gpumem rw - ext4 gpumem-state:{name} rw\n");
+        assert!(mounted_containers(&other).is_empty());
         // A host process, and mounts elsewhere.
         assert!(mounted_containers("1 0 8:1 / / rw - ext4 /dev/sda1 rw\n").is_empty());
         for point in [

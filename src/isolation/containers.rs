@@ -7,6 +7,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use crate::isolation::accounting::{self, AccountingError, Cap, Processes};
+use crate::isolation::statefs::{self, StateFs};
 use crate::node::inventory::DeviceId;
 use crate::node::inventory::Inventory;
 use crate::node::placement::Assignment;
@@ -249,10 +250,15 @@ impl ContainerDir {
         self.path.join(gpumem_layout::FILE_NAME)
     }
 
-    /// Creates the directory and its accounting file for `caps` at Allocate,
-    /// replacing a file no live process uses (see `accounting::prepare_afresh`).
-    pub fn prepare_afresh(&self, caps: &[Cap]) -> Result<accounting::Found, AccountingError> {
-        accounting::prepare_afresh(&self.path, caps).map(|(_, found)| found)
+    /// Creates the directory (on `fs`) and its accounting file for `caps` at
+    /// Allocate, replacing a file no live process uses (see
+    /// `accounting::prepare_afresh`).
+    pub fn prepare_afresh(
+        &self,
+        caps: &[Cap],
+        fs: StateFs,
+    ) -> Result<accounting::Found, AccountingError> {
+        accounting::prepare_afresh(&self.path, caps, fs).map(|(_, found)| found)
     }
 
     /// Its caps, usage and live processes, read from its accounting file.
@@ -260,7 +266,10 @@ impl ContainerDir {
         accounting::processes(&self.accounting_file())
     }
 
+    /// Removes the directory, its tmpfs detached first (containers that
+    /// still have it mounted keep it until they end).
     pub fn remove(&self) -> io::Result<()> {
+        statefs::unmount(&self.path)?;
         std::fs::remove_dir_all(&self.path)
     }
 }
@@ -343,7 +352,8 @@ mod tests {
             cap_mib: 1077,
             context_charge_mib: 0,
         };
-        dir.prepare_afresh(std::slice::from_ref(&cap)).unwrap();
+        dir.prepare_afresh(std::slice::from_ref(&cap), StateFs::Shared)
+            .unwrap();
         // A stray file beside the directories is not a container.
         std::fs::write(containers.root().join("stray"), b"").unwrap();
 

@@ -11,6 +11,7 @@ use tracing::info;
 use crate::isolation::accounting::{self, AccountingError, Cap};
 use crate::isolation::cdi::{self, CdiError, ContainerEdits, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName, Containers};
+use crate::isolation::statefs::StateFs;
 use crate::node::inventory::Inventory;
 use crate::node::placement::Assignment;
 
@@ -107,6 +108,9 @@ pub struct ShimConfig {
     pub state_dir: PathBuf,
     /// Charged once per process and GPU for its CUDA context.
     pub context_charge_mib: u64,
+    /// What each accounting directory is on: a daemon decides at start
+    /// (`StateFs::detect`); `gpumem exec` and the demo keep `Shared`.
+    pub state_fs: StateFs,
 }
 
 impl ShimConfig {
@@ -222,11 +226,14 @@ pub fn container_grant(
                 .get(ContainerName::of(inv, assignment, ids));
             // Named by the devices alone: the directory may be one a
             // container that ended with the same units left for clean-up.
-            let found = dir.prepare_afresh(&[Cap {
-                uuid: uuid.clone(),
-                cap_mib: gpu.cap_mib(assignment.units),
-                context_charge_mib: shim.context_charge_mib,
-            }])?;
+            let found = dir.prepare_afresh(
+                &[Cap {
+                    uuid: uuid.clone(),
+                    cap_mib: gpu.cap_mib(assignment.units),
+                    context_charge_mib: shim.context_charge_mib,
+                }],
+                shim.state_fs,
+            )?;
             if found == accounting::Found::LeftOver {
                 info!(dir = %dir.path.display(), "a new accounting file replaced the one a container that ended left with the same units");
             }

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::Pod;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use crate::cluster::client::{ApiHealth, ADMISSION_CALL_BOUND};
 use crate::cluster::events::{self, PodEvents};
@@ -29,6 +29,7 @@ use crate::isolation::containers::ContainerName;
 use crate::isolation::enforce::{Notice, Noticed, OverCapAction, WINDOW_GRACES};
 use crate::isolation::inject::{Isolation, ShimConfig};
 use crate::isolation::reconcile::{self, Reconciler};
+use crate::isolation::statefs::{Bounding, Unbounded};
 use crate::kubelet::podresources::{Holding, PodResources};
 use crate::node::gpu::NodeFacts;
 use crate::node::hardware::Hardware;
@@ -60,6 +61,9 @@ pub struct Common {
     pub status_socket: Option<PathBuf>,
     /// How long a finished container's accounting directory is kept.
     pub state_grace: Duration,
+    /// Whether each container's accounting directory is a bounded tmpfs
+    /// (`--bound-state-dirs`).
+    pub bound_state_dirs: Bounding,
     /// Per-process GPU memory and how often to compare it with the
     /// containers' charges (shim isolation only).
     pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
@@ -92,6 +96,8 @@ pub enum DaemonError {
          other DaemonSet from this node (or give this one a node selector that excludes it)"
     )]
     OtherFrontEnd { state_dir: PathBuf },
+    #[error(transparent)]
+    Unbounded(#[from] Unbounded),
 }
 
 /// Holds the node's front-end lock, `<state-dir>/front-end.lock`, until
@@ -136,6 +142,7 @@ pub struct NodeConfig<'a> {
     pub reconcile: Option<Duration>,
     pub state_dir: PathBuf,
     pub state_grace: Duration,
+    pub bound_state_dirs: Bounding,
     pub over_cap: (OverCapAction, Duration),
     /// `--node-name`, where given: what metrics call the node (else see
     /// [`hostname`]).
@@ -207,6 +214,7 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
             metrics,
             status_socket: config.status_socket,
             state_grace: config.state_grace,
+            bound_state_dirs: config.bound_state_dirs,
             reconcile,
             over_cap: Some(config.over_cap),
             sensors: hardware.sensors(),
@@ -249,12 +257,37 @@ pub struct Cluster {
 /// How long a notice waits for the first list of the node's pods.
 const POD_LIST_WAIT: Duration = Duration::from_secs(10);
 
+/// Decides, once, what the containers' state directories are on, and says
+/// so: a tmpfs of each one's own where this process can mount one the
+/// runtime sees, else the state dir's file system, which a container can
+/// then fill (docs/SECURITY.md, "The state directory").
+fn bound_state_dirs(isolation: &mut Isolation, bounding: Bounding) -> Result<(), DaemonError> {
+    let Isolation::Shim(shim) = isolation else {
+        return Ok(());
+    };
+    let containers = shim.containers_dir();
+    let (fs, refused) = bounding.resolve(&containers)?;
+    const UNBOUNDED: &str = "containers' state directories are NOT bounded: a container can fill the file system they are on (docs/SECURITY.md, \"The state directory\")";
+    match refused {
+        None => {
+            info!(dir = %containers.display(), "each container's state directory is a tmpfs of its own: what a container writes there is bounded")
+        }
+        // Asked for: said, not warned of.
+        Some(reason) if bounding == Bounding::Off => {
+            info!(%reason, dir = %containers.display(), "{UNBOUNDED}")
+        }
+        Some(reason) => warn!(%reason, dir = %containers.display(), "{UNBOUNDED}"),
+    }
+    shim.state_fs = fs;
+    Ok(())
+}
+
 /// How often placed pods are checked for gpushare's annotations.
 const ANNOTATE_EVERY: Duration = Duration::from_secs(2);
 
 /// Runs until `shutdown` (or until the plugin fails to start).
 pub async fn run(
-    config: DaemonConfig,
+    mut config: DaemonConfig,
     inventory: Inventory,
     mut health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
@@ -266,6 +299,7 @@ pub async fn run(
         Isolation::Shim(_) => Some(lock_front_end(&config.common.state_dir)?),
         Isolation::None => None,
     };
+    bound_state_dirs(&mut config.plugin.isolation, config.common.bound_state_dirs)?;
     let mut common = config.common;
     let inventory = health::first_look(health.as_deref_mut(), inventory);
     let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));
@@ -676,7 +710,7 @@ pub const CHECKPOINT: &str = "dra/checkpoint.json";
 
 /// Runs the DRA driver until `shutdown` (or until it fails to start).
 pub async fn run_dra(
-    config: DraDaemonConfig,
+    mut config: DraDaemonConfig,
     inventory: Inventory,
     mut health: Option<Box<dyn HealthWatch>>,
     shutdown: CancellationToken,
@@ -684,6 +718,7 @@ pub async fn run_dra(
     crate::version::log_start();
     let mut common = config.common;
     let _lock = lock_front_end(&common.state_dir)?;
+    bound_state_dirs(&mut config.driver.isolation, common.bound_state_dirs)?;
     let isolation = Arc::new(config.driver.isolation.clone());
     let inventory = health::first_look(health.as_deref_mut(), inventory);
     let (inventory_tx, inventory_rx) = watch::channel(Arc::new(inventory));

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::isolation::cdi::SpecDir;
 use crate::isolation::inject::{env, DeviceListStrategy, Isolation, ShimConfig, SHIM_LIBRARY};
+use crate::isolation::statefs::StateFs;
 use crate::node::gpu::{FakeGpus, Gpu, GpuError, GpuSource};
 use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::placement::Policy;
@@ -215,6 +216,7 @@ fn node_isolation(kit: Option<&TenantKit>, dir: &Path) -> Result<Isolation, Demo
         host_dir,
         state_dir: dir.join("state"),
         context_charge_mib: 0,
+        state_fs: StateFs::Shared,
     }))
 }
 

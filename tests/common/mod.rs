@@ -493,3 +493,81 @@ impl Drop for Killed {
         let _ = self.0.wait();
     }
 }
+
+/// Whether the tests run as root (CI does): what mounts needs.
+pub fn root() -> bool {
+    std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap()) == 0
+}
+
+/// `daemon` (a `gpumem plugin` or `gpumem dra` command) run as a node runs
+/// it with bounded state directories (`--bound-state-dirs require`), as
+/// root, in a mount namespace of its own that ends with it: its state dir
+/// `state` a 4 MiB tmpfs, shared as a volume with `mountPropagation:
+/// Bidirectional` is, so what it mounts under it reaches the containers
+/// made from its namespace (`in_container`).
+pub fn with_bounded_state(daemon: &std::process::Command, state: &Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new("unshare");
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(
+            "mkdir -p \"$0\" && mount -t tmpfs -o size=4m gpumem-test-state \"$0\" && \
+             mount --make-shared \"$0\" && exec \"$@\"",
+        )
+        .arg(state)
+        .arg(daemon.get_program())
+        .args(daemon.get_args());
+    for (key, value) in daemon.get_envs() {
+        match value {
+            Some(value) => cmd.env(key, value),
+            None => cmd.env_remove(key),
+        };
+    }
+    cmd.env("GPUMEM_BOUND_STATE_DIRS", "require");
+    cmd
+}
+
+/// Runs `script` as a container on the node of the daemon `plugin` (a PID)
+/// runs: in a mount namespace made from the daemon's, with `state` (a host
+/// path Allocate or a claim's CDI spec mounts) at /run/gpumem, as the
+/// runtime binds it. `$FAKE`, `$PROBE` and `$SHIM` name the kit's files.
+pub fn in_container(plugin: u32, state: &str, script: &str) -> (bool, String, String) {
+    let kit = shim_kit();
+    let setup = format!(
+        "set -e
+         mount -t tmpfs gpumem-run /run
+         mkdir -p /run/gpumem
+         mount --bind {state} /run/gpumem
+         set +e
+         {script}"
+    );
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--mount=/proc/{plugin}/ns/mnt"))
+        .args(["--", "unshare", "--mount", "--propagation", "private"])
+        .args(["sh", "-c", &setup])
+        .env("FAKE", &kit.driver_dir)
+        .env("PROBE", &kit.probe)
+        .env("SHIM", &kit.shim)
+        .output()
+        .expect("nsenter and unshare (util-linux) make the container");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Bytes free on the file system at `path` in the mount namespace of `pid`.
+pub fn free_bytes(pid: u32, path: &Path) -> u64 {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--mount=/proc/{pid}/ns/mnt"))
+        .args(["--", "stat", "-f", "-c", "%a %S"])
+        .arg(path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let numbers: Vec<u64> = text
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    assert_eq!(numbers.len(), 2, "stat -f: {text}");
+    numbers[0] * numbers[1]
+}

@@ -18,6 +18,7 @@ use crate::dra::prepare::DriverConfig;
 use crate::dra::service::DraSockets;
 use crate::dra::DEFAULT_DRIVER_NAME;
 use crate::isolation::cdi::{self, SpecDir};
+use crate::isolation::statefs::Bounding;
 use crate::node::gpu::NodeFacts;
 use crate::node::inventory::Inventory;
 use crate::ops::daemon::{self, Common, DraDaemonConfig};
@@ -77,6 +78,7 @@ pub async fn run(
             metrics: None,
             status_socket: None,
             state_grace: Duration::from_secs(300),
+            bound_state_dirs: Bounding::Off,
             reconcile: None,
             over_cap: None,
             // No metrics endpoint: nothing reads sensors.

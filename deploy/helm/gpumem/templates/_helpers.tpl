@@ -15,16 +15,25 @@ capabilities:
   drop: ["ALL"]
 {{- end -}}
 
-{{/* The plugin's: KILL only for --over-cap-action kill, to signal tenants' processes of other users. */}}
+{{/* "true" where the daemon mounts a bounded tmpfs for each container's state directory: shim isolation and boundedStateDirs. */}}
+{{- define "gpumem.boundedStateDirs" -}}
+{{- and .Values.boundedStateDirs (eq .Values.isolation "shim") -}}
+{{- end -}}
+
+{{/* The plugin's: privileged where it mounts the containers' state directories (Bidirectional propagation needs it); else KILL only for --over-cap-action kill, to signal tenants' processes of other users. */}}
 {{- define "gpumem.pluginSecurityContext" -}}
 runAsUser: 0
-allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
+{{- if eq (include "gpumem.boundedStateDirs" .) "true" }}
+privileged: true
+{{- else }}
+allowPrivilegeEscalation: false
 capabilities:
   drop: ["ALL"]
   {{- if eq .Values.overCapAction "kill" }}
   add: ["KILL"]
   {{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* Pod-level settings every gpumem pod takes from the values. */}}
