@@ -245,3 +245,49 @@ async fn a_tenant_filling_its_state_directory_cannot_fail_the_next_allocate() {
     );
     drop(plugin);
 }
+
+/// Where the daemon's mounts would not reach the runtime (a state volume
+/// without `mountPropagation: Bidirectional`), `--bound-state-dirs require`
+/// refuses to start, naming why; `auto` starts unbounded and says so.
+#[tokio::test]
+async fn bounded_state_dirs_are_refused_or_said_where_mounts_would_not_reach_the_host() {
+    if !common::root() {
+        eprintln!("skipped: the plugin mounts, which needs root (CI runs as root)");
+        return;
+    }
+    let kubelet_dir = tempfile::tempdir().unwrap();
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
+    let plugin = common::shim_plugin(kubelet_dir.path(), &kubelet, host.path(), state.path());
+
+    let out = common::with_state_tmpfs(&plugin, state.path(), "--make-private")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--bound-state-dirs require")
+            && stderr.contains("mountPropagation: Bidirectional"),
+        "{stderr}"
+    );
+
+    let log = kubelet_dir.path().join("plugin.log");
+    let _plugin = Killed(
+        common::with_state_tmpfs(&plugin, state.path(), "--make-private")
+            .env("GPUMEM_BOUND_STATE_DIRS", "auto")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
+        panic!("the plugin did not register: {}", logs());
+    }
+    assert!(
+        logs().contains("WARN") && logs().contains("state directories are NOT bounded"),
+        "{}",
+        logs()
+    );
+}

@@ -506,12 +506,22 @@ pub fn root() -> bool {
 /// Bidirectional` is, so what it mounts under it reaches the containers
 /// made from its namespace (`in_container`).
 pub fn with_bounded_state(daemon: &std::process::Command, state: &Path) -> std::process::Command {
+    with_state_tmpfs(daemon, state, "--make-shared")
+}
+
+/// `with_bounded_state`, with the state dir's mount made `propagation`
+/// (`--make-private`: a volume without `Bidirectional`).
+pub fn with_state_tmpfs(
+    daemon: &std::process::Command,
+    state: &Path,
+    propagation: &str,
+) -> std::process::Command {
     let mut cmd = std::process::Command::new("unshare");
     cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
-        .arg(
+        .arg(format!(
             "mkdir -p \"$0\" && mount -t tmpfs -o size=4m gpumem-test-state \"$0\" && \
-             mount --make-shared \"$0\" && exec \"$@\"",
-        )
+             mount {propagation} \"$0\" && exec \"$@\""
+        ))
         .arg(state)
         .arg(daemon.get_program())
         .args(daemon.get_args());
