@@ -944,9 +944,19 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     // reference to the pod carries no resourceVersion).
     let mut pod = api.get(Kind::Pod, "default", "nb").unwrap();
     pod["metadata"]["labels"] = serde_json::json!({"touched": "yes"});
-    api.put(pod);
-    // Time for the daemon's pod watch to see the change.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let touched: u64 = api.put(pod)["metadata"]["resourceVersion"]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    // The daemon's pod watch has been sent the change.
+    let deadline = std::time::Instant::now() + WAIT;
+    while api.watch_delivered(Kind::Pod) < touched {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pod watch never got the change"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let mut again = std::process::Command::new("sleep")
         .arg("60")
         .spawn()

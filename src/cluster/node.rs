@@ -102,21 +102,18 @@ pub async fn unpublish(client: &Client, only: &[String]) -> Result<Vec<String>, 
             "capacity": {GPU_COUNT: null},
             "allocatable": {GPU_COUNT: null},
         }});
-        nodes
-            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
-            .await
-            .map_err(|source| UnpublishError::Patch {
-                node: name.clone(),
-                source,
-            })?;
         let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: null}}});
-        nodes
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&meta))
+        let params = PatchParams::default();
+        let patched = match nodes
+            .patch_status(&name, &params, &Patch::Merge(&status))
             .await
-            .map_err(|source| UnpublishError::Patch {
-                node: name.clone(),
-                source,
-            })?;
+        {
+            Ok(_) => nodes.patch(&name, &params, &Patch::Merge(&meta)).await,
+            Err(err) => Err(err),
+        };
+        if let Err(source) = patched {
+            return Err(UnpublishError::Patch { node: name, source });
+        }
         changed.push(name);
     }
     if let Some(missing) = only.iter().find(|n| !changed.contains(n)) {
