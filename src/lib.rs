@@ -17,10 +17,11 @@
 // Each uses only those before it. Isolation answers with a front-end-neutral
 // grant that each front end puts into its own wire format; clean-up learns
 // who holds what through a seam (`cleanup::Holders`) each front end fills.
-// `atomic_file`, `error_text` and `version` (what build this is) are below
-// them all.
+// `atomic_file`, `error_text`, `sync` (locks) and `version` (what build
+// this is) are below them all.
 pub mod atomic_file;
 pub mod error_text;
+pub mod sync;
 pub mod version;
 
 pub mod node;

@@ -12,6 +12,7 @@ use tower::util::MapResultLayer;
 use tracing::{info, warn};
 
 use crate::error_text::one_line;
+use crate::sync::LockExt;
 
 /// Each request's own bound (a watch is re-opened by the watcher before
 /// this; kube's default of 295 s is for watches).
@@ -102,7 +103,7 @@ impl ApiHealth {
     }
 
     fn state(&self) -> MutexGuard<'_, Option<Failing>> {
-        self.failing.lock().unwrap_or_else(|e| e.into_inner())
+        self.failing.lock_unpoisoned()
     }
 
     fn answered(&self) {

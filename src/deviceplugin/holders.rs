@@ -18,6 +18,7 @@ use crate::deviceplugin::checkpoint;
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
 use crate::kubelet::podresources::PodResources;
+use crate::sync::LockExt;
 
 /// The least time between two unprompted resends, whatever the grace
 /// period: each makes kubelet rewrite its checkpoint.
@@ -70,7 +71,7 @@ impl KubeletHolders {
     /// until it is deleted, and one with a GPU only in an init container
     /// was never in List's holdings).
     fn resend_if_due(&self, seen: u64) {
-        let mut resent = self.resent.lock().unwrap_or_else(|e| e.into_inner());
+        let mut resent = self.resent.lock_unpoisoned();
         let due = resent
             .as_ref()
             .is_none_or(|(before, at)| *before != seen || at.elapsed() >= self.every);

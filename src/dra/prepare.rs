@@ -24,6 +24,7 @@ use crate::isolation::containers::{ContainerDir, ContainerName};
 use crate::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
 use crate::node::inventory::Inventory;
 use crate::node::quantity;
+use crate::sync::LockExt;
 
 #[derive(Debug, Clone)]
 pub struct DriverConfig {
@@ -180,18 +181,12 @@ impl PreparedClaims {
 
     fn checkpoint(&self) -> MutexGuard<'_, Checkpoint> {
         // A panic while holding it left the file as it was written last.
-        self.inner
-            .checkpoint
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.checkpoint.lock_unpoisoned()
     }
 
     /// Take with the checkpoint's lock held.
     fn in_flight(&self) -> MutexGuard<'_, HashMap<String, usize>> {
-        self.inner
-            .in_flight
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.inner.in_flight.lock_unpoisoned()
     }
 
     /// Removes what `entries` (interrupted prepares, or those of another

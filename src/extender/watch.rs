@@ -23,13 +23,14 @@ use crate::cluster::backoff::WatchBackoff;
 use crate::cluster::client::describe_watch;
 use crate::cluster::gpushare::requested_units;
 use crate::extender::cache::Cache;
+use crate::sync::LockExt;
 
 /// The cache, shared by the watches and the verbs. Held briefly, never
 /// across an await.
 pub type SharedCache = Arc<Mutex<Cache>>;
 
 pub fn lock(cache: &Mutex<Cache>) -> MutexGuard<'_, Cache> {
-    cache.lock().unwrap_or_else(|poison| poison.into_inner())
+    cache.lock_unpoisoned()
 }
 
 /// How one kind's events change the cache.

@@ -22,6 +22,7 @@ use crate::isolation::enforce::{
 };
 use crate::node::gpu::ProcessMemory;
 use crate::node::processes::ProcessUsage;
+use crate::sync::LockExt;
 
 /// The live processes of a file that NVML lists on its device `dev`, as
 /// (pid, what NVML shows, what the process charged), less those in
@@ -765,7 +766,7 @@ impl Reconciler {
             present.insert(key);
         }
         self.reported = present;
-        *self.unmanaged.lock().unwrap_or_else(|e| e.into_inner()) = attributed.unmanaged.clone();
+        *self.unmanaged.lock_unpoisoned() = attributed.unmanaged.clone();
     }
 
     /// Publishes whose each listed process is, for the metrics endpoint.
@@ -806,7 +807,7 @@ impl Reconciler {
                 pids.extend(unslotted[dev].iter().map(|&(pid, _)| pid));
             }
         }
-        *self.whose.lock().unwrap_or_else(|e| e.into_inner()) = whose;
+        *self.whose.lock_unpoisoned() = whose;
     }
 
     /// Remembers what each live process holds beyond what it was charged.
@@ -829,7 +830,7 @@ impl Reconciler {
 
     fn publish_overheads(&mut self) {
         let medians = self.footprints.medians();
-        let mut shared = self.overheads.lock().unwrap_or_else(|e| e.into_inner());
+        let mut shared = self.overheads.lock_unpoisoned();
         for (uuid, &median) in &medians {
             let before = shared.get(uuid).copied().unwrap_or(0);
             // Said when first known and when it moves by a tenth.

@@ -39,6 +39,7 @@ use crate::node::sensors::{Readings, Sensors};
 use crate::ops::status::{
     ClaimShare, ClaimStatus, ContainerStatus, DraStatus, GpuStatus, NodeStatus,
 };
+use crate::sync::LockExt;
 
 const MIB: u64 = 1 << 20;
 
@@ -191,7 +192,7 @@ impl Observed {
             });
         }
         if let Some(unmanaged) = &self.unmanaged {
-            let unmanaged = unmanaged.lock().unwrap_or_else(|e| e.into_inner());
+            let unmanaged = unmanaged.lock_unpoisoned();
             for gpu in &mut status.gpus {
                 gpu.unmanaged_mib = Some(unmanaged.get(&gpu.uuid).map_or(0, |b| b / MIB));
             }
@@ -204,7 +205,7 @@ impl Observed {
         let overheads = self
             .overheads
             .as_ref()
-            .map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .map(|o| o.lock_unpoisoned().clone())
             .unwrap_or_default();
         let over_cap = self.over_cap.as_ref().map(|a| {
             (
@@ -223,7 +224,7 @@ impl Observed {
         let whose = self
             .attribution
             .as_ref()
-            .map(|w| w.lock().unwrap_or_else(|e| e.into_inner()).clone());
+            .map(|w| w.lock_unpoisoned().clone());
         Reading {
             status: self.build(holdings),
             overheads,
@@ -397,15 +398,11 @@ impl Metrics {
     }
 
     fn encode(&self, reading: Reading) -> Result<String, std::fmt::Error> {
-        let _turn = self.encoding.lock().unwrap_or_else(|e| e.into_inner());
-        *self.node.reading.lock().unwrap_or_else(|e| e.into_inner()) = Some(reading);
+        let _turn = self.encoding.lock_unpoisoned();
+        *self.node.reading.lock_unpoisoned() = Some(reading);
         let mut body = String::new();
         let encoded = encode(&mut body, &self.registry);
-        self.node
-            .reading
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        self.node.reading.lock_unpoisoned().take();
         encoded.map(|()| body)
     }
 }
@@ -545,7 +542,7 @@ fn single<M: EncodeMetric + TypedMetric>(
 
 impl Collector for NodeCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
-        let reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let reading = self.reading.lock_unpoisoned();
         let Some(r) = reading.as_ref() else {
             return Ok(());
         };
