@@ -1,0 +1,502 @@
+// A one-node cluster on 127.0.0.1 in a temporary directory: etcd,
+// kube-apiserver (RBAC, Node authorizer, NodeRestriction), kube-scheduler
+// and a kubelet in its own mount namespace over the recording fake runtime;
+// then gpumem, started as daemonset/gpumem.yaml starts it, with the
+// service account's token and so the RBAC that manifest grants.
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/utils/ptr"
+)
+
+const nodeName = "e2e-node"
+
+type config struct {
+	bin      string // etcd, kube-* and kubelet
+	gpumem   string
+	shim     string
+	fixture  string
+	manifest string // daemonset/gpumem.yaml
+	work     string
+}
+
+type cluster struct {
+	cfg  config
+	logs string
+	pki  *pki
+
+	etcd, apiserver, controllers, scheduler, kubelet, gpumem *proc
+	runtime                                                  *recordingRuntime
+
+	server string // https://127.0.0.1:port
+	admin  *kubernetes.Clientset
+
+	kubeletRoot   string // bound at /var/lib/kubelet in kubelet's namespace
+	kubeletLogDir string // bound at /var/log
+	kubeletArgv   []string
+	gpumemArgv    []string
+	gpumemEnv     []string
+	statusSocket  string
+	saKey         string
+	stateDir      string
+	shimDir       string
+}
+
+func (c *cluster) path(parts ...string) string {
+	return filepath.Join(append([]string{c.cfg.work}, parts...)...)
+}
+
+func up(cfg config) (*cluster, error) {
+	c := &cluster{cfg: cfg}
+	c.logs = c.path("logs")
+	for _, d := range []string{c.logs, c.path("etcd"), c.path("kubelet-cwd")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return c, err
+		}
+	}
+	var err error
+	if c.pki, err = newPKI(c.path("pki")); err != nil {
+		return c, err
+	}
+	steps := []struct {
+		what string
+		run  func() error
+	}{
+		{"etcd", c.startEtcd},
+		{"kube-apiserver", c.startAPIServer},
+		{"kube-controller-manager", c.startControllerManager},
+		{"kube-scheduler", c.startScheduler},
+		{"container runtime", c.startRuntime},
+		{"kubelet", c.startKubelet},
+		{"gpumem", c.startGpumem},
+	}
+	for _, s := range steps {
+		if err := s.run(); err != nil {
+			return c, fmt.Errorf("%s: %w (logs in %s)", s.what, err, c.logs)
+		}
+	}
+	return c, nil
+}
+
+func (c *cluster) down() {
+	for _, p := range []*proc{c.gpumem, c.kubelet, c.scheduler, c.controllers, c.apiserver, c.etcd} {
+		p.stop(10 * time.Second)
+	}
+	if c.runtime != nil {
+		c.runtime.stop()
+	}
+}
+
+func (c *cluster) startEtcd() error {
+	client, err := freePort()
+	if err != nil {
+		return err
+	}
+	peer, err := freePort()
+	if err != nil {
+		return err
+	}
+	clientURL := fmt.Sprintf("http://127.0.0.1:%d", client)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peer)
+	c.etcd, err = start(c.logs, "etcd", "", nil, filepath.Join(c.cfg.bin, "etcd"),
+		"--name=e2e", "--data-dir="+c.path("etcd"),
+		"--listen-client-urls="+clientURL, "--advertise-client-urls="+clientURL,
+		"--listen-peer-urls="+peerURL, "--initial-advertise-peer-urls="+peerURL,
+		"--initial-cluster=e2e="+peerURL, "--unsafe-no-fsync")
+	if err != nil {
+		return err
+	}
+	c.server = clientURL // until the API server is up
+	return waitFor(30*time.Second, "etcd healthy", func() (bool, error) {
+		if c.etcd.exited() {
+			return false, fatal{fmt.Errorf("exited: %v", c.etcd.err)}
+		}
+		resp, err := http.Get(clientURL + "/health")
+		if err != nil {
+			return false, err
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200, nil
+	})
+}
+
+func (c *cluster) startAPIServer() error {
+	etcdURL := c.server
+	port, err := freePort()
+	if err != nil {
+		return err
+	}
+	c.server = fmt.Sprintf("https://127.0.0.1:%d", port)
+	serving, servingKey, err := c.pki.issue("apiserver", "kube-apiserver", nil, []string{"127.0.0.1", "localhost", "10.96.0.1"})
+	if err != nil {
+		return err
+	}
+	kubeletClient, kubeletClientKey, err := c.pki.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", []string{"system:masters"}, nil)
+	if err != nil {
+		return err
+	}
+	saPub, saKey, err := c.pki.serviceAccountKey()
+	c.saKey = saKey
+	if err != nil {
+		return err
+	}
+	c.apiserver, err = start(c.logs, "kube-apiserver", "", nil, filepath.Join(c.cfg.bin, "kube-apiserver"),
+		"--etcd-servers="+etcdURL,
+		"--bind-address=127.0.0.1", fmt.Sprintf("--secure-port=%d", port), "--advertise-address=127.0.0.1",
+		"--endpoint-reconciler-type=none",
+		"--tls-cert-file="+serving, "--tls-private-key-file="+servingKey,
+		"--client-ca-file="+c.pki.caFile(),
+		"--kubelet-client-certificate="+kubeletClient, "--kubelet-client-key="+kubeletClientKey,
+		"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+		"--service-account-key-file="+saPub, "--service-account-signing-key-file="+saKey,
+		"--service-cluster-ip-range=10.96.0.0/24",
+		"--authorization-mode=Node,RBAC",
+		"--enable-admission-plugins=NodeRestriction",
+		"--cert-dir="+c.path("apiserver-certs"))
+	if err != nil {
+		return err
+	}
+	crt, key, err := c.pki.issue("admin", "e2e-admin", []string{"system:masters"}, nil)
+	if err != nil {
+		return err
+	}
+	adminConfig := c.path("admin.kubeconfig")
+	if err := kubeconfig(adminConfig, c.server, c.pki.caFile(), crt, key, ""); err != nil {
+		return err
+	}
+	rc, err := clientcmd.BuildConfigFromFlags("", adminConfig)
+	if err != nil {
+		return err
+	}
+	rc.QPS, rc.Burst = 100, 200
+	if c.admin, err = kubernetes.NewForConfig(rc); err != nil {
+		return err
+	}
+	if err := waitFor(90*time.Second, "kube-apiserver ready", func() (bool, error) {
+		if c.apiserver.exited() {
+			return false, fatal{fmt.Errorf("exited: %v", c.apiserver.err)}
+		}
+		body, err := c.admin.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(context.Background())
+		if err != nil {
+			return false, err
+		}
+		return string(body) == "ok", nil
+	}); err != nil {
+		return err
+	}
+	// No controller-manager: the service account its controller would create.
+	return waitFor(30*time.Second, "default service account", func() (bool, error) {
+		_, err := c.admin.CoreV1().ServiceAccounts("default").Create(context.Background(),
+			&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
+		return err == nil || apierrors.IsAlreadyExists(err), err
+	})
+}
+
+// componentConfig writes a kubeconfig with a client certificate for user.
+func (c *cluster) componentConfig(name, user string, groups ...string) (string, error) {
+	crt, key, err := c.pki.issue(name, user, groups, nil)
+	if err != nil {
+		return "", err
+	}
+	path := c.path(name + ".kubeconfig")
+	return path, kubeconfig(path, c.server, c.pki.caFile(), crt, key, "")
+}
+
+// startControllerManager runs the controllers a cluster has: among them the
+// node lifecycle controller, which lifts the not-ready taint kubelet
+// registers the node with, and the pod garbage collector.
+func (c *cluster) startControllerManager() error {
+	kc, err := c.componentConfig("controller-manager", "system:kube-controller-manager")
+	if err != nil {
+		return err
+	}
+	port, err := freePort()
+	if err != nil {
+		return err
+	}
+	c.controllers, err = start(c.logs, "kube-controller-manager", "", nil, filepath.Join(c.cfg.bin, "kube-controller-manager"),
+		"--kubeconfig="+kc, "--authentication-kubeconfig="+kc, "--authorization-kubeconfig="+kc,
+		"--leader-elect=false", "--bind-address=127.0.0.1", fmt.Sprintf("--secure-port=%d", port),
+		"--service-account-private-key-file="+c.saKey, "--root-ca-file="+c.pki.caFile(),
+		"--use-service-account-credentials=true",
+		"--cert-dir="+c.path("controller-manager-certs"))
+	return err
+}
+
+func (c *cluster) startScheduler() error {
+	kc, err := c.componentConfig("scheduler", "system:kube-scheduler")
+	if err != nil {
+		return err
+	}
+	cfg := c.path("scheduler-config.yaml")
+	body := fmt.Sprintf("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n  kubeconfig: %s\nleaderElection:\n  leaderElect: false\n", kc)
+	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
+		return err
+	}
+	port, err := freePort()
+	if err != nil {
+		return err
+	}
+	c.scheduler, err = start(c.logs, "kube-scheduler", "", nil, filepath.Join(c.cfg.bin, "kube-scheduler"),
+		"--config="+cfg, "--bind-address=127.0.0.1", fmt.Sprintf("--secure-port=%d", port),
+		"--authentication-kubeconfig="+kc, "--authorization-kubeconfig="+kc,
+		"--cert-dir="+c.path("scheduler-certs"), "--v=3")
+	return err
+}
+
+func (c *cluster) startRuntime() error {
+	var err error
+	c.runtime, err = startRuntime(c.path("cri.sock"))
+	return err
+}
+
+func (c *cluster) startKubelet() error {
+	c.kubeletRoot = c.path("kubelet")
+	c.kubeletLogDir = c.path("var-log")
+	for _, d := range []string{filepath.Join(c.kubeletRoot, "device-plugins"), c.kubeletLogDir, "/var/lib/kubelet"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	kc, err := c.componentConfig("kubelet", "system:node:"+nodeName, "system:nodes")
+	if err != nil {
+		return err
+	}
+	serving, servingKey, err := c.pki.issue("kubelet-serving", "system:node:"+nodeName, []string{"system:nodes"}, []string{"127.0.0.1", "localhost", nodeName})
+	if err != nil {
+		return err
+	}
+	port, err := freePort()
+	if err != nil {
+		return err
+	}
+	healthz, err := freePort()
+	if err != nil {
+		return err
+	}
+	cfg := c.path("kubelet-config.yaml")
+	// cgroup v1 on the machines this runs on; no QoS cgroups, nothing to
+	// enforce; node status every 2 s so that changes show quickly.
+	body := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: %d
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: %d
+tlsCertFile: %s
+tlsPrivateKeyFile: %s
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: false
+  x509:
+    clientCAFile: %s
+authorization:
+  mode: AlwaysAllow
+containerRuntimeEndpoint: unix://%s
+cgroupDriver: cgroupfs
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+failCgroupV1: false
+failSwapOn: false
+resolvConf: ""
+nodeStatusUpdateFrequency: 2s
+evictionHard:
+  memory.available: 1Mi
+  nodefs.available: 1%%
+  imagefs.available: 1%%
+`, port, healthz, serving, servingKey, c.pki.caFile(), c.path("cri.sock"))
+	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
+		return err
+	}
+	// kubelet hard-codes /var/lib/kubelet/device-plugins and /var/log/pods:
+	// its own mount namespace with both bound to this run's directory.
+	script := `set -e
+mount --bind "$1" /var/lib/kubelet
+mount --bind "$2" /var/log
+shift 2
+exec "$@"`
+	c.kubeletArgv = []string{"unshare", "-m", "--propagation", "private", "sh", "-c", script, "kubelet-ns",
+		c.kubeletRoot, c.kubeletLogDir,
+		filepath.Join(c.cfg.bin, "kubelet"), "--config=" + cfg, "--kubeconfig=" + kc,
+		"--hostname-override=" + nodeName, "--node-ip=127.0.0.1", "--v=2"}
+	if err := c.runKubelet(); err != nil {
+		return err
+	}
+	return waitFor(90*time.Second, "node Ready", func() (bool, error) {
+		if c.kubelet.exited() {
+			return false, fatal{fmt.Errorf("kubelet exited: %v", c.kubelet.err)}
+		}
+		node, err := c.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, cond := range node.Status.Conditions {
+			if cond.Type == corev1.NodeReady {
+				return cond.Status == corev1.ConditionTrue, fmt.Errorf("Ready=%s: %s", cond.Status, cond.Message)
+			}
+		}
+		return false, nil
+	})
+}
+
+// runKubelet starts kubelet in an empty working directory: with a runtime
+// that reports no log path, its log clean-up deletes files in it.
+func (c *cluster) runKubelet() error {
+	var err error
+	c.kubelet, err = start(c.logs, "kubelet", c.path("kubelet-cwd"), nil, c.kubeletArgv...)
+	return err
+}
+
+// startGpumem applies the ServiceAccount and RBAC of daemonset/gpumem.yaml,
+// gets the service account a token, runs the init container's command and
+// then the plugin with the container's command, args and env, the host
+// paths moved into this run's directory.
+func (c *cluster) startGpumem() error {
+	ctx := context.Background()
+	data, err := os.ReadFile(c.cfg.manifest)
+	if err != nil {
+		return err
+	}
+	var ds *appsv1.DaemonSet
+	for _, doc := range strings.Split(string(data), "\n---") {
+		if strings.TrimSpace(doc) == "" {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			return fmt.Errorf("%s: %w", c.cfg.manifest, err)
+		}
+		switch o := obj.(type) {
+		case *appsv1.DaemonSet:
+			ds = o
+		case *corev1.ServiceAccount:
+			_, err = c.admin.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRole:
+			_, err = c.admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.ClusterRoleBinding:
+			_, err = c.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		default:
+			return fmt.Errorf("%s: unexpected %T", c.cfg.manifest, obj)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if ds == nil {
+		return fmt.Errorf("%s: no DaemonSet", c.cfg.manifest)
+	}
+	spec := ds.Spec.Template.Spec
+	token, err := c.admin.CoreV1().ServiceAccounts(ds.Namespace).CreateToken(ctx, spec.ServiceAccountName,
+		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: ptr.To[int64](4 * 3600)}},
+		metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("token for %s/%s: %w", ds.Namespace, spec.ServiceAccountName, err)
+	}
+	kc := c.path("gpumem.kubeconfig")
+	if err := kubeconfig(kc, c.server, c.pki.caFile(), "", "", token.Status.Token); err != nil {
+		return err
+	}
+
+	metrics, err := freePort()
+	if err != nil {
+		return err
+	}
+	c.stateDir = c.path("gpumem-state")
+	c.shimDir = c.path("usr-local-gpumem")
+	hostPaths := strings.NewReplacer(
+		"/var/lib/kubelet", c.kubeletRoot,
+		"/var/lib/gpumem", c.stateDir,
+		"/usr/local/gpumem", c.shimDir,
+		"/var/run/cdi", c.path("cdi"),
+	)
+	rewrite := func(arg string) string {
+		if arg == "--metrics-addr=:9400" {
+			return fmt.Sprintf("--metrics-addr=127.0.0.1:%d", metrics)
+		}
+		return hostPaths.Replace(arg)
+	}
+	for _, init := range spec.InitContainers {
+		argv := []string{c.cfg.gpumem}
+		for _, a := range append(init.Command[1:], init.Args...) {
+			argv = append(argv, rewrite(a))
+		}
+		for i, a := range argv {
+			if a == "/opt/gpumem/libgpumem_shim.so" {
+				argv[i] = c.cfg.shim
+			}
+		}
+		out, err := runCmd(argv...)
+		if err != nil {
+			return fmt.Errorf("init container %s: %w: %s", init.Name, err, out)
+		}
+	}
+	var ctr *corev1.Container
+	for i := range spec.Containers {
+		if spec.Containers[i].Name == "gpumem" {
+			ctr = &spec.Containers[i]
+		}
+	}
+	if ctr == nil {
+		return fmt.Errorf("%s: no gpumem container", c.cfg.manifest)
+	}
+	c.gpumemArgv = []string{c.cfg.gpumem}
+	for _, a := range append(ctr.Command[1:], ctr.Args...) {
+		c.gpumemArgv = append(c.gpumemArgv, rewrite(a))
+	}
+	c.gpumemArgv = append(c.gpumemArgv, "--fake-gpus="+c.cfg.fixture, "--kubeconfig="+kc)
+	c.gpumemEnv = nil
+	for _, e := range ctr.Env {
+		switch {
+		case e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "spec.nodeName":
+			c.gpumemEnv = append(c.gpumemEnv, e.Name+"="+nodeName)
+		case e.ValueFrom == nil:
+			c.gpumemEnv = append(c.gpumemEnv, e.Name+"="+rewrite(e.Value))
+		}
+		if e.Name == "GPUMEM_STATUS_SOCKET" {
+			c.statusSocket = rewrite(e.Value)
+		}
+	}
+	for _, d := range []string{c.stateDir, c.path("cdi")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	return c.runGpumem()
+}
+
+func (c *cluster) runGpumem() error {
+	var err error
+	c.gpumem, err = start(c.logs, "gpumem", "", c.gpumemEnv, c.gpumemArgv...)
+	return err
+}
+
+func runCmd(argv ...string) (string, error) {
+	var out bytes.Buffer
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Stdout = &out
+	cmd.Stderr = &out
+	err := cmd.Run()
+	return out.String(), err
+}

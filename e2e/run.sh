@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The end-to-end suite: gpumem against upstream etcd, kube-apiserver,
+# kube-scheduler and kubelet on 127.0.0.1 (README.md, "End-to-end suite").
+#
+#   e2e/run.sh [gpumem-e2e flags, e.g. --keep]
+#
+# Needs root (kubelet, a mount namespace), Go 1.26 and the Go module proxy
+# (e2e/build.sh), util-linux's unshare and mount, and gpumem's debug build
+# (`cargo build --workspace`; `cargo test --workspace` makes the same files).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+bin=${GPUMEM_E2E_BIN:-$repo/target/e2e/bin}
+
+if [ "$(id -u)" != 0 ]; then
+    echo "e2e/run.sh: run as root: kubelet runs in its own mount namespace" >&2
+    exit 2
+fi
+for tool in unshare mount; do
+    command -v "$tool" >/dev/null 2>&1 || {
+        echo "e2e/run.sh: $tool is required (apt-get install util-linux mount)" >&2
+        exit 2
+    }
+done
+GPUMEM_E2E_BIN=$bin "$here/build.sh"
+gpumem=$repo/target/debug/gpumem
+shim=$repo/target/debug/libgpumem_shim.so
+if [ ! -x "$gpumem" ] || [ ! -f "$shim" ]; then
+    (cd "$repo" && cargo build --workspace --locked)
+fi
+exec "$bin/gpumem-e2e" --bin "$bin" --gpumem "$gpumem" --shim "$shim" \
+    --fake-gpus "$repo/tests/fixtures/gpus/t4.toml" --manifest "$repo/daemonset/gpumem.yaml" "$@"
