@@ -37,6 +37,10 @@ type config struct {
 	fixture  string
 	manifest string // daemonset/gpumem.yaml
 	work     string
+	// With gpushare's extender: daemonset/extender.yaml and
+	// daemonset/kube-scheduler-config.yaml; empty for the default scheduler.
+	extenderManifest string
+	schedulerConfig  string
 }
 
 type cluster struct {
@@ -44,8 +48,9 @@ type cluster struct {
 	logs string
 	pki  *pki
 
-	etcd, apiserver, controllers, scheduler, kubelet, gpumem *proc
-	runtime                                                  *recordingRuntime
+	etcd, apiserver, controllers, scheduler, kubelet, gpumem, extender *proc
+	extenderURL                                                        string
+	runtime                                                            *recordingRuntime
 
 	server string // https://127.0.0.1:port
 	admin  *kubernetes.Clientset
@@ -98,7 +103,7 @@ func up(cfg config) (*cluster, error) {
 }
 
 func (c *cluster) down() {
-	for _, p := range []*proc{c.gpumem, c.kubelet, c.scheduler, c.controllers, c.apiserver, c.etcd} {
+	for _, p := range []*proc{c.gpumem, c.kubelet, c.scheduler, c.extender, c.controllers, c.apiserver, c.etcd} {
 		p.stop(10 * time.Second)
 	}
 	if c.runtime != nil {
@@ -248,7 +253,23 @@ func (c *cluster) startScheduler() error {
 		return err
 	}
 	cfg := c.path("scheduler-config.yaml")
-	body := fmt.Sprintf("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n  kubeconfig: %s\nleaderElection:\n  leaderElect: false\n", kc)
+	body := fmt.Sprintf("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\nclientConnection:\n  kubeconfig: %s\n", kc)
+	if c.cfg.schedulerConfig != "" {
+		if err := c.startExtender(); err != nil {
+			return fmt.Errorf("gpumem extender: %w", err)
+		}
+		// The shipped configuration, its kubeconfig and the extender's
+		// address (the Service's node port there) moved to this run's.
+		data, err := os.ReadFile(c.cfg.schedulerConfig)
+		if err != nil {
+			return err
+		}
+		body = strings.NewReplacer("/etc/kubernetes/scheduler.conf", kc, "http://127.0.0.1:32766", c.extenderURL).Replace(string(data))
+		if !strings.Contains(body, c.extenderURL) {
+			return fmt.Errorf("%s: no extender at http://127.0.0.1:32766", c.cfg.schedulerConfig)
+		}
+	}
+	body += "leaderElection:\n  leaderElect: false\n"
 	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
 		return err
 	}
@@ -373,24 +394,31 @@ func (c *cluster) runKubelet() error {
 // gets the service account a token, runs the init container's command and
 // then the plugin with the container's command, args and env, the host
 // paths moved into this run's directory.
-func (c *cluster) startGpumem() error {
+// applyManifest creates the ServiceAccount and RBAC objects of a manifest
+// and returns its workload's namespace and pod spec (a DaemonSet's or a
+// Deployment's); Services are left out: the runner connects directly.
+func (c *cluster) applyManifest(path string) (string, *corev1.PodSpec, error) {
 	ctx := context.Background()
-	data, err := os.ReadFile(c.cfg.manifest)
+	data, err := os.ReadFile(path)
 	if err != nil {
-		return err
+		return "", nil, err
 	}
-	var ds *appsv1.DaemonSet
+	var ns string
+	var spec *corev1.PodSpec
 	for _, doc := range strings.Split(string(data), "\n---") {
 		if strings.TrimSpace(doc) == "" {
 			continue
 		}
 		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
 		if err != nil {
-			return fmt.Errorf("%s: %w", c.cfg.manifest, err)
+			return "", nil, fmt.Errorf("%s: %w", path, err)
 		}
 		switch o := obj.(type) {
 		case *appsv1.DaemonSet:
-			ds = o
+			ns, spec = o.Namespace, &o.Spec.Template.Spec
+		case *appsv1.Deployment:
+			ns, spec = o.Namespace, &o.Spec.Template.Spec
+		case *corev1.Service:
 		case *corev1.ServiceAccount:
 			_, err = c.admin.CoreV1().ServiceAccounts(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRole:
@@ -398,24 +426,92 @@ func (c *cluster) startGpumem() error {
 		case *rbacv1.ClusterRoleBinding:
 			_, err = c.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
 		default:
-			return fmt.Errorf("%s: unexpected %T", c.cfg.manifest, obj)
+			return "", nil, fmt.Errorf("%s: unexpected %T", path, obj)
 		}
 		if err != nil {
-			return err
+			return "", nil, err
 		}
 	}
-	if ds == nil {
-		return fmt.Errorf("%s: no DaemonSet", c.cfg.manifest)
+	if spec == nil {
+		return "", nil, fmt.Errorf("%s: no DaemonSet or Deployment", path)
 	}
-	spec := ds.Spec.Template.Spec
-	token, err := c.admin.CoreV1().ServiceAccounts(ds.Namespace).CreateToken(ctx, spec.ServiceAccountName,
+	return ns, spec, nil
+}
+
+// tokenConfig writes a kubeconfig holding a token of the service account.
+func (c *cluster) tokenConfig(ns, account, name string) (string, error) {
+	token, err := c.admin.CoreV1().ServiceAccounts(ns).CreateToken(context.Background(), account,
 		&authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: ptr.To[int64](4 * 3600)}},
 		metav1.CreateOptions{})
 	if err != nil {
-		return fmt.Errorf("token for %s/%s: %w", ds.Namespace, spec.ServiceAccountName, err)
+		return "", fmt.Errorf("token for %s/%s: %w", ns, account, err)
 	}
-	kc := c.path("gpumem.kubeconfig")
-	if err := kubeconfig(kc, c.server, c.pki.caFile(), "", "", token.Status.Token); err != nil {
+	kc := c.path(name + ".kubeconfig")
+	return kc, kubeconfig(kc, c.server, c.pki.caFile(), "", "", token.Status.Token)
+}
+
+func containerNamed(spec *corev1.PodSpec, name string) (*corev1.Container, error) {
+	for i := range spec.Containers {
+		if spec.Containers[i].Name == name {
+			return &spec.Containers[i], nil
+		}
+	}
+	return nil, fmt.Errorf("no container %q", name)
+}
+
+// startExtender runs `gpumem extender` as daemonset/extender.yaml runs it,
+// with that file's RBAC, listening on loopback where the scheduler's
+// configuration points (the manifest's Service stands between them in a
+// cluster).
+func (c *cluster) startExtender() error {
+	ns, spec, err := c.applyManifest(c.cfg.extenderManifest)
+	if err != nil {
+		return err
+	}
+	kc, err := c.tokenConfig(ns, spec.ServiceAccountName, "gpumem-extender")
+	if err != nil {
+		return err
+	}
+	ctr, err := containerNamed(spec, "extender")
+	if err != nil {
+		return fmt.Errorf("%s: %w", c.cfg.extenderManifest, err)
+	}
+	port, err := freePort()
+	if err != nil {
+		return err
+	}
+	c.extenderURL = fmt.Sprintf("http://127.0.0.1:%d", port)
+	argv := []string{c.cfg.gpumem}
+	for _, a := range append(ctr.Command[1:], ctr.Args...) {
+		if strings.HasPrefix(a, "--listen-addr=") {
+			a = fmt.Sprintf("--listen-addr=127.0.0.1:%d", port)
+		}
+		argv = append(argv, a)
+	}
+	argv = append(argv, "--kubeconfig="+kc)
+	if c.extender, err = start(c.logs, "gpumem-extender", "", nil, argv...); err != nil {
+		return err
+	}
+	return waitFor(30*time.Second, "extender /healthz", func() (bool, error) {
+		if c.extender.exited() {
+			return false, fatal{fmt.Errorf("exited: %v", c.extender.err)}
+		}
+		resp, err := http.Get(c.extenderURL + "/healthz")
+		if err != nil {
+			return false, err
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200, fmt.Errorf("/healthz: %s", resp.Status)
+	})
+}
+
+func (c *cluster) startGpumem() error {
+	ns, spec, err := c.applyManifest(c.cfg.manifest)
+	if err != nil {
+		return err
+	}
+	kc, err := c.tokenConfig(ns, spec.ServiceAccountName, "gpumem")
+	if err != nil {
 		return err
 	}
 
@@ -452,17 +548,23 @@ func (c *cluster) startGpumem() error {
 			return fmt.Errorf("init container %s: %w: %s", init.Name, err, out)
 		}
 	}
-	var ctr *corev1.Container
-	for i := range spec.Containers {
-		if spec.Containers[i].Name == "gpumem" {
-			ctr = &spec.Containers[i]
-		}
-	}
-	if ctr == nil {
-		return fmt.Errorf("%s: no gpumem container", c.cfg.manifest)
+	ctr, err := containerNamed(spec, "gpumem")
+	if err != nil {
+		return fmt.Errorf("%s: %w", c.cfg.manifest, err)
 	}
 	c.gpumemArgv = []string{c.cfg.gpumem}
 	for _, a := range append(ctr.Command[1:], ctr.Args...) {
+		if c.cfg.extenderManifest != "" {
+			switch a {
+			case "--scheduler=default":
+				// The manifest's comment names the other value.
+				a = "--scheduler=gpushare-extender"
+			case "--placement=binpack":
+				// Following the extender, the plugin's own placement must
+				// not matter: the other policy shows that it does not.
+				a = "--placement=spread"
+			}
+		}
 		c.gpumemArgv = append(c.gpumemArgv, rewrite(a))
 	}
 	c.gpumemArgv = append(c.gpumemArgv, "--fake-gpus="+c.cfg.fixture, "--kubeconfig="+kc)

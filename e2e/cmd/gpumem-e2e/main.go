@@ -36,16 +36,21 @@ const (
 func main() {
 	repo, _ := filepath.Abs(filepath.Join(filepath.Dir(os.Args[0]), "..", "..", ".."))
 	var cfg config
-	var keep bool
+	var keep, noExtender bool
+	var extenderFixture string
 	flag.StringVar(&cfg.bin, "bin", filepath.Dir(os.Args[0]), "directory with etcd, kube-apiserver, kube-scheduler and kubelet (e2e/build.sh)")
 	flag.StringVar(&cfg.gpumem, "gpumem", filepath.Join(repo, "target/debug/gpumem"), "the gpumem binary")
 	flag.StringVar(&cfg.shim, "shim", filepath.Join(repo, "target/debug/libgpumem_shim.so"), "the shim library the init container installs")
-	flag.StringVar(&cfg.fixture, "fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/t4.toml"), "the node's GPUs (gpumem --fake-gpus)")
+	flag.StringVar(&cfg.fixture, "fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/t4.toml"), "the node's GPUs (gpumem --fake-gpus) with the default scheduler")
+	flag.StringVar(&extenderFixture, "extender-fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/v100x2.toml"), "the node's GPUs with gpushare's extender")
 	flag.StringVar(&cfg.manifest, "manifest", filepath.Join(repo, "daemonset/gpumem.yaml"), "the DaemonSet whose RBAC, command, args and env gpumem runs with")
+	flag.StringVar(&cfg.extenderManifest, "extender-manifest", filepath.Join(repo, "daemonset/extender.yaml"), "the extender's Deployment and RBAC")
+	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
+	flag.BoolVar(&noExtender, "no-extender", false, "run the device-plugin scenarios only")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
 	flag.Parse()
 
-	for _, f := range []*string{&cfg.bin, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest} {
+	for _, f := range []*string{&cfg.bin, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture} {
 		// kubelet runs in its own working directory.
 		if abs, err := filepath.Abs(*f); err == nil {
 			*f = abs
@@ -55,7 +60,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gpumem-e2e: needs root (kubelet, mount namespaces)")
 		os.Exit(2)
 	}
-	for _, f := range []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest} {
+	for _, f := range []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture} {
 		if _, err := os.Stat(f); err != nil {
 			fmt.Fprintf(os.Stderr, "gpumem-e2e: %v\n", err)
 			os.Exit(2)
@@ -66,25 +71,48 @@ func main() {
 		fmt.Fprintf(os.Stderr, "gpumem-e2e: %v\n", err)
 		os.Exit(2)
 	}
-	cfg.work = work
+
+	plugin := cfg
+	plugin.extenderManifest, plugin.schedulerConfig = "", ""
+	plugin.work = filepath.Join(work, "default-scheduler")
+	extender := cfg
+	extender.fixture = extenderFixture
+	extender.work = filepath.Join(work, "gpushare-extender")
+	phases := []struct {
+		title string
+		cfg   config
+		run   func(*suite)
+	}{
+		{"device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
+		{"gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
+	}
+	if noExtender {
+		phases = phases[:1]
+	}
 
 	began := time.Now()
-	c, err := up(cfg)
-	stopOnSignal(c)
-	code := 0
-	if err != nil {
-		fmt.Printf("FAIL cluster up: %v\n", err)
-		code = 1
-	} else {
-		fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: fake CRI)\n", time.Since(began).Seconds(), kubeletVersion(c))
-		s := &suite{c: c}
-		s.run()
-		fmt.Printf("%d passed, %d failed (%.0f s)\n", s.passed, s.failed, time.Since(began).Seconds())
-		if s.failed > 0 {
-			code = 1
+	s := &suite{}
+	for _, ph := range phases {
+		fmt.Printf("== %s\n", ph.title)
+		phaseBegan := time.Now()
+		c, err := up(ph.cfg)
+		stop := stopOnSignal(c)
+		if err != nil {
+			s.failed++
+			fmt.Printf("FAIL cluster up: %v\n", err)
+		} else {
+			fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: fake CRI)\n", time.Since(phaseBegan).Seconds(), kubeletVersion(c))
+			s.c = c
+			ph.run(s)
 		}
+		c.down()
+		stop()
 	}
-	c.down()
+	fmt.Printf("%d passed, %d failed (%.0f s)\n", s.passed, s.failed, time.Since(began).Seconds())
+	code := 0
+	if s.failed > 0 {
+		code = 1
+	}
 	if keep || code != 0 {
 		fmt.Printf("logs and configs kept in %s\n", work)
 	} else {
@@ -93,15 +121,25 @@ func main() {
 	os.Exit(code)
 }
 
-func stopOnSignal(c *cluster) {
+// stopOnSignal stops c's components on SIGINT or SIGTERM, until the
+// returned function is called.
+func stopOnSignal(c *cluster) func() {
 	ch := make(chan os.Signal, 1)
+	done := make(chan struct{})
 	signal.Notify(ch, syscall.SIGINT, syscall.SIGTERM)
 	go func() {
-		<-ch
-		c.down()
-		fmt.Printf("interrupted; logs in %s\n", c.logs)
-		os.Exit(130)
+		select {
+		case <-ch:
+			c.down()
+			fmt.Printf("interrupted; logs in %s\n", c.logs)
+			os.Exit(130)
+		case <-done:
+		}
 	}()
+	return func() {
+		signal.Stop(ch)
+		close(done)
+	}
 }
 
 func kubeletVersion(c *cluster) string {
@@ -115,24 +153,16 @@ func kubeletVersion(c *cluster) string {
 type suite struct {
 	c              *cluster
 	passed, failed int
-	units          int64 // the fixture's single GPU, as gpumem advertises it
+	units          int64  // the node's, as gpumem advertises them
+	extenderGPU    string // where the extender put "small"
 }
 
-func (s *suite) run() {
-	scenarios := []struct {
-		name string
-		run  func() (string, error)
-	}{
-		{"plugin registers with kubelet", s.registers},
-		{"node allocatable", s.allocatable},
-		{"4-unit pod admitted, container carries Allocate's answer", s.admitted},
-		{"gpushare annotations on the pod", s.annotations},
-		{"pod asking more than is free refused by kubelet", s.refused},
-		{"kubelet restart: allocatable restored, holdings kept", s.kubeletRestart},
-		{"plugin restart: allocatable restored, holdings kept", s.pluginRestart},
-		{"pod deletion frees its units", s.deletion},
-		{"kube-scheduler places a GPU pod by allocatable", s.scheduled},
-	}
+type scenario struct {
+	name string
+	run  func() (string, error)
+}
+
+func (s *suite) run(scenarios []scenario) {
 	for _, sc := range scenarios {
 		began := time.Now()
 		detail, err := sc.run()
@@ -145,6 +175,30 @@ func (s *suite) run() {
 			fmt.Printf("PASS %s (%.1f s): %s\n", sc.name, took, detail)
 		}
 	}
+}
+
+func (s *suite) runPlugin() {
+	s.run([]scenario{
+		{"plugin registers with kubelet", s.registers},
+		{"node allocatable", s.allocatable},
+		{"4-unit pod admitted, container carries Allocate's answer", s.admitted},
+		{"gpushare annotations on the pod", s.annotations},
+		{"pod asking more than is free refused by kubelet", s.refused},
+		{"kubelet restart: allocatable restored, holdings kept", s.kubeletRestart},
+		{"plugin restart: allocatable restored, holdings kept", s.pluginRestart},
+		{"pod deletion frees its units", s.deletion},
+		{"kube-scheduler places a GPU pod by allocatable", s.scheduled},
+	})
+}
+
+func (s *suite) runExtender() {
+	s.run([]scenario{
+		{"plugin registers with kubelet", s.registers},
+		{"pod larger than any one GPU stays Pending with the extender's reason", s.extenderFilters},
+		{"extender binds a 4-unit pod, the plugin gives it the extender's GPU", s.extenderBinds},
+		{"a second 4-unit pod joins the first (extender binpack, plugin spread)", s.extenderSameGPU},
+		{"a whole-GPU pod goes to the other GPU", s.extenderOtherGPU},
+	})
 }
 
 var ctx = context.Background()
@@ -264,7 +318,10 @@ func (s *suite) registers() (string, error) {
 	}); err != nil {
 		return "", err
 	}
-	s.units = int64(st.Gpus[0].Units)
+	s.units = 0
+	for _, g := range st.Gpus {
+		s.units += int64(g.Units)
+	}
 	if _, err := s.waitAllocatable(s.units, 30*time.Second); err != nil {
 		return "", err
 	}
@@ -618,15 +675,20 @@ func (s *suite) deletion() (string, error) {
 	return fmt.Sprintf("gone from the API, gpumem shows 0 units held; then a %d-unit pod admitted with GPUMEM_LIMIT_MIB=%s", s.units, got), nil
 }
 
-func (s *suite) scheduled() (string, error) {
-	// The node lifecycle controller lifts kubelet's not-ready taint.
-	if err := waitFor(60*time.Second, "node untainted", func() (bool, error) {
+// untainted waits for the node lifecycle controller to lift the not-ready
+// taint kubelet registers the node with; until then nothing is scheduled.
+func (s *suite) untainted() error {
+	return waitFor(60*time.Second, "node untainted", func() (bool, error) {
 		node, err := s.c.admin.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
 		return len(node.Spec.Taints) == 0, fmt.Errorf("taints %v", node.Spec.Taints)
-	}); err != nil {
+	})
+}
+
+func (s *suite) scheduled() (string, error) {
+	if err := s.untainted(); err != nil {
 		return "", err
 	}
 	pod := gpuPod("sched-big", s.units+1)
