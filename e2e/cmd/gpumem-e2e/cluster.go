@@ -20,6 +20,7 @@ import (
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -425,6 +426,8 @@ func (c *cluster) applyManifest(path string) (string, *corev1.PodSpec, error) {
 			_, err = c.admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRoleBinding:
 			_, err = c.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *resourcev1.DeviceClass:
+			_, err = c.admin.ResourceV1().DeviceClasses().Create(ctx, o, metav1.CreateOptions{})
 		default:
 			return "", nil, fmt.Errorf("%s: unexpected %T", path, obj)
 		}

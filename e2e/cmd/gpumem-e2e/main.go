@@ -86,6 +86,15 @@ func main() {
 		{"device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
 		{"gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
 	}
+	dra := cfg
+	dra.extenderManifest, dra.schedulerConfig = "", ""
+	dra.manifest = filepath.Join(filepath.Dir(cfg.manifest), "gpumem-dra.yaml")
+	dra.work = filepath.Join(work, "dra")
+	phases = append(phases, struct {
+		title string
+		cfg   config
+		run   func(*suite)
+	}{"DRA driver, " + filepath.Base(dra.fixture), dra, (*suite).runDRA})
 	if noExtender {
 		phases = phases[:1]
 	}
@@ -155,6 +164,7 @@ type suite struct {
 	passed, failed int
 	units          int64  // the node's, as gpumem advertises them
 	extenderGPU    string // where the extender put "small"
+	draPods        []string
 }
 
 type scenario struct {
@@ -191,6 +201,16 @@ func (s *suite) runPlugin() {
 	})
 }
 
+func (s *suite) runDRA() {
+	s.run([]scenario{
+		{"DRA driver registers and publishes consumable capacity", s.draRegisters},
+		{"claim from a template: allocated by the scheduler, prepared by kubelet", s.draTemplate},
+		{"one claim shared by two pods", s.draShared},
+		{"pod deletion unprepares the claims", s.draUnprepare},
+		{"kubelet logs no health-stream or registration errors", s.draQuiet},
+	})
+}
+
 func (s *suite) runExtender() {
 	s.run([]scenario{
 		{"plugin registers with kubelet", s.registers},
@@ -223,6 +243,20 @@ type status struct {
 		CapMiB    uint64  `json:"cap_mib"`
 	} `json:"containers"`
 	PodResourcesError *string `json:"pod_resources_error"`
+	Claims            []struct {
+		Namespace string `json:"namespace"`
+		Name      string `json:"name"`
+		UID       string `json:"uid"`
+		Gpu       uint32 `json:"gpu"`
+		CapMiB    uint64 `json:"cap_mib"`
+	} `json:"claims"`
+	Dra *struct {
+		Driver             string  `json:"driver"`
+		Registration       string  `json:"registration"`
+		Slice              *string `json:"slice"`
+		ConsumableCapacity *bool   `json:"consumable_capacity"`
+		SliceError         *string `json:"slice_error"`
+	} `json:"dra"`
 }
 
 func (s *suite) gpumemStatus() (*status, error) {

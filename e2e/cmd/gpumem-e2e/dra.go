@@ -1,0 +1,272 @@
+// Scenarios with the DRA driver: `gpumem dra` as daemonset/gpumem-dra.yaml
+// runs it, its DeviceClass, the claims and pods of
+// daemonset/dra-example.yaml allocated by the real kube-scheduler (claims
+// from templates by the real controller manager), prepared by the real
+// kubelet through gpumem, and unprepared when the pods go.
+package main
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
+)
+
+const draDriver = "gpumem.io"
+
+func (s *suite) draRegisters() (string, error) {
+	var slice *resourcev1.ResourceSlice
+	err := waitFor(60*time.Second, "driver registered and slice published", func() (bool, error) {
+		if s.c.gpumem.exited() {
+			return false, fatal{fmt.Errorf("gpumem exited: %v", s.c.gpumem.err)}
+		}
+		st, err := s.gpumemStatus()
+		if err != nil {
+			return false, err
+		}
+		if st.Dra == nil || !strings.HasPrefix(st.Dra.Registration, "registered") || !ptr.Deref(st.Dra.ConsumableCapacity, false) {
+			return false, fmt.Errorf("/status dra %+v", st.Dra)
+		}
+		slices, err := s.c.admin.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		for i := range slices.Items {
+			sl := &slices.Items[i]
+			if sl.Spec.Driver == draDriver && ptr.Deref(sl.Spec.NodeName, "") == nodeName {
+				slice = sl
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("no ResourceSlice of %s for %s among %d", draDriver, nodeName, len(slices.Items))
+	})
+	if err != nil {
+		return "", err
+	}
+	if len(slice.Spec.Devices) != 1 {
+		return "", fmt.Errorf("slice %s has %d devices, the fixture 1 GPU", slice.Name, len(slice.Spec.Devices))
+	}
+	d := slice.Spec.Devices[0]
+	mem, ok := d.Capacity["memory"]
+	if !ok || !ptr.Deref(d.AllowMultipleAllocations, false) || mem.RequestPolicy == nil {
+		return "", fmt.Errorf("device %s: allowMultipleAllocations %v, capacity %+v: no consumable memory (the API server dropped it?)", d.Name, d.AllowMultipleAllocations, d.Capacity)
+	}
+	return fmt.Sprintf("gpumem /status: registered with kubelet, consumable capacity kept; slice %s: device %s, memory %s, allowMultipleAllocations, request policy default %v step %v",
+		slice.Name, d.Name, mem.Value.String(), mem.RequestPolicy.Default, stepOf(mem.RequestPolicy)), nil
+}
+
+func stepOf(p *resourcev1.CapacityRequestPolicy) string {
+	if p.ValidRange != nil && p.ValidRange.Step != nil {
+		return p.ValidRange.Step.String()
+	}
+	return "-"
+}
+
+// draExample creates daemonset/dra-example.yaml's objects in the default
+// namespace (pods without service-account tokens, as everywhere here).
+func (s *suite) draExample() ([]string, error) {
+	data, err := os.ReadFile(filepath.Join(filepath.Dir(s.c.cfg.manifest), "dra-example.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	var pods []string
+	for _, doc := range strings.Split(string(data), "\n---") {
+		if strings.TrimSpace(doc) == "" {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			return nil, err
+		}
+		switch o := obj.(type) {
+		case *resourcev1.ResourceClaimTemplate:
+			_, err = s.c.admin.ResourceV1().ResourceClaimTemplates(namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *resourcev1.ResourceClaim:
+			_, err = s.c.admin.ResourceV1().ResourceClaims(namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.Pod:
+			o.Spec.AutomountServiceAccountToken = ptr.To(false)
+			o.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+			pods = append(pods, o.Name)
+			_, err = s.c.admin.CoreV1().Pods(namespace).Create(ctx, o, metav1.CreateOptions{})
+		default:
+			return nil, fmt.Errorf("dra-example.yaml: unexpected %T", obj)
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	return pods, nil
+}
+
+// podClaim returns the claim behind a pod's first resource claim.
+func (s *suite) podClaim(pod *corev1.Pod) (*resourcev1.ResourceClaim, error) {
+	var name string
+	for _, st := range pod.Status.ResourceClaimStatuses {
+		name = ptr.Deref(st.ResourceClaimName, "")
+	}
+	if name == "" && len(pod.Spec.ResourceClaims) > 0 {
+		name = ptr.Deref(pod.Spec.ResourceClaims[0].ResourceClaimName, "")
+	}
+	if name == "" {
+		return nil, fmt.Errorf("pod %s: no claim", pod.Name)
+	}
+	return s.c.admin.ResourceV1().ResourceClaims(namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+// draPrepared checks a Running pod's claim: allocated by the scheduler
+// with the consumed capacity asked, and the container created with
+// gpumem's CDI device for the claim, whose spec caps it.
+func (s *suite) draPrepared(podName string, want resource.Quantity) (string, error) {
+	pod, err := s.waitPhase(podName, corev1.PodRunning, 90*time.Second)
+	if err != nil {
+		return "", err
+	}
+	claim, err := s.podClaim(pod)
+	if err != nil {
+		return "", err
+	}
+	if claim.Status.Allocation == nil || len(claim.Status.Allocation.Devices.Results) != 1 {
+		return "", fmt.Errorf("claim %s not allocated: %+v", claim.Name, claim.Status)
+	}
+	r := claim.Status.Allocation.Devices.Results[0]
+	got, ok := r.ConsumedCapacity["memory"]
+	if r.Driver != draDriver || !ok || got.Cmp(want) != 0 || r.ShareID == nil {
+		return "", fmt.Errorf("claim %s result %+v: want driver %s, consumed memory %s and a shareID", claim.Name, r, draDriver, want.String())
+	}
+	created := s.c.runtime.createdFor(namespace, podName, pod.Spec.Containers[0].Name)
+	if len(created) != 1 {
+		return "", fmt.Errorf("%d CreateContainer requests for %s", len(created), podName)
+	}
+	var cdi []string
+	for _, d := range created[0].GetConfig().GetCDIDevices() {
+		cdi = append(cdi, d.GetName())
+	}
+	var ours string
+	for _, n := range cdi {
+		if strings.HasPrefix(n, draDriver+"/") && strings.Contains(n, string(claim.UID)) {
+			ours = n
+		}
+	}
+	if ours == "" {
+		return "", fmt.Errorf("container's CDI devices %v: none of %s names claim %s", cdi, draDriver, claim.UID)
+	}
+	// The spec behind the name, in the CDI directory, carries the cap.
+	wantCap := fmt.Sprintf("GPUMEM_LIMIT_MIB=%d", want.Value()>>20)
+	specs, _ := filepath.Glob(filepath.Join(s.c.path("cdi"), "*"))
+	var found string
+	for _, f := range specs {
+		data, err := os.ReadFile(f)
+		if err == nil && strings.Contains(string(data), string(claim.UID)) && strings.Contains(string(data), wantCap) {
+			found = filepath.Base(f)
+		}
+	}
+	if found == "" {
+		return "", fmt.Errorf("no CDI spec in %s for claim %s with %s", s.c.path("cdi"), claim.UID, wantCap)
+	}
+	return fmt.Sprintf("claim %s: consumedCapacity memory %s, shareID %s; container created with CDI device %s, spec %s has %s",
+		claim.Name, got.String(), *r.ShareID, ours, found, wantCap), nil
+}
+
+func (s *suite) draTemplate() (string, error) {
+	if err := s.untainted(); err != nil {
+		return "", err
+	}
+	pods, err := s.draExample()
+	if err != nil {
+		return "", err
+	}
+	s.draPods = pods
+	return s.draPrepared("dra-nvidia-smi", resource.MustParse("4Gi"))
+}
+
+func (s *suite) draShared() (string, error) {
+	a, err := s.draPrepared("dra-shared-a", resource.MustParse("8Gi"))
+	if err != nil {
+		return "", err
+	}
+	if _, err := s.draPrepared("dra-shared-b", resource.MustParse("8Gi")); err != nil {
+		return "", err
+	}
+	var claims []string
+	err = waitFor(20*time.Second, "gpumem lists both claims", func() (bool, error) {
+		st, err := s.gpumemStatus()
+		if err != nil {
+			return false, err
+		}
+		claims = claims[:0]
+		for _, c := range st.Claims {
+			claims = append(claims, fmt.Sprintf("%s %d MiB on GPU%d", c.Name, c.CapMiB, c.Gpu))
+		}
+		return len(st.Claims) == 2, fmt.Errorf("/status claims %v", claims)
+	})
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("both pods Running on one claim (%s); gpumem /status: %s", a[:strings.Index(a, ";")], strings.Join(claims, ", ")), nil
+}
+
+func (s *suite) draUnprepare() (string, error) {
+	for _, p := range s.draPods {
+		if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, p, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return "", err
+		}
+	}
+	if err := waitFor(60*time.Second, "pods gone", func() (bool, error) {
+		list, err := s.c.admin.CoreV1().Pods(namespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err
+		}
+		return len(list.Items) == 0, fmt.Errorf("%d pods left", len(list.Items))
+	}); err != nil {
+		return "", err
+	}
+	err := waitFor(60*time.Second, "claims unprepared", func() (bool, error) {
+		st, err := s.gpumemStatus()
+		if err != nil {
+			return false, err
+		}
+		return len(st.Claims) == 0, fmt.Errorf("gpumem still holds %d claims", len(st.Claims))
+	})
+	if err != nil {
+		return "", err
+	}
+	shared, err := s.c.admin.ResourceV1().ResourceClaims(namespace).Get(ctx, "shared-gpu-8gi", metav1.GetOptions{})
+	if err != nil {
+		return "", err
+	}
+	if n := len(shared.Status.ReservedFor); n != 0 {
+		return "", fmt.Errorf("shared-gpu-8gi still reserved for %d pods", n)
+	}
+	return "pods gone; gpumem /status lists no claim; shared-gpu-8gi reserved for none", nil
+}
+
+// draQuiet reads kubelet's log for the two faults real kubelets showed
+// with this driver (issue 33): the resource-health stream unserved, and
+// the registration socket racing the plugin watcher.
+func (s *suite) draQuiet() (string, error) {
+	data, err := os.ReadFile(filepath.Join(s.c.logs, "kubelet.log"))
+	if err != nil {
+		return "", err
+	}
+	var bad []string
+	for _, line := range strings.Split(string(data), "\n") {
+		if strings.Contains(line, "Error receiving from WatchResources") ||
+			(strings.Contains(line, "Unimplemented") && strings.Contains(line, draDriver)) ||
+			(strings.Contains(line, "Error when handling create event") && strings.Contains(line, "plugins_registry")) {
+			bad = append(bad, line)
+		}
+	}
+	if len(bad) > 0 {
+		return "", fmt.Errorf("%d such lines in kubelet's log, the first: %s", len(bad), bad[0])
+	}
+	return fmt.Sprintf("no WatchResources errors, no Unimplemented from %s, no plugin-watcher create-event errors in %d log lines", draDriver, strings.Count(string(data), "\n")), nil
+}
