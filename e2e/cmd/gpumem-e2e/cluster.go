@@ -42,6 +42,7 @@ type config struct {
 	// daemonset/kube-scheduler-config.yaml; empty for the default scheduler.
 	extenderManifest string
 	schedulerConfig  string
+	memoryUnit       string // replaces the manifest's --memory-unit when set
 }
 
 type cluster struct {
@@ -567,6 +568,9 @@ func (c *cluster) startGpumem() error {
 				// not matter: the other policy shows that it does not.
 				a = "--placement=spread"
 			}
+		}
+		if c.cfg.memoryUnit != "" && strings.HasPrefix(a, "--memory-unit=") {
+			a = "--memory-unit=" + c.cfg.memoryUnit
 		}
 		c.gpumemArgv = append(c.gpumemArgv, rewrite(a))
 	}

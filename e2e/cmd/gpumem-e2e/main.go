@@ -48,6 +48,10 @@ func main() {
 	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
 	flag.BoolVar(&noExtender, "no-extender", false, "run the device-plugin scenarios only")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
+	var bench benchConfig
+	flag.IntVar(&bench.restarts, "bench-restarts", 0, "instead of the suite: restart kubelet this many times on the --fake-gpus node and time restart → allocatable")
+	flag.StringVar(&bench.unit, "bench-unit", "GiB", "with --bench-restarts: gpumem's --memory-unit")
+	flag.Int64Var(&bench.hold, "bench-hold", 0, "with --bench-restarts: units a pod holds through the restarts")
 	flag.Parse()
 
 	for _, f := range []*string{&cfg.bin, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture} {
@@ -75,6 +79,10 @@ func main() {
 	plugin := cfg
 	plugin.extenderManifest, plugin.schedulerConfig = "", ""
 	plugin.work = filepath.Join(work, "default-scheduler")
+	if bench.restarts > 0 {
+		plugin.memoryUnit = bench.unit
+		os.Exit(runBench(plugin, bench, work, keep))
+	}
 	extender := cfg
 	extender.fixture = extenderFixture
 	extender.work = filepath.Join(work, "gpushare-extender")
@@ -341,8 +349,12 @@ func (s *suite) waitAllocatableSince(want int64, timeout time.Duration, since ti
 }
 
 func (s *suite) registers() (string, error) {
+	return s.registersWithin(60 * time.Second)
+}
+
+func (s *suite) registersWithin(timeout time.Duration) (string, error) {
 	var st *status
-	if err := waitFor(60*time.Second, "gpumem registered", func() (bool, error) {
+	if err := waitFor(timeout, "gpumem registered", func() (bool, error) {
 		if s.c.gpumem.exited() {
 			return false, fatal{fmt.Errorf("gpumem exited: %v", s.c.gpumem.err)}
 		}
@@ -356,7 +368,7 @@ func (s *suite) registers() (string, error) {
 	for _, g := range st.Gpus {
 		s.units += int64(g.Units)
 	}
-	if _, err := s.waitAllocatable(s.units, 30*time.Second); err != nil {
+	if _, err := s.waitAllocatable(s.units, timeout); err != nil {
 		return "", err
 	}
 	return fmt.Sprintf("gpumem /status registered=true; node lists %s", resourceName), nil
