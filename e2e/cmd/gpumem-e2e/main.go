@@ -206,6 +206,8 @@ func (s *suite) runPlugin() {
 		{"plugin restart: allocatable restored, holdings kept", s.pluginRestart},
 		{"pod deletion frees its units", s.deletion},
 		{"kube-scheduler places a GPU pod by allocatable", s.scheduled},
+		{"--device-list-strategy cdi: CDI devices and their spec", s.strategyCDI},
+		{"--device-list-strategy volume-mounts: the device-list mount", s.strategyVolumeMounts},
 	})
 }
 
