@@ -216,6 +216,8 @@ func (s *suite) runDRA() {
 		{"DRA driver registers and publishes consumable capacity", s.draRegisters},
 		{"claim from a template: allocated by the scheduler, prepared by kubelet", s.draTemplate},
 		{"one claim shared by two pods", s.draShared},
+		{"kubelet restart: slice republished, claims kept", s.draKubeletRestart},
+		{"driver restart: claims kept, a new claim prepared", s.draDriverRestart},
 		{"pod deletion unprepares the claims", s.draUnprepare},
 		{"kubelet logs no health-stream or registration errors", s.draQuiet},
 	})
