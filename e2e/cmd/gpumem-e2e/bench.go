@@ -23,6 +23,15 @@ func runBench(cfg config, b benchConfig, work string, keep bool) int {
 	began := time.Now()
 	c, err := up(cfg)
 	stop := stopOnSignal(c)
+	// Deferred calls run last first: the components stop before the
+	// run's directory goes.
+	defer func() {
+		if keep {
+			fmt.Printf("logs and configs kept in %s\n", work)
+		} else {
+			os.RemoveAll(work)
+		}
+	}()
 	defer stop()
 	defer c.down()
 	if err != nil {
@@ -60,11 +69,6 @@ func runBench(cfg config, b benchConfig, work string, keep bool) int {
 			return 1
 		}
 		fmt.Printf("bench: restart %d: allocatable %d again %.2f s after kubelet started\n", i, s.units, took.Seconds())
-	}
-	if keep {
-		fmt.Printf("logs and configs kept in %s\n", work)
-	} else {
-		defer os.RemoveAll(work)
 	}
 	return 0
 }
