@@ -13,7 +13,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strings"
+	"syscall"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -110,6 +112,31 @@ func (c *cluster) down() {
 	}
 	if c.runtime != nil {
 		c.runtime.stop()
+	}
+	c.unmountAll()
+}
+
+// unmountAll detaches what is still mounted under the run's directory, as
+// a node's reboot would: gpumem (--bound-state-dirs) mounts a tmpfs per
+// container's state directory in the namespace it runs in, this one.
+func (c *cluster) unmountAll() {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	var points []string
+	for _, line := range strings.Split(string(data), "\n") {
+		fields := strings.Fields(line)
+		if len(fields) > 4 && strings.HasPrefix(fields[4], c.cfg.work+"/") {
+			points = append(points, fields[4])
+		}
+	}
+	// Deepest first.
+	sort.Slice(points, func(i, j int) bool { return len(points[i]) > len(points[j]) })
+	for _, p := range points {
+		if err := syscall.Unmount(p, syscall.MNT_DETACH); err != nil {
+			fmt.Fprintf(os.Stderr, "gpumem-e2e: unmount %s: %v\n", p, err)
+		}
 	}
 }
 
@@ -591,6 +618,15 @@ func (c *cluster) startGpumem() error {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
+	}
+	// The manifest's state volume has mountPropagation: Bidirectional,
+	// which needs the host path on a shared mount: gpumem's tmpfs per
+	// container (--bound-state-dirs) must reach the runtime from there.
+	if err := syscall.Mount(c.stateDir, c.stateDir, "", syscall.MS_BIND, ""); err != nil {
+		return fmt.Errorf("bind %s: %w", c.stateDir, err)
+	}
+	if err := syscall.Mount("", c.stateDir, "", syscall.MS_SHARED, ""); err != nil {
+		return fmt.Errorf("make %s shared: %w", c.stateDir, err)
 	}
 	return c.runGpumem()
 }

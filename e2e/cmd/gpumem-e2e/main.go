@@ -119,7 +119,7 @@ func main() {
 			fmt.Printf("FAIL cluster up: %v\n", err)
 		} else {
 			fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: fake CRI)\n", time.Since(phaseBegan).Seconds(), kubeletVersion(c))
-			s.c = c
+			s.c, s.gateFailed = c, ""
 			ph.run(s)
 		}
 		c.down()
@@ -173,6 +173,7 @@ type suite struct {
 	units          int64  // the node's, as gpumem advertises them
 	extenderGPU    string // where the extender put "small"
 	draPods        []string
+	gateFailed     string // set when a phase's first scenario failed
 }
 
 type scenario struct {
@@ -180,13 +181,23 @@ type scenario struct {
 	run  func() (string, error)
 }
 
+// run runs the scenarios in order; when the first (registration) fails,
+// the others are counted failed without running: they need it.
 func (s *suite) run(scenarios []scenario) {
-	for _, sc := range scenarios {
+	for i, sc := range scenarios {
+		if i > 0 && s.gateFailed != "" {
+			s.failed++
+			fmt.Printf("FAIL %s: not run: %s\n", sc.name, s.gateFailed)
+			continue
+		}
 		began := time.Now()
 		detail, err := sc.run()
 		took := time.Since(began).Seconds()
 		if err != nil {
 			s.failed++
+			if i == 0 {
+				s.gateFailed = sc.name + " failed"
+			}
 			fmt.Printf("FAIL %s (%.1f s): %v\n", sc.name, took, err)
 		} else {
 			s.passed++
