@@ -117,6 +117,7 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     let hardware = args.daemon.node.fake_gpus.hardware();
     let node_name = args.cluster.node_name.as_deref();
     let daemon = daemon::start(args.daemon.node(&hardware, unit, node_name)).await?;
+    gpumem::deviceplugin::list::warn_of_slow_kubelet_restarts(&daemon.inventory);
     info!(
         %unit,
         placement = %args.placement.placement,

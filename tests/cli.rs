@@ -663,11 +663,16 @@ async fn the_nvml_backend_advertises_what_nvml_reports() {
 /// `gpumem plugin` on the T4 fixture with JSON logs on a pipe, for kubelet
 /// at `dir` (none answers there).
 fn json_plugin(dir: &std::path::Path) -> Command {
+    json_plugin_on(dir, "t4")
+}
+
+/// [`json_plugin`] on the GPUs of fixture `gpus`.
+fn json_plugin_on(dir: &std::path::Path, gpus: &str) -> Command {
     let mut cmd = common::bare_plugin(dir);
     cmd.arg("--log-format")
         .arg("json")
         .arg("--fake-gpus")
-        .arg(fixture("t4"))
+        .arg(fixture(gpus))
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     cmd
@@ -697,17 +702,23 @@ fn a_fatal_error_is_a_json_record_with_json_logs() {
     assert!(error.contains("/nonexistent/gpumem-kubeconfig"), "{record}");
 }
 
-/// Everything from the command line to the plugin's "starting" log line,
-/// as JSON; the plugin is then stopped.
+/// The plugin's "starting" log line, as JSON; the plugin is then stopped.
 fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
+    plugin_start_log("t4", configure).pop().unwrap()
+}
+
+/// Every log record from the command line to the plugin's "starting" line
+/// (the last), on the GPUs of fixture `gpus`; the plugin is then stopped.
+fn plugin_start_log(gpus: &str, configure: impl FnOnce(&mut Command)) -> Vec<serde_json::Value> {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
-    let mut cmd = json_plugin(dir.path());
+    let mut cmd = json_plugin_on(dir.path(), gpus);
     configure(&mut cmd);
     let mut child = cmd.spawn().unwrap();
     let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
     let mut seen = String::new();
-    let mut starting = None;
+    let mut records = Vec::new();
+    let mut started = false;
     for line in stderr.lines() {
         let line = line.unwrap();
         seen.push_str(&line);
@@ -715,14 +726,41 @@ fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
         let Ok(log) = serde_json::from_str::<serde_json::Value>(&line) else {
             continue;
         };
-        if log["fields"]["message"] == "starting" {
-            starting = Some(log);
+        started = log["fields"]["message"] == "starting";
+        records.push(log);
+        if started {
             break;
         }
     }
     let _ = child.kill();
     child.wait().unwrap();
-    starting.unwrap_or_else(|| panic!("plugin did not start: {seen}"))
+    assert!(started, "plugin did not start: {seen}");
+    records
+}
+
+/// kubelet's restart compares each device with each allocated one: where a
+/// full node would stall it over a minute (measured per pair on kubelet
+/// 1.37.2), the plugin says so at start; a T4 in MiB stays quiet.
+#[test]
+fn mib_units_on_a_large_gpu_warn_of_slow_kubelet_restarts() {
+    let warnings = |fixture_name: &str| -> Vec<String> {
+        plugin_start_log(fixture_name, |cmd| {
+            cmd.args(["--memory-unit", "MiB"]);
+        })
+        .into_iter()
+        .filter(|r| r["level"] == "WARN")
+        .filter_map(|r| r["fields"]["message"].as_str().map(str::to_owned))
+        .filter(|m| m.contains("kubelet restart"))
+        .collect()
+    };
+    let h100 = warnings("h100");
+    assert_eq!(h100.len(), 1, "{h100:?}");
+    assert!(
+        h100[0].contains("blocked for about 665 s") && h100[0].contains("--memory-unit GiB"),
+        "{}",
+        h100[0]
+    );
+    assert_eq!(warnings("t4"), Vec::<String>::new());
 }
 
 #[test]

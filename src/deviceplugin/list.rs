@@ -1,5 +1,7 @@
 //! ListAndWatch's device list: the inventory in kubelet's words, and the
-//! start-up check that kubelet can receive it.
+//! start-up checks that kubelet can receive it and live with it.
+
+use std::time::Duration;
 
 use crate::deviceplugin::api::deviceplugin::{self as dp, ListAndWatchResponse};
 use crate::node::inventory::Inventory;
@@ -51,6 +53,47 @@ pub fn check(inv: &Inventory) -> Result<(), TooLarge> {
         });
     }
     Ok(())
+}
+
+/// What kubelet's device manager spends per pair of an advertised device
+/// and an allocated one when a plugin registers after kubelet restarted:
+/// it compares each with each under its lock, node capacity 0 and
+/// admissions blocked meanwhile. Measured on kubelet v1.37.2 with 81559
+/// devices (an H100 in MiB): 1024 units held, 9.2 s to 10.0 s; 4096, 35 s to
+/// 43 s; 16384, 134 s to 151 s (docs/BENCHMARKS.md, "Real kubelet: restart
+/// → allocatable").
+const NANOS_PER_DEVICE_PAIR: u64 = 100;
+
+/// A full node's kubelet restart stalling longer than this is said at
+/// start.
+pub const SLOW_RESTART: Duration = Duration::from_secs(60);
+
+/// Says at start when [`slow_kubelet_restart`] finds one.
+pub fn warn_of_slow_kubelet_restarts(inv: &Inventory) {
+    if let Some(stall) = slow_kubelet_restart(inv) {
+        tracing::warn!(
+            devices = inv.device_count(),
+            unit = %inv.unit(),
+            "a kubelet restart with every unit allocated would keep this node's allocatable at 0 \
+             and its admissions blocked for about {} s: kubelet compares each device with each \
+             allocated one (README, \"Device IDs\"); --memory-unit GiB avoids it",
+            stall.as_secs()
+        );
+    }
+}
+
+/// How long kubelet would keep the node at 0 allocatable and admissions
+/// blocked after its restart with every unit of `inv` allocated, where
+/// that is over [`SLOW_RESTART`] (many small units: `--memory-unit MiB` on
+/// a GPU of more than about 24 GiB).
+pub fn slow_kubelet_restart(inv: &Inventory) -> Option<Duration> {
+    let devices = inv.device_count() as u64;
+    let stall = Duration::from_nanos(
+        devices
+            .saturating_mul(devices)
+            .saturating_mul(NANOS_PER_DEVICE_PAIR),
+    );
+    (stall > SLOW_RESTART).then_some(stall)
 }
 
 /// The encoded length of [`list_and_watch`] with every GPU Unhealthy,
