@@ -488,6 +488,39 @@ async fn publishes_the_nodes_slice_and_publishes_it_again_when_kubelet_deletes_i
     assert_eq!(status["dra"]["consumable_capacity"], true, "{status}");
 }
 
+/// The API server goes away under a running driver: the driver says so
+/// once, naming the server and why, and `gpumem inspect` says it too.
+#[tokio::test]
+async fn an_api_server_gone_is_named_once_and_told_by_inspect() {
+    let host = Host::new();
+    let api = api().await;
+    let driver = Driver::start(&host, &api).await;
+    wait_until("the slice", || our_slice(&api)).await;
+    let server = api.url();
+    drop(api);
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        let status = driver.status().await;
+        if status.get("api_server_error").is_some() || Instant::now() > deadline {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let error = status["api_server_error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with(&format!("cannot reach the API server at {server} for"))
+            && error.contains("Connection refused"),
+        "{status}\n{}",
+        driver.log()
+    );
+    let log = driver.log();
+    let said = log
+        .lines()
+        .filter(|l| l.contains("cannot reach the API server"))
+        .count();
+    assert_eq!(said, 1, "{log}");
+}
+
 #[tokio::test]
 async fn an_api_server_without_consumable_capacity_is_detected_and_said() {
     let host = Host::new();
