@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use futures_util::{Stream, StreamExt};
 use kube::runtime::watcher::{self, Event};
 
 const FIRST: Duration = Duration::from_millis(800);
@@ -42,6 +43,24 @@ impl WatchBackoff {
             }
         }
     }
+}
+
+/// `events` spaced by a [`WatchBackoff`]: each item with the wait taken
+/// before the watcher is polled again (`Some` after a failure, for the
+/// caller's log line). The wait is part of polling the next item, so a
+/// caller that stops waiting on the stream stops it too.
+pub fn backed_off<K>(
+    events: impl Stream<Item = Result<Event<K>, watcher::Error>>,
+) -> impl Stream<Item = (Result<Event<K>, watcher::Error>, Option<Duration>)> {
+    let state = (Box::pin(events), WatchBackoff::default(), None);
+    futures_util::stream::unfold(state, |(mut events, mut backoff, pause)| async move {
+        if let Some(pause) = pause {
+            tokio::time::sleep(pause).await;
+        }
+        let item = events.next().await?;
+        let wait = backoff.after(&item);
+        Some(((item, wait), (events, backoff, wait)))
+    })
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::cluster::backoff::WatchBackoff;
+use crate::cluster::backoff::backed_off;
 use crate::cluster::client::describe_watch;
 
 /// Writes that lose a race with another writer are tried this often.
@@ -63,17 +63,15 @@ impl NodePods {
         let api: Api<Pod> = Api::all(client.clone());
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let stream = reflector::reflector(writer, watcher(api.clone(), config));
+        let stream = backed_off(reflector::reflector(writer, watcher(api.clone(), config)));
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
-            let mut backoff = WatchBackoff::default();
             loop {
                 let next = tokio::select! {
                     () = stop.cancelled() => return,
                     next = stream.next() => next,
                 };
-                let Some(next) = next else { return };
-                let wait = backoff.after(&next);
+                let Some((next, wait)) = next else { return };
                 match next {
                     Ok(Event::Apply(pod) | Event::InitApply(pod)) => {
                         debug!(
@@ -89,12 +87,6 @@ impl NodePods {
                         retry_in = ?wait.unwrap_or_default(),
                         "watching this node's pods"
                     ),
-                }
-                if let Some(wait) = wait {
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(wait) => {}
-                    }
                 }
             }
         });

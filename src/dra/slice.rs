@@ -30,7 +30,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::cluster::backoff::WatchBackoff;
+use crate::cluster::backoff::backed_off;
 use crate::cluster::client::describe_watch;
 use crate::node::gpu::{Gpu, NodeFacts};
 use crate::node::inventory::Inventory;
@@ -299,10 +299,8 @@ pub async fn run(
     let name = publisher.name.clone();
     status.send_modify(|s| s.name = name);
     let config = watcher::Config::default().fields(&publisher.selector());
-    let events = watcher(publisher.slices.clone(), config);
+    let events = backed_off(watcher(publisher.slices.clone(), config));
     let mut events = std::pin::pin!(events);
-    let mut watch_backoff = WatchBackoff::default();
-    let mut watch_resume: Option<Instant> = None;
     let mut dirty = true;
     let mut retry_at: Option<Instant> = None;
     let mut backoff = BACKOFF_MIN;
@@ -378,14 +376,7 @@ pub async fn run(
                 }
                 dirty = true;
             }
-            Some(event) = async {
-                if let Some(at) = watch_resume {
-                    tokio::time::sleep_until(at).await;
-                }
-                events.next().await
-            } => {
-                let wait = watch_backoff.after(&event);
-                watch_resume = wait.map(|wait| Instant::now() + wait);
+            Some((event, wait)) = events.next() => {
                 match event {
                     // Init only says a list is about to be tried.
                     Ok(Event::Init) => {}

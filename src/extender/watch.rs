@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::cluster::backoff::WatchBackoff;
+use crate::cluster::backoff::backed_off;
 use crate::cluster::client::describe_watch;
 use crate::cluster::gpushare::requested_units;
 use crate::extender::cache::Cache;
@@ -98,9 +98,8 @@ where
     K::DynamicType: Default,
 {
     let resource = lock(&cache).resource().to_owned();
-    let stream = watcher::watcher(api, watcher::Config::default());
+    let stream = backed_off(watcher::watcher(api, watcher::Config::default()));
     let mut stream = std::pin::pin!(stream);
-    let mut backoff = WatchBackoff::default();
     // A relist's objects, applied together once it is complete.
     let mut listing: Vec<K> = Vec::new();
     loop {
@@ -108,29 +107,26 @@ where
             () = stop.cancelled() => return,
             next = stream.next() => next,
         };
-        let wait = next.as_ref().and_then(|item| backoff.after(item));
+        let Some((next, wait)) = next else { return };
         match &next {
             // Init only says a list is about to be tried: it proves nothing.
-            Some(Ok(Event::Init)) | None => {}
-            Some(Ok(_)) => lock(&cache).watch_delivered(K::WHAT),
-            Some(Err(err)) => {
-                lock(&cache).watch_failed(K::WHAT, describe_watch(err), Instant::now())
-            }
+            Ok(Event::Init) => {}
+            Ok(_) => lock(&cache).watch_delivered(K::WHAT),
+            Err(err) => lock(&cache).watch_failed(K::WHAT, describe_watch(err), Instant::now()),
         }
         match next {
-            None => return,
-            Some(Ok(Event::Init)) => listing.clear(),
-            Some(Ok(Event::InitApply(object))) => {
+            Ok(Event::Init) => listing.clear(),
+            Ok(Event::InitApply(object)) => {
                 if K::wanted(&resource, &object) {
                     listing.push(object);
                 }
             }
-            Some(Ok(Event::InitDone)) => {
+            Ok(Event::InitDone) => {
                 K::replace(&mut lock(&cache), &listing);
                 info!(kept = listing.len(), "listed {}", K::WHAT);
                 listing = Vec::new();
             }
-            Some(Ok(Event::Apply(object))) => {
+            Ok(Event::Apply(object)) => {
                 debug!(
                     name = object.meta().name.as_deref().unwrap_or(""),
                     "{} changed",
@@ -138,21 +134,15 @@ where
                 );
                 K::apply(&mut lock(&cache), &object);
             }
-            Some(Ok(Event::Delete(object))) => K::remove(&mut lock(&cache), &object),
+            Ok(Event::Delete(object)) => K::remove(&mut lock(&cache), &object),
             // The watcher relists and rewatches (410 Gone included) when
             // polled again, after the wait. One that keeps failing turns
             // /healthz to 503 (`Cache::stale`).
-            Some(Err(err)) => warn!(
+            Err(err) => warn!(
                 err = %describe_watch(&err),
                 retry_in = ?wait.unwrap_or_default(),
                 "watching {}", K::WHAT
             ),
-        }
-        if let Some(wait) = wait {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(wait) => {}
-            }
         }
     }
 }
