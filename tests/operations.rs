@@ -529,6 +529,8 @@ struct Admitted {
     d: Daemon,
     /// The pod's accounting directory.
     dir: PathBuf,
+    /// The pod's UID, as kubelet's checkpoint records it.
+    pod_uid: String,
     _host: TempDir,
     state: TempDir,
 }
@@ -551,6 +553,7 @@ impl Admitted {
         Admitted {
             d,
             dir,
+            pod_uid: allocation.pod_uid(),
             _host: host,
             state,
         }
@@ -574,6 +577,7 @@ impl Holding {
             dir,
             _host,
             state,
+            ..
         } = Admitted::start(over_cap).await;
         let mut holder = shim_kit()
             .probe(Some(&dir))
@@ -839,12 +843,96 @@ async fn a_holder_on_its_way_out_is_not_taken_for_a_stranger() {
 
 /// A container's cgroup in pod `POD`, for container ID `id` × 64.
 fn in_container(id: char) -> String {
-    let pod = POD_UID.replace('-', "_");
+    in_pod(POD_UID, id)
+}
+
+/// The `/proc/<pid>/cgroup` of a process in container `id` of pod `uid`.
+fn in_pod(uid: &str, id: char) -> String {
+    let pod = uid.replace('-', "_");
     format!(
         "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{pod}.slice/\
          cri-containerd-{}.scope\n",
         id.to_string().repeat(64)
     )
+}
+
+/// Issue 29, item 2: a tenant allowed a user namespace (`unshare -Urm`,
+/// `pivot_root` into a root without /var/run/gpumem) sheds the container's
+/// mounts before it reaches the GPU, and no process of its container ever
+/// held a slot. Its cgroup, which it cannot leave, names its pod, and
+/// kubelet's checkpoint the pod's one gpumem container: it is held to that
+/// container's cap, killed at 6300 MiB of its 4308.
+#[tokio::test]
+async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
+    use std::os::unix::process::ExitStatusExt;
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let mut rogue = common::Killed(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    );
+    let pivoted = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+    a.d.list_process(
+        rogue.id(),
+        6300,
+        &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", pivoted)],
+    );
+    let deadline = std::time::Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = rogue.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not killed; status: {:?}",
+            a.d.status().await.gpus[0]
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status.signal(), Some(9));
+    assert_eq!(a.d.status().await.gpus[0].unmanaged_mib, Some(0));
+    a.d.stop().await;
+}
+
+/// A tenant in a user namespace of its own can mount anything at
+/// /var/run/gpumem, a neighbour's directory name included, to have its
+/// memory counted against the neighbour's cap. Its cgroup names another
+/// pod than the one kubelet gave that directory: the mount is not taken
+/// for the container's, and the memory shows as held outside every
+/// gpumem container.
+#[tokio::test]
+async fn a_mount_that_names_another_pods_container_is_not_believed() {
+    let h = Holding::start(None).await;
+    let (d, dir) = (&h.d, &h.dir);
+    const STRANGER_POD: &str = "9f8e7d6c-5b4a-4392-8170-6f5e4d3c2b1a";
+    d.list_process(
+        900_004,
+        2500,
+        &[
+            ("cgroup", &in_pod(STRANGER_POD, 'f')),
+            ("mountinfo", &common::mountinfo_with_state_dir(dir)),
+        ],
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let status = loop {
+        let status = d.status().await;
+        if status.gpus[0].unmanaged_mib == Some(2500) {
+            break status;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not unmanaged: {status:?}"
+        );
+        tokio::time::sleep(RECONCILE).await;
+    };
+    let c = &status.containers[0];
+    assert_eq!(
+        (c.used_mib, c.untracked_mib),
+        (Some(1300), Some(0)),
+        "{c:?}"
+    );
+    h.stop().await;
 }
 
 /// A container over its cap through a process without the shim: with

@@ -4,7 +4,7 @@
 //! an init container waiting for its image longer than the grace period
 //! would otherwise lose its directory before it starts.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -17,6 +17,7 @@ use tracing::{debug, warn};
 use crate::deviceplugin::checkpoint;
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
+use crate::isolation::reconcile::PodDirs;
 use crate::kubelet::podresources::PodResources;
 use crate::sync::LockExt;
 
@@ -151,4 +152,29 @@ impl Holders for KubeletHolders {
                 .collect(),
         )
     }
+}
+
+/// Each pod's accounting directories by pod UID, from kubelet's device
+/// checkpoint in `device_plugins`: what attributes a GPU process by its
+/// cgroup (`Reconciler::with_pod_dirs`). kubelet writes the entry before
+/// it creates the container, and no container can write the file.
+pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
+    let (path, resource) = (
+        device_plugins.join(checkpoint::FILE_NAME),
+        resource.to_owned(),
+    );
+    Box::new(move || {
+        let entries = checkpoint::read(&path, &resource)
+            .inspect_err(|err| debug!(%err, "GPU processes are attributed without their pods"))
+            .ok()?;
+        let mut by_pod: HashMap<String, Vec<String>> = HashMap::new();
+        for entry in entries {
+            let names = ContainerName::of_devices_any_unit(&entry.device_ids);
+            by_pod
+                .entry(entry.pod_uid)
+                .or_default()
+                .extend(names.into_iter().map(|n| n.as_str().to_owned()));
+        }
+        Some(by_pod)
+    })
 }

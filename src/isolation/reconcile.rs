@@ -125,24 +125,63 @@ struct Attributed {
     leaving: Vec<(u32, u64)>,
 }
 
+/// The gpumem containers of each pod on the node, by pod UID: the names of
+/// their accounting directories, as kubelet's device checkpoint says, which
+/// no container can write. `None` where it cannot be read.
+pub type PodDirs = Box<dyn Fn() -> Option<HashMap<String, Vec<String>>> + Send>;
+
+/// [`PodDirs`], read at most once per tick and only where a process needs
+/// it: most ticks find every process in a slot.
+struct Pods<'a> {
+    read: Option<&'a PodDirs>,
+    by_pod: Option<Option<HashMap<String, Vec<String>>>>,
+}
+
+impl<'a> Pods<'a> {
+    fn new(read: Option<&'a PodDirs>) -> Self {
+        Pods { read, by_pod: None }
+    }
+
+    fn get(&mut self) -> Option<&HashMap<String, Vec<String>>> {
+        let read = self.read;
+        self.by_pod
+            .get_or_insert_with(|| read.and_then(|read| read()))
+            .as_ref()
+    }
+
+    /// Whether directory `name` is known to be a pod's other than `pod`.
+    fn anothers(&mut self, name: &str, pod: &str) -> bool {
+        self.get().is_some_and(|by_pod| {
+            by_pod
+                .iter()
+                .any(|(uid, dirs)| uid != pod && dirs.iter().any(|d| d == name))
+        })
+    }
+}
+
 /// Attributes every process NVML lists on a GPU: a slot holder in a file
 /// that caps the GPU is that file's already; another process whose mount
 /// table has a container's state directory, or that shares a slot holder's
 /// container ID (cgroup), counts against the first of that container's
 /// files that caps the GPU (the shim's own choice for a GPU two of them
-/// cap); anything else is unmanaged. `who` reads what `/proc` says of them.
+/// cap); one whose cgroup names a pod with one gpumem container that caps
+/// the GPU (`pods`) is that container's, whatever its mounts say: a process
+/// that made its own mount namespace sheds the mounts, never the cgroup.
+/// Anything else is unmanaged. `who` reads what `/proc` says of them.
 fn attribute<R: Fn(u32, &str) -> Option<String>>(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
     last_holders: &LastHolders,
     memory: &ProcessMemory,
     who: &mut attribution::Sweep<'_, R>,
+    pods: &mut Pods<'_>,
 ) -> Attributed {
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
         .iter()
         .enumerate()
         .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
         .collect();
+    let dir_name = |index: usize| loaded[index].0.parent()?.file_name()?.to_str();
     // The slot holders' cgroups are read only once a process's mounts did
     // not name its container.
     let mut containers: Option<HashMap<String, Vec<usize>>> = None;
@@ -174,25 +213,61 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
                 attributed.leaving.push((pid, start));
                 continue;
             }
-            let mounted = who
+            let mounted: Vec<usize> = who
                 .mounted(pid)
                 .iter()
                 .filter_map(|name| by_dir.get(std::ffi::OsStr::new(name)).copied())
-                .find_map(capping);
-            // The cgroup is read only where the mounts did not say.
-            let owner = if mounted.is_some() {
-                None
-            } else {
-                who.owner(pid)
-            };
-            let home = mounted.or_else(|| {
-                let id = owner.as_ref()?.container_id.as_ref()?;
-                containers
-                    .get_or_insert_with(|| holder_containers(loaded, who))
-                    .get(id)?
-                    .iter()
-                    .find_map(|&index| capping(index))
-            });
+                .collect();
+            // The cgroup is read where the mounts did not say, and where
+            // the pods' containers are known to check what they say: a
+            // mount's name is the container's word, and a tenant in a user
+            // namespace of its own can mount a neighbour's name.
+            let owner =
+                if mounted.iter().any(|&index| capping(index).is_some()) && pods.get().is_none() {
+                    None
+                } else {
+                    who.owner(pid)
+                };
+            let mut home = None;
+            for &index in &mounted {
+                let mut foreign = || {
+                    owner.as_ref().is_some_and(|owner| {
+                        dir_name(index).is_some_and(|name| pods.anothers(name, &owner.pod_uid))
+                    })
+                };
+                home = capping(index).filter(|_| !foreign());
+                if home.is_some() {
+                    break;
+                }
+            }
+            let home = home
+                .or_else(|| {
+                    let id = owner.as_ref()?.container_id.as_ref()?;
+                    containers
+                        .get_or_insert_with(|| holder_containers(loaded, who))
+                        .get(id)?
+                        .iter()
+                        .find_map(|&index| capping(index))
+                })
+                .or_else(|| {
+                    // The pod's one container that caps this GPU, less
+                    // those whose slot holders run in another container.
+                    let owner = owner.as_ref()?;
+                    let dirs = pods.get()?.get(&owner.pod_uid)?;
+                    let holders = containers.get_or_insert_with(|| holder_containers(loaded, who));
+                    let others = |index: usize| {
+                        holders.iter().any(|(id, files)| {
+                            files.contains(&index) && owner.container_id.as_ref() != Some(id)
+                        })
+                    };
+                    let mut candidates = dirs
+                        .iter()
+                        .filter_map(|name| by_dir.get(std::ffi::OsStr::new(name)).copied())
+                        .filter(|&index| !others(index))
+                        .filter_map(capping);
+                    let only = candidates.next()?;
+                    candidates.next().is_none().then_some(only)
+                });
             match home {
                 Some((index, dev)) => attributed.unslotted[index][dev].push((pid, bytes)),
                 None => {
@@ -384,6 +459,8 @@ pub struct Reconciler {
     identities: attribution::Identities,
     /// Where over-cap actions and unmanaged processes are told.
     notices: Option<Notices>,
+    /// Each pod's containers, where known: attribution by cgroup.
+    pods: Option<PodDirs>,
 }
 
 /// Where the over-cap action learns a container's cap without trusting the
@@ -409,7 +486,16 @@ impl Reconciler {
             granted: None,
             identities: attribution::Identities::default(),
             notices: None,
+            pods: None,
         }
+    }
+
+    /// Attributes a process to its pod's gpumem container by its cgroup,
+    /// and checks what its mounts say against it, with `pods` telling each
+    /// pod's containers.
+    pub fn with_pod_dirs(mut self, pods: PodDirs) -> Self {
+        self.pods = Some(pods);
+        self
     }
 
     /// Takes the over-cap action's caps from `granted`.
@@ -488,7 +574,15 @@ impl Reconciler {
                 .identities
                 .sweep(|pid, name| source.proc_file(pid, name));
             let held = holders(&loaded);
-            let attributed = attribute(&loaded, &held, &self.last_holders, &memory, &mut who);
+            let mut pods = Pods::new(self.pods.as_ref());
+            let attributed = attribute(
+                &loaded,
+                &held,
+                &self.last_holders,
+                &memory,
+                &mut who,
+                &mut pods,
+            );
             (attributed, charged_elsewhere(&loaded, &held, &mut who))
         };
         let mut holders: LastHolders = loaded
@@ -1109,6 +1203,7 @@ mod tests {
                 &LastHolders::new(),
                 memory,
                 &mut identities.sweep(read),
+                &mut Pods::new(None),
             );
             attributed
                 .strangers
@@ -1227,6 +1322,7 @@ mod tests {
             &LastHolders::new(),
             &memory,
             &mut identities.sweep(read),
+            &mut Pods::new(None),
         );
         for per_file in &mut attributed.unslotted {
             per_file.iter_mut().for_each(|list| list.sort_unstable());
@@ -1275,12 +1371,66 @@ mod tests {
             &LastHolders::new(),
             &memory,
             &mut identities.sweep(read),
+            &mut Pods::new(None),
         );
         assert_eq!(
             attributed.unslotted,
             [vec![vec![]], vec![vec![(30, 700 * MIB)]]],
             "claim-a's, not claim-b's"
         );
+    }
+
+    /// A pod with two gpumem containers on one GPU, and a process of the
+    /// pod in neither's mounts nor beside a slot holder: which container
+    /// it is in cannot be told, so it is a stranger, never a guess that
+    /// would hold one container to the other's use. Once one container's
+    /// slot holder runs in another container than the process, the
+    /// process is the other's.
+    #[test]
+    fn a_pods_process_is_its_only_possible_container() {
+        const POD: &str = "0a1b2c3d-4e5f-4678-9abc-def012345678";
+        let file = |name: &str, holder: Option<u32>| {
+            let processes = Processes {
+                devices: vec![usage(T4, 2000, 0)],
+                live: holder.map(|pid| live(Some(pid), 0)).into_iter().collect(),
+            };
+            (
+                PathBuf::from(format!("/s/containers/{name}/accounting")),
+                processes,
+            )
+        };
+        let cgroup = |id: char| format!("0::/kubepods/pod{POD}/{}\n", id.to_string().repeat(64));
+        let read = |pid: u32, name: &str| match (pid, name) {
+            (_, "stat") => Some(format!("{pid} (p) {} 7\n", "1 ".repeat(19))),
+            (10, "cgroup") => Some(cgroup('c')),
+            (30, "cgroup") => Some(cgroup('e')),
+            _ => None,
+        };
+        let pod_dirs: PodDirs =
+            Box::new(|| Some([(POD.to_owned(), vec!["aa".to_owned(), "bb".to_owned()])].into()));
+        let memory: ProcessMemory = [(T4.to_owned(), [(30, 700 * MIB)].into())].into();
+        let attribute_with = |loaded: &[(PathBuf, Processes)]| {
+            attribute(
+                loaded,
+                &holders(loaded),
+                &LastHolders::new(),
+                &memory,
+                &mut attribution::Identities::default().sweep(read),
+                &mut Pods::new(Some(&pod_dirs)),
+            )
+        };
+
+        let attributed = attribute_with(&[file("aa", None), file("bb", None)]);
+        assert_eq!(attributed.unslotted, [vec![vec![]], vec![vec![]]]);
+        assert_eq!(attributed.strangers.len(), 1, "{attributed:?}");
+
+        let attributed = attribute_with(&[file("aa", Some(10)), file("bb", None)]);
+        assert_eq!(
+            attributed.unslotted,
+            [vec![vec![]], vec![vec![(30, 700 * MIB)]]],
+            "bb's: aa's holder runs in another container"
+        );
+        assert!(attributed.strangers.is_empty(), "{attributed:?}");
     }
 
     /// Claim A caps GPU X; claim B caps X and Y; a process of both holds a

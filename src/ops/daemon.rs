@@ -323,6 +323,12 @@ pub async fn run(
         config.cluster.is_some(),
         move |name, uuid| name.granted_mib(&inventory.borrow(), uuid),
     );
+    // kubelet's checkpoint names each container's pod: a process is its
+    // pod's whatever mount namespace it made for itself.
+    let reconciler = reconciler.map(|(r, every)| {
+        let pods = crate::deviceplugin::holders::pod_dirs(&kubelet_dir, &resource);
+        (r.with_pod_dirs(pods), every)
+    });
     let observed = Observed::new(
         resource.clone(),
         inventory_rx.clone(),

@@ -94,9 +94,24 @@ pub struct Allocation {
 }
 
 impl Allocation {
-    /// The pod's UID as the checkpoint records it.
+    /// The pod's UID as the checkpoint records it: a UUID, as kubelet's
+    /// are and as the pod's cgroup names it, the same for the same name.
     pub fn pod_uid(&self) -> String {
-        format!("uid-{}", self.pod)
+        // FNV-1a, twice over, for 128 bits.
+        let hash = |seed: u64| {
+            self.pod.bytes().fold(seed, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            })
+        };
+        let (high, low) = (hash(0xcbf2_9ce4_8422_2325), hash(0x8422_2325_cbf2_9ce4));
+        format!(
+            "{:08x}-{:04x}-4{:03x}-8{:03x}-{:012x}",
+            high >> 32,
+            (high >> 16) & 0xffff,
+            high & 0xfff,
+            low >> 52,
+            low & 0xffff_ffff_ffff
+        )
     }
 }
 
