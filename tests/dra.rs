@@ -789,6 +789,47 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     assert_eq!(event.pointer("/regarding/name"), Some(&"nb".into()));
 }
 
+/// Issue 29, item 2, for claims: a process of a claim's pod that made a
+/// mount namespace of its own and left the claim's directory behind, in a
+/// pod where no process holds a slot, is found by its cgroup (the pod the
+/// claim was reserved for) and killed over the claim's cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claims_process_that_shed_its_mounts_is_held_by_its_cgroup() {
+    use std::os::unix::process::ExitStatusExt;
+    const POD_UID: &str = "7d1f6a4b-2c3e-4d9f-8b80-4e6c2f3d5b71";
+    let host = Host::new();
+    let api = api().await;
+    std::fs::create_dir_all(host.path("kubelet")).unwrap();
+    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
+    let socket = pod_resources.pod_resources_socket();
+    let (driver, gpus) = Driver::start_killing(&host, &api, &socket, "t4", "1").await;
+    let kubelet = kubelet_1_34(&host).await;
+    let uid = uid(8);
+    let mut object = claim("notebook", &uid, &[("gpu-0", Some("4Gi"), None)]);
+    object["status"]["reservedFor"] = json!([{"resource": "pods", "name": "nb", "uid": POD_UID}]);
+    api.put(object);
+    let prepared = kubelet
+        .prepare(&[claim_ref("notebook", &uid)])
+        .await
+        .unwrap();
+    prepared[&uid]
+        .as_ref()
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+
+    // 5000 MiB of the claim's 4096, with no gpumem mount in sight.
+    let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();
+    let cgroup = format!("0::/kubepods/burstable/pod{POD_UID}/{}\n", "e".repeat(64));
+    let pivoted = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+    common::list_fake_process(
+        &gpus,
+        rogue.id(),
+        5000,
+        &[("cgroup", &cgroup), ("mountinfo", pivoted)],
+    );
+    let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
+    assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
+}
+
 /// A container that references two claims, one per GPU, is given both
 /// claims' accounting directories (each spec mounts its own at its own
 /// path), and the shim in it holds each GPU to its own claim's cap.

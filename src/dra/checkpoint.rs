@@ -185,6 +185,11 @@ pub struct ClaimEntry {
     /// Empty until `Completed`, unless the caller knew them at start.
     #[serde(default)]
     pub devices: Vec<DeviceEntry>,
+    /// The UIDs of the pods the claim was reserved for when it was
+    /// prepared (`status.reservedFor`): whose cgroups name the claim's
+    /// processes, whatever mounts they shed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
     /// Fields of a newer version, written back unchanged.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
@@ -200,6 +205,7 @@ impl ClaimEntry {
             dir: dir.to_owned(),
             cdi_device: cdi_device.to_owned(),
             devices: Vec::new(),
+            pods: Vec::new(),
             extra: Map::new(),
         }
     }

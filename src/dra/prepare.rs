@@ -297,6 +297,21 @@ impl PreparedClaims {
         caps_by_gpu(&entry.devices).remove(uuid)
     }
 
+    /// Each pod's claim directories by pod UID, as the checkpoint recorded
+    /// the pods each claim was reserved for when it was prepared.
+    pub fn pod_dirs(&self) -> HashMap<String, Vec<String>> {
+        let mut by_pod: HashMap<String, Vec<String>> = HashMap::new();
+        for (_, entry) in self.checkpoint().claims() {
+            for pod in &entry.pods {
+                by_pod
+                    .entry(pod.clone())
+                    .or_default()
+                    .push(entry.dir.clone());
+            }
+        }
+        by_pod
+    }
+
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
         let key = ClaimKey::new(&claim.uid)?;
         if let Some(done) = self.completed(&claim.uid) {
@@ -316,7 +331,7 @@ impl PreparedClaims {
         // the async workers.
         tokio::task::spawn_blocking(move || {
             let devices = this.plan(&claim, &object, &inv)?;
-            this.commit(&claim, key, devices, &inv)
+            this.commit(&claim, key, devices, reserved_pods(&object), &inv)
         })
         .await
         .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())))
@@ -465,6 +480,7 @@ impl PreparedClaims {
         claim: &ClaimRef,
         key: ClaimKey,
         devices: Vec<DeviceEntry>,
+        pods: Vec<String>,
         inv: &Inventory,
     ) -> Result<Vec<PreparedDevice>, PrepareError> {
         let entry = ClaimEntry {
@@ -474,6 +490,7 @@ impl PreparedClaims {
             dir: key.dir.as_str().to_owned(),
             cdi_device: claim.uid.clone(),
             devices,
+            pods,
             ..Default::default()
         };
         {
@@ -986,4 +1003,17 @@ impl crate::isolation::cleanup::Holders for PreparedClaims {
         // The removal runs with the lock held.
         (!taken).then(remove)
     }
+}
+
+/// The UIDs of the pods `claim` is reserved for. The scheduler reserves it
+/// for a pod before kubelet can prepare it for that pod; a pod that comes
+/// to share it later is not recorded (docs/SECURITY.md).
+fn reserved_pods(claim: &ResourceClaim) -> Vec<String> {
+    let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
+    reserved
+        .into_iter()
+        .flatten()
+        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or("").is_empty())
+        .map(|r| r.uid.clone())
+        .collect()
 }

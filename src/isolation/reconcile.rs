@@ -149,12 +149,12 @@ impl<'a> Pods<'a> {
             .as_ref()
     }
 
-    /// Whether directory `name` is known to be a pod's other than `pod`.
+    /// Whether directory `name` is known to be other pods' and not `pod`'s
+    /// (a DRA claim may be several pods').
     fn anothers(&mut self, name: &str, pod: &str) -> bool {
         self.get().is_some_and(|by_pod| {
-            by_pod
-                .iter()
-                .any(|(uid, dirs)| uid != pod && dirs.iter().any(|d| d == name))
+            let has = |dirs: &Vec<String>| dirs.iter().any(|d| d == name);
+            by_pod.values().any(has) && !by_pod.get(pod).is_some_and(has)
         })
     }
 }

@@ -776,6 +776,15 @@ pub async fn run_dra(
     let (reconciler, notices) = reconciler(&isolation, &mut common, true, move |name, uuid| {
         granted.granted_mib(name, uuid)
     });
+    // The pods each claim was reserved for: a claim's process is its pod's
+    // claim's whatever mount namespace it made for itself.
+    let reserved = claims.clone();
+    let reconciler = reconciler.map(|(r, every)| {
+        (
+            r.with_pod_dirs(Box::new(move || Some(reserved.pod_dirs()))),
+            every,
+        )
+    });
     let (slice_tx, slice_rx) = watch::channel(SliceStatus::default());
     let (registration_tx, registration_rx) = watch::channel(Registration::default());
     let observed = Observed::new(
