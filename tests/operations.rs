@@ -892,6 +892,23 @@ async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
     };
     assert_eq!(status.signal(), Some(9));
     assert_eq!(a.d.status().await.gpus[0].unmanaged_mib, Some(0));
+    // The pod is told its container runs a process without gpumem's mounts.
+    let api = a.d.api.as_ref().expect("started with an API server");
+    let event = loop {
+        let found = api.list(Kind::Event).into_iter().find(|e| {
+            e["reason"] == "GPUMemoryNotIsolated"
+                && e.pointer("/regarding/name") == Some(&"nb".into())
+        });
+        if let Some(event) = found {
+            break event;
+        }
+        assert!(std::time::Instant::now() < deadline, "no Event");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let note = event["note"].as_str().unwrap();
+    let expected = format!("Process {} of container main holds 6300 MiB", rogue.id());
+    assert!(note.contains(&expected), "{note}");
+    assert!(note.contains("enable_cdi"), "{note}");
     a.d.stop().await;
 }
 

@@ -9,6 +9,9 @@ use kube::{Client, Resource};
 pub const OVER_CAP: &str = "GPUMemoryOverCap";
 /// Reason of the Event for a pod holding GPU memory it did not ask for.
 pub const UNMANAGED: &str = "GPUMemoryUnmanaged";
+/// Reason of the Event for a gpumem container's process on a GPU without
+/// gpumem's mounts (no state directory, so no shim).
+pub const NOT_ISOLATED: &str = "GPUMemoryNotIsolated";
 
 pub struct PodEvents {
     recorder: Recorder,

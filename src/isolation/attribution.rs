@@ -179,6 +179,13 @@ impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
         known.mounted.as_deref().unwrap_or_default()
     }
 
+    /// Whether a listed process's mount table was read (after
+    /// [`Sweep::mounted`]): an empty list then means it has no gpumem
+    /// mount, not that it could not be read.
+    pub(crate) fn mounts_read(&mut self, pid: u32) -> bool {
+        known(self.identities, &self.read, pid).mounted.is_some()
+    }
+
     /// Whether a listed process is exiting (its leader is: a leader that
     /// ended alone leaves the others running, so this alone proves
     /// nothing): the kernel dropped its record locks with its files, but

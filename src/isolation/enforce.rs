@@ -171,6 +171,13 @@ pub enum Noticed {
         used_mib: u64,
         pod_uid: Option<String>,
     },
+    /// A process of the container with this accounting file is on the GPU
+    /// without the container's gpumem mounts: found by its cgroup alone.
+    NotIsolated {
+        file: PathBuf,
+        pid: u32,
+        used_mib: u64,
+    },
 }
 
 /// Where notices go; sending never blocks the reconcile loop.

@@ -123,6 +123,9 @@ struct Attributed {
     /// Slot holders on their way out, by PID and start time: passed over,
     /// and again at the next sample while they still are.
     leaving: Vec<(u32, u64)>,
+    /// Processes found by their cgroup whose mount table, read, lacks
+    /// their container's directory: file index, GPU UUID, PID, bytes.
+    unmounted: Vec<(usize, String, u32, u64)>,
 }
 
 /// The gpumem containers of each pod on the node, by pod UID: the names of
@@ -269,7 +272,13 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
                     candidates.next().is_none().then_some(only)
                 });
             match home {
-                Some((index, dev)) => attributed.unslotted[index][dev].push((pid, bytes)),
+                Some((index, dev)) => {
+                    attributed.unslotted[index][dev].push((pid, bytes));
+                    if !mounted.contains(&index) && who.mounts_read(pid) {
+                        let unmounted = (index, uuid.clone(), pid, bytes);
+                        attributed.unmounted.push(unmounted);
+                    }
+                }
                 None => {
                     *unmanaged = unmanaged.saturating_add(bytes);
                     let owner = owner.or_else(|| who.owner(pid));
@@ -461,6 +470,9 @@ pub struct Reconciler {
     notices: Option<Notices>,
     /// Each pod's containers, where known: attribution by cgroup.
     pods: Option<PodDirs>,
+    /// Files whose container had a process without its mounts, already
+    /// told: once per container.
+    told_unmounted: HashSet<PathBuf>,
 }
 
 /// Where the over-cap action learns a container's cap without trusting the
@@ -487,6 +499,7 @@ impl Reconciler {
             identities: attribution::Identities::default(),
             notices: None,
             pods: None,
+            told_unmounted: HashSet::new(),
         }
     }
 
@@ -599,6 +612,7 @@ impl Reconciler {
         }
         self.last_holders = holders;
         self.report_unmanaged(&attributed);
+        self.report_unmounted(&loaded, &attributed);
         self.publish_whose(&loaded, &memory, &attributed, &elsewhere);
         self.warn_of_stand_ins(&loaded, &stood_in, &attributed);
         self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
@@ -861,6 +875,41 @@ impl Reconciler {
         }
         self.reported = present;
         *self.unmanaged.lock_unpoisoned() = attributed.unmanaged.clone();
+    }
+
+    /// Logs, and tells `notices`, once per container, that one of its
+    /// processes is on a GPU without the container's mounts: the runtime
+    /// did not apply Allocate's answer (a `cdi` strategy on a runtime
+    /// without CDI), or the process left them. Either way no shim caps it.
+    fn report_unmounted(&mut self, loaded: &[(PathBuf, Processes)], attributed: &Attributed) {
+        self.told_unmounted
+            .retain(|file| loaded.iter().any(|(f, _)| f == file));
+        for (index, uuid, pid, bytes) in &attributed.unmounted {
+            let file = &loaded[*index].0;
+            if !self.told_unmounted.insert(file.clone()) {
+                continue;
+            }
+            warn!(
+                file = %file.display(),
+                gpu = %uuid,
+                pid,
+                used_mib = bytes >> 20,
+                "a gpumem container's process is on the GPU without the container's mounts, so \
+                 without the shim: held to its cap from outside only (the runtime did not apply \
+                 Allocate's answer, the process left its mount namespace, or it runs in a \
+                 container nested in the container)"
+            );
+            if let Some(notices) = &self.notices {
+                let _ = notices.send(Notice {
+                    gpu: uuid.clone(),
+                    what: Noticed::NotIsolated {
+                        file: file.clone(),
+                        pid: *pid,
+                        used_mib: bytes >> 20,
+                    },
+                });
+            }
+        }
     }
 
     /// Publishes whose each listed process is, for the metrics endpoint.
@@ -1224,6 +1273,8 @@ mod tests {
                     (OTHER.to_owned(), 50, 6 * MIB, None),
                 ],
                 leaving: Vec::new(),
+                // 40, nested, has none of B's mounts.
+                unmounted: vec![(1, T4.to_owned(), 40, 4 * MIB)],
             };
             if thirty.is_none() {
                 *attributed.unmanaged.get_mut(T4).unwrap() += 3 * MIB;

@@ -574,7 +574,9 @@ async fn post_events(
         // The pods: a gpumem directory's by pod-resources, a stranger's by
         // the pod UID in its cgroup.
         let targets: Vec<(Option<Arc<Pod>>, String)> = match &notice.what {
-            Noticed::Killed { file, .. } | Noticed::OverCap { file, .. } => {
+            Noticed::Killed { file, .. }
+            | Noticed::OverCap { file, .. }
+            | Noticed::NotIsolated { file, .. } => {
                 let Some(name) = file.parent().and_then(ContainerName::of_dir) else {
                     continue;
                 };
@@ -626,6 +628,19 @@ async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &st
                  it for the grace period in total within the last {WINDOW_GRACES} grace periods \
                  (--over-cap-action report: nothing was killed)",
                 capitalized(subject)
+            ),
+        ),
+        Noticed::NotIsolated { pid, used_mib, .. } => (
+            events::NOT_ISOLATED,
+            "Report",
+            format!(
+                "Process {pid} of {subject} holds {used_mib} MiB on GPU {gpu} without gpumem's \
+                 mounts (no /var/run/gpumem, no shim), so only the node daemon holds it to its \
+                 cap. Either the container runtime did not apply the device plugin's answer \
+                 (--device-list-strategy cdi needs CDI on in the runtime: containerd 1.7 or later \
+                 with enable_cdi, CRI-O 1.23 or later; docs/OPERATIONS.md), the process left its \
+                 container's mount namespace (docs/SECURITY.md), or it runs in a container nested \
+                 in it"
             ),
         ),
         Noticed::Unmanaged { pid, used_mib, .. } => (
