@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cdi;
+pub mod daemon;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
