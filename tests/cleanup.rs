@@ -8,16 +8,16 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::Daemon;
-use common::{shim_kit, RESOURCE, WAIT};
+use common::{shim_kit, swept_twice_past_the_grace, RESOURCE, WAIT};
 
 #[tokio::test]
 async fn an_init_container_keeps_its_state_until_its_pod_ends() {
     let grace = Duration::from_millis(400);
-    let (d, _host, _state) = Daemon::with_shim(grace).await;
-    // Admitted, and waiting for its image far longer than the grace
-    // period: pod-resources never lists it, kubelet's checkpoint does.
+    let (d, _host, state) = Daemon::with_shim(grace).await;
+    // Admitted, and waiting for its image longer than the grace period:
+    // pod-resources never lists it, kubelet's checkpoint does.
     let dir = admit_init_container(&d, "slow").await;
-    tokio::time::sleep(grace * 5).await;
+    swept_twice_past_the_grace(state.path()).await;
     assert!(
         dir.join("accounting").exists(),
         "an admitted init container lost its state before it started"
@@ -33,13 +33,13 @@ async fn an_init_container_keeps_its_state_until_its_pod_ends() {
 #[tokio::test]
 async fn a_kubelet_that_lists_ended_pods_still_lets_their_init_state_go() {
     let grace = Duration::from_millis(400);
-    let (d, _host, _state) = Daemon::with_shim(grace).await;
+    let (d, _host, state) = Daemon::with_shim(grace).await;
     // Kubelets before 1.34 list an ended pod (a finished Job's, say), without
     // devices, until it is deleted: ending a pod whose GPU was only in its
     // init container changes nothing List shows.
     d.k().list_ended_pods();
     let dir = admit_init_container(&d, "job").await;
-    tokio::time::sleep(grace * 3).await;
+    swept_twice_past_the_grace(state.path()).await;
     assert!(dir.join("accounting").exists(), "removed while its pod ran");
     d.k().remove_pod("job");
     wait_until_removed(&dir, "an ended pod's init container state").await;
@@ -69,7 +69,7 @@ async fn wait_until_removed(dir: &Path, what: &str) {
 #[tokio::test]
 async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     let grace = Duration::from_millis(800);
-    let (d, _host, _state) = Daemon::with_shim(grace).await;
+    let (d, _host, state) = Daemon::with_shim(grace).await;
     let dir_of =
         |a: &gpumem_testkit::simulator::Allocation| PathBuf::from(&a.response.mounts[2].host_path);
     let done = dir_of(&d.k().admit("done", "main", RESOURCE, 4).await.unwrap());
@@ -87,8 +87,8 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     d.k().remove_pod("orphan");
 
     wait_until_removed(&done, "a finished container's state").await;
-    // Several grace periods later, the others are still there.
-    tokio::time::sleep(grace * 3).await;
+    // Sweeps past the grace period later, the others are still there.
+    swept_twice_past_the_grace(state.path()).await;
     assert!(
         running.join("accounting").exists(),
         "a listed container's state was removed"

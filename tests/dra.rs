@@ -66,6 +66,8 @@ struct Driver {
     log: PathBuf,
     /// Where the driver serves `/status`, for `gpumem inspect`.
     status_socket: PathBuf,
+    /// Where it serves `/metrics`.
+    metrics: std::net::SocketAddr,
 }
 
 impl Driver {
@@ -178,6 +180,12 @@ impl Driver {
 
     /// Runs `cmd` and waits until it serves its registration socket.
     async fn spawn(host: &Host, mut cmd: Command) -> Driver {
+        let metrics = cmd
+            .get_args()
+            .skip_while(|arg| *arg != "--metrics-addr")
+            .nth(1)
+            .and_then(|addr| addr.to_str()?.parse().ok())
+            .expect("a --metrics-addr from Driver::command");
         let log = host.path(&format!("driver-{}.log", std::process::id()));
         let child = cmd
             .stdout(Stdio::null())
@@ -194,6 +202,7 @@ impl Driver {
             child,
             log,
             status_socket: host.path("state").join("status.sock"),
+            metrics,
         };
         // A killed driver's socket stays behind: wait for one that answers.
         let deadline = Instant::now() + WAIT;
@@ -887,7 +896,8 @@ async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() 
     // Killing the rogue brings B under its cap: one kill in the same
     // check, not two.
     wait_until("the rogue's kill", || rogue.try_wait().unwrap()).await;
-    std::thread::sleep(Duration::from_millis(300));
+    // The check that killed it has finished.
+    common::daemon::wait_for_checks(driver.metrics, 0).await;
     assert!(
         shimmed.try_wait().unwrap().is_none(),
         "the process within A's cap was killed for B's\n{}",

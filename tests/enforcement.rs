@@ -308,8 +308,9 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     };
     d.drop_process(rogue.id());
     // The container is under its cap again; its neighbour and the stranger
-    // (never killed: it is no gpumem container's) live on.
-    tokio::time::sleep(grace * 3).await;
+    // (never killed: it is no gpumem container's) live on, through samples
+    // over longer than the grace period that any action waits for.
+    d.checked_for(grace).await;
     assert!(
         h.holder.try_wait().unwrap().is_none(),
         "the capped neighbour lives"

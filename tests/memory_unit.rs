@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::daemon::{shim, spawn_daemon, swept_past_the_grace};
-use common::{fixture, RESOURCE, WAIT};
+use common::daemon::{samples_over, shim, spawn_daemon, wait_for_checks};
+use common::{fixture, swept_past_the_grace, RESOURCE, WAIT};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::node::units::MemoryUnit;
 use gpumem_testkit::simulator::KubeletSim;
@@ -25,7 +25,8 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
     let (host, state) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     common::fake_installed_shim(host.path());
     let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let start = |unit| {
+    let grace = Duration::from_millis(400);
+    let start = |unit, metrics| {
         spawn_daemon(
             dir.path(),
             &node_file,
@@ -33,12 +34,13 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
             unit,
             |config| {
                 config.pod_resources_socket = kubelet.pod_resources_socket();
-                config.common.over_cap = Some((OverCapAction::Kill, Duration::from_millis(400)));
+                config.common.over_cap = Some((OverCapAction::Kill, grace));
+                config.common.metrics = metrics;
             },
         )
     };
 
-    let (stop, task) = start(MemoryUnit::GiB);
+    let (stop, task) = start(MemoryUnit::GiB, None);
     kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.unwrap();
     let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
     assert_eq!(allocation.response.envs["GPUMEM_LIMIT_MIB"], "4308");
@@ -46,7 +48,9 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
     stop.cancel();
     task.await.unwrap().unwrap();
 
-    let (stop, task) = start(MemoryUnit::MiB);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, task) = start(MemoryUnit::MiB, Some(listener));
     kubelet.wait_for_devices(RESOURCE, 2, WAIT).await.unwrap();
     let mut worker = std::process::Command::new("sleep")
         .arg("60")
@@ -54,8 +58,9 @@ async fn a_container_keeps_its_cap_across_a_change_of_memory_unit() {
         .unwrap();
     let mountinfo = common::mountinfo_with_state_dir(&container_dir);
     common::list_fake_process(&node_file, worker.id(), 2000, &[("mountinfo", &mountinfo)]);
-    // Many reconciliations and grace periods.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Checked over two grace periods, every sample with the worker listed:
+    // read as 4 MiB, the cap would have had it killed by then.
+    wait_for_checks(addr, samples_over(2 * grace)).await;
     let killed = worker.try_wait().unwrap();
     let _ = worker.kill();
     let _ = worker.wait();

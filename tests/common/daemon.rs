@@ -158,18 +158,13 @@ impl Daemon {
     }
 
     pub async fn get(&self, path: &str) -> (u16, String) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: gpumem\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
-        let code = response[9..12].parse().unwrap();
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        (code, body)
+        get(self.addr, path).await
+    }
+
+    /// Waits until the over-cap action has checked samples taken over more
+    /// than `span` from now (see [`wait_for_checks`]).
+    pub async fn checked_for(&self, span: Duration) {
+        wait_for_checks(self.addr, samples_over(span)).await;
     }
 
     /// Who holds what, from the status socket, as `gpumem inspect` reads it.
@@ -426,18 +421,56 @@ pub fn spawn_daemon(
     (shutdown, task)
 }
 
-/// Waits until a plugin's clean-up (run with `--state-grace-secs 1`) has
-/// swept `state` past its grace: a directory `name` made now, which no
-/// container holds, is removed.
-pub async fn swept_past_the_grace(state: &Path, name: &str) {
-    let stray = state.join("containers").join(name);
-    std::fs::create_dir_all(&stray).unwrap();
-    let deadline = std::time::Instant::now() + WAIT;
-    while stray.exists() {
+/// `GET path` from a daemon's HTTP endpoint at `addr`: the status code and
+/// the body.
+pub async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: gpumem\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let code = response[9..12].parse().unwrap();
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// How many samples, [`RECONCILE`] apart, it takes to span more than
+/// `span`.
+pub fn samples_over(span: Duration) -> u64 {
+    (span.as_millis() / RECONCILE.as_millis()) as u64 + 2
+}
+
+/// Samples the over-cap action of the daemon at `addr` has checked so far.
+pub async fn over_cap_checks(addr: std::net::SocketAddr) -> u64 {
+    let (_, metrics) = get(addr, "/metrics").await;
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpumem_over_cap_checks_total "))
+        .unwrap_or_else(|| panic!("no over-cap checks (action off?):\n{metrics}"))
+        .parse()
+        .unwrap()
+}
+
+/// Waits until the over-cap action of the daemon at `addr` has checked
+/// `samples` samples taken from now on: whatever they showed has been
+/// acted on or let be. The check under way now, if any, is of a sample
+/// taken before, so it is waited for and not counted; with `samples` 0,
+/// only it is waited for (or, with none under way, the next).
+pub async fn wait_for_checks(addr: std::net::SocketAddr, samples: u64) {
+    let target = over_cap_checks(addr).await + 1 + samples;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let checks = over_cap_checks(addr).await;
+        if checks >= target {
+            return;
+        }
         assert!(
-            std::time::Instant::now() < deadline,
-            "{} was never cleaned up",
-            stray.display()
+            tokio::time::Instant::now() < deadline,
+            "{checks} over-cap checks, waited for {target}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
