@@ -455,6 +455,27 @@ fn exec() -> Command {
     cmd
 }
 
+/// [`exec`] of the probe with `--mem mem`, its state in `state`, and
+/// `flags`; the probe's steps follow.
+fn exec_probe(mem: &str, state: &std::path::Path, flags: &[&str]) -> Command {
+    let mut cmd = exec();
+    cmd.args(["--mem", mem])
+        .args(flags)
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--")
+        .arg(&common::shim_kit().probe);
+    cmd
+}
+
+/// [`exec`] with `--mem mem` on the GPUs of fixture `gpus`; the command
+/// follows.
+fn exec_on(gpus: &str, mem: &str) -> Command {
+    let mut cmd = exec();
+    cmd.args(["--mem", mem, "--fake-gpus"]).arg(fixture(gpus));
+    cmd
+}
+
 #[test]
 fn exec_caps_any_command() {
     let kit = common::shim_kit();
@@ -481,25 +502,15 @@ fn exec_caps_any_command() {
 
 #[test]
 fn exec_commands_sharing_a_state_dir_share_the_cap() {
-    let kit = common::shim_kit();
     let state = tempfile::tempdir().unwrap();
-    let mut holder = exec()
-        .args(["--mem", "4GiB", "--state-dir"])
-        .arg(state.path())
-        .arg("--")
-        .arg(&kit.probe)
+    let mut holder = exec_probe("4GiB", state.path(), &[])
         .args(["alloc:3000", "hold"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     common::wait_for_line(&mut holder, "holding");
-    let (ok, text) = run(exec()
-        .args(["--mem", "4GiB", "--state-dir"])
-        .arg(state.path())
-        .arg("--")
-        .arg(&kit.probe)
-        .args(["alloc:2000", "alloc:400"]));
+    let (ok, text) = run(exec_probe("4GiB", state.path(), &[]).args(["alloc:2000", "alloc:400"]));
     assert!(ok.status.success(), "{text}");
     // 3000 MiB and two 300 MiB contexts of 4096: 400 MiB more fit, not 2000.
     assert!(
@@ -527,17 +538,13 @@ fn exec_commands_sharing_a_state_dir_share_the_cap() {
 
 #[test]
 fn exec_holds_a_command_to_what_the_driver_shows_it_using() {
-    let kit = common::shim_kit();
     let state = tempfile::tempdir().unwrap();
     // What NVML lists per process, through nvml-wrapper and the fake library.
     let nvml_processes = state.path().join("processes");
     std::fs::write(&nvml_processes, "").unwrap();
-    let mut holder = exec()
+    let shared = state.path().join("shared");
+    let mut holder = exec_probe("4308MiB", &shared, &["--reconcile-secs", "1"])
         .env("FAKEGPU_PROCESSES_FILE", &nvml_processes)
-        .args(["--mem", "4308MiB", "--reconcile-secs", "1", "--state-dir"])
-        .arg(state.path().join("shared"))
-        .arg("--")
-        .arg(&kit.probe)
         .args(["alloc:1000", "hold"])
         .stdout(Stdio::piped())
         .spawn()
@@ -549,12 +556,7 @@ fn exec_holds_a_command_to_what_the_driver_shows_it_using() {
     std::fs::write(&nvml_processes, format!("{pid} 1600\n")).unwrap();
 
     let probe = |steps: &[&str]| {
-        run(exec()
-            .args(["--mem", "4308MiB", "--reconcile-secs", "0", "--state-dir"])
-            .arg(state.path().join("shared"))
-            .arg("--")
-            .arg(&kit.probe)
-            .args(steps))
+        run(exec_probe("4308MiB", &shared, &["--reconcile-secs", "0"]).args(steps))
     };
     let deadline = std::time::Instant::now() + WAIT;
     loop {
@@ -710,32 +712,41 @@ fn plugin_start(configure: impl FnOnce(&mut Command)) -> serde_json::Value {
 /// Every log record from the command line to the plugin's "starting" line
 /// (the last), on the GPUs of fixture `gpus`; the plugin is then stopped.
 fn plugin_start_log(gpus: &str, configure: impl FnOnce(&mut Command)) -> Vec<serde_json::Value> {
+    plugin_logs_until(gpus, configure, |message| message == "starting")
+        .unwrap_or_else(|seen| panic!("plugin did not start: {seen}"))
+        .0
+}
+
+/// [`json_plugin_on`] `gpus`, as `configure` sets it, run until it logs a
+/// record whose message `last` accepts; then stopped. Every JSON record up
+/// to that one and the lines that were not JSON, or else all it wrote.
+fn plugin_logs_until(
+    gpus: &str,
+    configure: impl FnOnce(&mut Command),
+    last: impl Fn(&str) -> bool,
+) -> Result<(Vec<serde_json::Value>, Vec<String>), String> {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     let mut cmd = json_plugin_on(dir.path(), gpus);
     configure(&mut cmd);
-    let mut child = cmd.spawn().unwrap();
-    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    let mut records = Vec::new();
-    let mut started = false;
+    let mut child = common::Killed(cmd.spawn().unwrap());
+    let stderr = std::io::BufReader::new(child.0.stderr.take().unwrap());
+    let (mut seen, mut records, mut other) = (String::new(), Vec::new(), Vec::new());
     for line in stderr.lines() {
         let line = line.unwrap();
         seen.push_str(&line);
         seen.push('\n');
         let Ok(log) = serde_json::from_str::<serde_json::Value>(&line) else {
+            other.push(line);
             continue;
         };
-        started = log["fields"]["message"] == "starting";
+        let done = log["fields"]["message"].as_str().is_some_and(&last);
         records.push(log);
-        if started {
-            break;
+        if done {
+            return Ok((records, other));
         }
     }
-    let _ = child.kill();
-    child.wait().unwrap();
-    assert!(started, "plugin did not start: {seen}");
-    records
+    Err(seen)
 }
 
 /// kubelet's restart compares each device with each allocated one: where a
@@ -828,6 +839,16 @@ fn ignore_xids_takes_what_help_shows_and_an_empty_list() {
     }
 }
 
+/// `gpumem install-shim` of `from` into `to`.
+fn install_shim(from: &std::path::Path, to: &std::path::Path) -> Command {
+    let mut cmd = gpumem();
+    cmd.args(["install-shim", "--from"])
+        .arg(from)
+        .arg("--to")
+        .arg(to);
+    cmd
+}
+
 #[test]
 fn exec_and_install_refuse_a_file_that_is_not_the_shim() {
     let kit = common::shim_kit();
@@ -864,11 +885,7 @@ fn exec_and_install_refuse_a_file_that_is_not_the_shim() {
         assert!(!marker.exists(), "the command ran uncapped: {text}");
 
         let to = dir.path().join("host");
-        let (out, text) = run(gpumem()
-            .args(["install-shim", "--from"])
-            .arg(file)
-            .arg("--to")
-            .arg(&to));
+        let (out, text) = run(&mut install_shim(file, &to));
         assert!(!out.status.success());
         assert!(
             text.contains(&format!(
@@ -882,11 +899,7 @@ fn exec_and_install_refuse_a_file_that_is_not_the_shim() {
 
     // The shim itself passes both.
     let to = dir.path().join("host");
-    let (out, text) = run(gpumem()
-        .args(["install-shim", "--from"])
-        .arg(&kit.shim)
-        .arg("--to")
-        .arg(&to));
+    let (out, text) = run(&mut install_shim(&kit.shim, &to));
     assert!(out.status.success(), "{text}");
     assert!(to.join("libgpumem_shim.so").is_file());
     let (out, text) = run(exec().args(["--mem", "1GiB", "--", "touch"]).arg(&marker));
@@ -917,19 +930,13 @@ fn exec_says_what_is_wrong_with_its_input() {
     );
 
     // A cap beyond the card: runs, with a word naming the GPU and its memory.
-    let (out, text) = run(exec()
-        .args(["--mem", "20GiB", "--fake-gpus"])
-        .arg(fixture("t4"))
-        .args(["--", "true"]));
+    let (out, text) = run(exec_on("t4", "20GiB").args(["--", "true"]));
     assert!(out.status.success(), "{text}");
     assert!(
         text.contains("warning: --mem 20480 MiB is more than GPU 0 (Tesla T4) has, 15079 MiB"),
         "{text}"
     );
-    let (_, text) = run(exec()
-        .args(["--mem", "15079MiB", "--fake-gpus"])
-        .arg(fixture("t4"))
-        .args(["--", "true"]));
+    let (_, text) = run(exec_on("t4", "15079MiB").args(["--", "true"]));
     assert!(!text.contains("warning"), "{text}");
 
     // A shell's statuses: 127 not found, 126 not executable.
@@ -1044,10 +1051,8 @@ fn exec_takes_kubernetes_quantities_for_mem() {
         ("4GiB", 4096),
         ("4308", 4308),
     ] {
-        let (out, text) = run(exec()
-            .args(["--mem", mem, "--fake-gpus"])
-            .arg(fixture("t4"))
-            .args(["--", "sh", "-c", "echo limit=$GPUMEM_LIMIT_MIB"]));
+        let (out, text) =
+            run(exec_on("t4", mem).args(["--", "sh", "-c", "echo limit=$GPUMEM_LIMIT_MIB"]));
         assert!(out.status.success(), "{mem}: {text}");
         assert!(text.contains(&format!("limit={mib}\n")), "{mem}: {text}");
     }
@@ -1068,10 +1073,7 @@ fn exec_takes_kubernetes_quantities_for_mem() {
 
 #[test]
 fn exec_with_a_gpu_that_is_not_there_lists_those_that_are() {
-    let (out, text) = run(exec()
-        .args(["--mem", "1GiB", "--gpu", "5", "--fake-gpus"])
-        .arg(fixture("v100x2"))
-        .args(["--", "true"]));
+    let (out, text) = run(exec_on("v100x2", "1GiB").args(["--gpu", "5", "--", "true"]));
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("--gpu \"5\""), "{text}");
     for line in [
@@ -1085,24 +1087,12 @@ fn exec_with_a_gpu_that_is_not_there_lists_those_that_are() {
 /// The plugin's JSON log lines up to its first registration attempt (no
 /// kubelet answers: it fails, and the plugin is then stopped).
 fn plugin_logs_until_registering(configure: impl FnOnce(&mut Command)) -> Vec<serde_json::Value> {
-    use std::io::BufRead;
-    let dir = tempfile::tempdir().unwrap();
-    let mut cmd = json_plugin(dir.path());
-    configure(&mut cmd);
-    let mut child = common::Killed(cmd.spawn().unwrap());
-    let stderr = std::io::BufReader::new(child.0.stderr.take().unwrap());
-    let mut logs = Vec::new();
-    for line in stderr.lines() {
-        let log: serde_json::Value = serde_json::from_str(&line.unwrap()).unwrap();
-        let registering = log["fields"]["message"]
-            .as_str()
-            .is_some_and(|m| m.starts_with("registration with kubelet failed"));
-        logs.push(log);
-        if registering {
-            return logs;
-        }
-    }
-    panic!("the plugin ended before registering: {logs:?}");
+    let (logs, other) = plugin_logs_until("t4", configure, |m| {
+        m.starts_with("registration with kubelet failed")
+    })
+    .unwrap_or_else(|seen| panic!("the plugin ended before registering: {seen}"));
+    assert!(other.is_empty(), "not JSON: {other:?}");
+    logs
 }
 
 #[test]
@@ -1169,14 +1159,7 @@ fn the_version_names_the_commit_everywhere() {
     let addr = free_addr();
     let dir = tempfile::tempdir().unwrap();
     let _plugin = common::Killed(
-        gpumem()
-            .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
-            .arg("--kubelet-dir")
-            .arg(dir.path())
-            .arg("--state-dir")
-            .arg(dir.path())
-            .arg("--fake-gpus")
-            .arg(fixture("t4"))
+        t4_plugin(dir.path(), dir.path(), &addr)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -1201,6 +1184,13 @@ fn the_version_names_the_commit_everywhere() {
     assert!(metrics.contains(&info), "{info}: {metrics}");
 }
 
+/// `gpumem inspect` reading the T4 fixture when no plugin answers.
+fn inspect_t4() -> Command {
+    let mut cmd = gpumem();
+    cmd.args(["inspect", "--fake-gpus"]).arg(fixture("t4"));
+    cmd
+}
+
 #[test]
 fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
     let dir = tempfile::tempdir().unwrap();
@@ -1222,9 +1212,7 @@ fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
 
     // Read directly, a state directory that is not there is named.
     let nope = dir.path().join("nope");
-    let (out, text) = run(gpumem()
-        .args(["inspect", "--fake-gpus"])
-        .arg(fixture("t4"))
+    let (out, text) = run(inspect_t4()
         .arg("--status-socket")
         .arg(&socket)
         .arg("--state-dir")
@@ -1237,9 +1225,8 @@ fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
 
     // Read directly: a warning says that no plugin answered; the old
     // --metrics-addr is taken, and said to be ignored.
-    let (out, text) = run(gpumem()
-        .args(["inspect", "--metrics-addr", "127.0.0.1:1", "--fake-gpus"])
-        .arg(fixture("t4"))
+    let (out, text) = run(inspect_t4()
+        .args(["--metrics-addr", "127.0.0.1:1"])
         .arg("--state-dir")
         .arg(dir.path()));
     assert!(out.status.success(), "{text}");
@@ -1258,11 +1245,7 @@ fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
         use std::os::unix::fs::PermissionsExt;
         let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o000)).unwrap();
-        let (_, text) = run(gpumem()
-            .args(["inspect", "--fake-gpus"])
-            .arg(fixture("t4"))
-            .arg("--state-dir")
-            .arg(dir.path()));
+        let (_, text) = run(inspect_t4().arg("--state-dir").arg(dir.path()));
         assert!(text.contains("kubectl exec"), "{text}");
     }
 }
@@ -1287,6 +1270,20 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
         .map(|(_, body)| body.to_owned())
         .unwrap_or_default();
     (code, body)
+}
+
+/// `gpumem plugin` on the T4 fixture without isolation, for kubelet at
+/// `kubelet_dir`, its state in `state` and its metrics on `addr`.
+fn t4_plugin(kubelet_dir: &std::path::Path, state: &std::path::Path, addr: &str) -> Command {
+    let mut cmd = gpumem();
+    cmd.args(["plugin", "--isolation", "none", "--metrics-addr", addr])
+        .arg("--kubelet-dir")
+        .arg(kubelet_dir)
+        .arg("--state-dir")
+        .arg(state)
+        .arg("--fake-gpus")
+        .arg(fixture("t4"));
+    cmd
 }
 
 /// A free TCP port on loopback, as `HOST:PORT`.
@@ -1320,19 +1317,12 @@ async fn an_unreachable_api_server_is_named_backed_off_and_told_on_healthz() {
     let log = dir.path().join("plugin.log");
     let addr = free_addr();
     let _plugin = common::Killed(
-        gpumem()
-            .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
+        t4_plugin(dir.path(), &dir.path().join("state"), &addr)
             .args(["--node-name", "gpu-node-1"])
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .arg("--kubelet-dir")
-            .arg(dir.path())
             .arg("--pod-resources-socket")
             .arg(kubelet.pod_resources_socket())
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .arg("--fake-gpus")
-            .arg(fixture("t4"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -1400,16 +1390,9 @@ async fn who_holds_what_is_told_on_the_owner_only_socket_not_the_network_port() 
     let state = dir.path().join("state");
     let addr = free_addr();
     let _plugin = common::Killed(
-        gpumem()
-            .args(["plugin", "--isolation", "none", "--metrics-addr", &addr])
-            .arg("--kubelet-dir")
-            .arg(dir.path())
+        t4_plugin(dir.path(), &state, &addr)
             .arg("--pod-resources-socket")
             .arg(kubelet.pod_resources_socket())
-            .arg("--state-dir")
-            .arg(&state)
-            .arg("--fake-gpus")
-            .arg(fixture("t4"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

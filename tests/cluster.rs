@@ -431,8 +431,17 @@ async fn without_the_extender_placed_pods_get_gpushares_annotations() {
         .parse()
         .unwrap();
     assert!(time > 1_700_000_000_000_000_000, "Unix nanoseconds: {time}");
-    // Written once: later sweeps find it done.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Written once: a later sweep finds it done. The one that annotates a
+    // pod placed after it has looked at it (pods go in name order).
+    c.pod("trainer", 4, json!({}));
+    c.kubelet
+        .admit("trainer", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    c.wait_for("a later sweep", || {
+        (c.annotations("trainer")[annotation::ASSIGNED] == "true").then_some(())
+    })
+    .await;
     let patches = c
         .api
         .requests()

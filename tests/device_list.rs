@@ -423,7 +423,7 @@ async fn a_cdi_spec_goes_with_the_containers_state_and_stays_while_it_does() {
     )
     .await;
     assert_eq!(std::fs::read(spec(&running)).unwrap(), kept);
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    common::swept_twice_past_the_grace(&host.path("state")).await;
     assert!(state(&running).join("accounting").is_file());
     assert!(spec(&running).is_file());
     assert_eq!(

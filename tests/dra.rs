@@ -58,6 +58,16 @@ impl Host {
     fn checkpoint(&self) -> PathBuf {
         self.path("state").join("dra/checkpoint.json")
     }
+
+    /// The checkpoint as JSON.
+    fn record(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(self.checkpoint()).unwrap()).unwrap()
+    }
+
+    /// Writes `record` as the checkpoint.
+    fn write_record(&self, record: &Value) {
+        std::fs::write(self.checkpoint(), serde_json::to_vec(record).unwrap()).unwrap();
+    }
 }
 
 /// `gpumem dra` on a fake T4 node.
@@ -66,6 +76,8 @@ struct Driver {
     log: PathBuf,
     /// Where the driver serves `/status`, for `gpumem inspect`.
     status_socket: PathBuf,
+    /// Where it serves `/metrics`.
+    metrics: std::net::SocketAddr,
 }
 
 impl Driver {
@@ -178,6 +190,12 @@ impl Driver {
 
     /// Runs `cmd` and waits until it serves its registration socket.
     async fn spawn(host: &Host, mut cmd: Command) -> Driver {
+        let metrics = cmd
+            .get_args()
+            .skip_while(|arg| *arg != "--metrics-addr")
+            .nth(1)
+            .and_then(|addr| addr.to_str()?.parse().ok())
+            .expect("a --metrics-addr from Driver::command");
         let log = host.path(&format!("driver-{}.log", std::process::id()));
         let child = cmd
             .stdout(Stdio::null())
@@ -194,6 +212,7 @@ impl Driver {
             child,
             log,
             status_socket: host.path("state").join("status.sock"),
+            metrics,
         };
         // A killed driver's socket stays behind: wait for one that answers.
         let deadline = Instant::now() + WAIT;
@@ -928,7 +947,8 @@ async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() 
     // Killing the rogue brings B under its cap: one kill in the same
     // check, not two.
     wait_until("the rogue's kill", || rogue.try_wait().unwrap()).await;
-    std::thread::sleep(Duration::from_millis(300));
+    // The check that killed it has finished.
+    common::daemon::wait_for_checks(driver.metrics, 0).await;
     assert!(
         shimmed.try_wait().unwrap().is_none(),
         "the process within A's cap was killed for B's\n{}",
@@ -1149,7 +1169,7 @@ async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boo
     let done = kubelet.unprepare(&refs[..1]).await.unwrap();
     done[&uid(1)].as_ref().unwrap();
     assert!(!host.spec_file(&uid(1)).exists());
-    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let record = host.record();
     assert!(record["claims"].get(uid(1)).is_none(), "{record}");
     assert!(record["claims"].get(uid(2)).is_some(), "{record}");
     drop(driver);
@@ -1157,13 +1177,13 @@ async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boo
     // The record says another boot wrote it: everything in it is stale.
     let mut record = record;
     record["bootId"] = json!("00000000-0000-0000-0000-000000000000");
-    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    host.write_record(&record);
     let driver = Driver::start(&host, &api).await;
     wait_until("the stale spec to go", || {
         (!host.spec_file(&uid(2)).exists()).then_some(())
     })
     .await;
-    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let record = host.record();
     assert!(record["claims"].get(uid(2)).is_none(), "{record}");
     assert!(driver.log().contains("rebooted"), "{}", driver.log());
 }
@@ -1222,7 +1242,7 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
             "devices": [],
         }},
     });
-    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    host.write_record(&record);
     std::fs::create_dir_all(host.path("cdi")).unwrap();
     std::fs::write(host.spec_file(&uid(7)), b"{}").unwrap();
     // And specs no record names: one written before the node booted (a
@@ -1244,7 +1264,7 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
         (!host.spec_file(&uid(7)).exists()).then_some(())
     })
     .await;
-    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let record = host.record();
     assert!(record["claims"].get(uid(7)).is_none(), "{record}");
     assert!(driver.log().contains("interrupted"), "{}", driver.log());
     assert!(!host.spec_file(&uid(8)).exists());
@@ -1271,15 +1291,14 @@ async fn after_a_downgrade_a_claim_in_a_newer_state_is_prepared_again() {
 
     // A newer version recorded a state this one does not know.
     driver.kill();
-    let mut record: Value =
-        serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let mut record = host.record();
     record["claims"][uid(1)]["state"] = json!("Resizing");
-    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    host.write_record(&record);
     let driver = Driver::start(&host, &api).await;
     let kubelet = kubelet_1_34(&host).await;
     let again = kubelet.prepare(&refs).await.unwrap();
     assert_eq!(again[&uid(1)], prepared[&uid(1)], "{}", driver.log());
-    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let record = host.record();
     assert_eq!(record["claims"][uid(1)]["state"], "Completed", "{record}");
 }
 
@@ -1291,11 +1310,10 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
 
     // A hand edit breaks one entry while the driver is down.
     driver.kill();
-    let mut record: Value =
-        serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let mut record = host.record();
     record["claims"][uid(1)]["state"] = json!(7);
     let broken = record["claims"][uid(1)].clone();
-    std::fs::write(host.checkpoint(), serde_json::to_vec(&record).unwrap()).unwrap();
+    host.write_record(&record);
     let driver = Driver::start(&host, &api).await;
     let kubelet = kubelet_1_34(&host).await;
 
@@ -1303,7 +1321,7 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
     // kept as it was: the file was not moved aside.
     let again = kubelet.prepare(&refs[1..]).await.unwrap();
     assert_eq!(again[&uid(2)], prepared[&uid(2)], "{}", driver.log());
-    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let record = host.record();
     assert_eq!(record["claims"][uid(1)], broken, "{record}");
     assert!(
         driver
@@ -1320,7 +1338,7 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
     let done = kubelet.unprepare(&refs[..1]).await.unwrap();
     done[&uid(1)].as_ref().unwrap();
     assert!(!host.spec_file(&uid(1)).exists(), "{}", driver.log());
-    let record: Value = serde_json::from_slice(&std::fs::read(host.checkpoint()).unwrap()).unwrap();
+    let record = host.record();
     assert!(record["claims"].get(uid(1)).is_none(), "{record}");
     assert!(record["claims"].get(uid(2)).is_some(), "{record}");
 }
@@ -1345,23 +1363,6 @@ async fn a_missing_checkpoint_keeps_the_files_of_prepared_claims_until_unprepare
         std::fs::remove_file(checkpoint).unwrap()
     })
     .await;
-}
-
-/// Waits until clean-up has judged every directory there now past its
-/// grace: a stray claim directory (no spec, no record, no process) made
-/// now is removed, and then a second one made after that, so a whole
-/// sweep ran after the one that removed the first.
-async fn a_sweep_past_the_grace(host: &Host) {
-    for n in [90, 91] {
-        let stray = host
-            .path("state/containers")
-            .join(format!("claim-{}", uid(n)));
-        std::fs::create_dir_all(&stray).unwrap();
-        wait_until("a stray claim directory's clean-up", || {
-            (!stray.exists()).then_some(())
-        })
-        .await;
-    }
 }
 
 /// The driver restarts and finds its checkpoint `damage`d: the prepared
@@ -1392,7 +1393,7 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
         "the prepared claim's CDI spec was removed: its containers cannot restart\n{}",
         driver.log()
     );
-    a_sweep_past_the_grace(&host).await;
+    common::swept_twice_past_the_grace(&host.path("state")).await;
     assert!(
         dir.is_dir(),
         "the directory the claim's spec mounts was removed\n{}",
@@ -1410,7 +1411,7 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
         "the second start removed the spec\n{}",
         driver.log()
     );
-    a_sweep_past_the_grace(&host).await;
+    common::swept_twice_past_the_grace(&host.path("state")).await;
     assert!(dir.is_dir(), "{}", driver.log());
 
     let unprepared = kubelet

@@ -172,6 +172,65 @@ async fn isolation_none_leaves_enforcement_to_others() {
     node.stop().await;
 }
 
+/// The real `gpumem plugin` for the tests where it mounts: kubelet's
+/// directory, the shim installed, a state dir, the simulated kubelet, and
+/// the plugin's command line for them, to be run in a mount namespace.
+struct Mounting {
+    kubelet_dir: tempfile::TempDir,
+    _host: tempfile::TempDir,
+    state: tempfile::TempDir,
+    kubelet: KubeletSim,
+    plugin: std::process::Command,
+}
+
+impl Mounting {
+    /// `None`, said, where not root: the plugin mounts (CI runs as root).
+    fn new() -> Option<Mounting> {
+        if !common::root() {
+            eprintln!("skipped: the plugin mounts, which needs root (CI runs as root)");
+            return None;
+        }
+        let kubelet_dir = tempfile::tempdir().unwrap();
+        let host = common::installed_shim();
+        let state = tempfile::tempdir().unwrap();
+        let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
+        let plugin = common::shim_plugin(kubelet_dir.path(), &kubelet, host.path(), state.path());
+        Some(Mounting {
+            kubelet_dir,
+            _host: host,
+            state,
+            kubelet,
+            plugin,
+        })
+    }
+
+    fn log(&self) -> std::path::PathBuf {
+        self.kubelet_dir.path().join("plugin.log")
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(self.log()).unwrap_or_default()
+    }
+
+    /// Runs `cmd`, the plugin's command line as a test wraps it, with its
+    /// log where [`Mounting::logs`] reads it.
+    fn spawn(&self, cmd: &mut std::process::Command) -> Killed {
+        let log = std::fs::File::create(self.log()).unwrap();
+        Killed(cmd.stdout(Stdio::null()).stderr(log).spawn().unwrap())
+    }
+
+    async fn registered(&self) {
+        if self
+            .kubelet
+            .wait_for_devices(RESOURCE, 1, WAIT)
+            .await
+            .is_none()
+        {
+            panic!("the plugin did not register: {}", self.logs());
+        }
+    }
+}
+
 /// Issue 29, item 3: a tenant that writes all it can into its state
 /// directory (a file beside the accounting file, and the accounting file
 /// grown) fills only a bounded file system of its own. The next pod's
@@ -181,29 +240,13 @@ async fn isolation_none_leaves_enforcement_to_others() {
 /// whose state dir is a 4 MiB tmpfs shared as a Bidirectional volume is.
 #[tokio::test]
 async fn a_tenant_filling_its_state_directory_cannot_fail_the_next_allocate() {
-    if !common::root() {
-        eprintln!("skipped: the plugin mounts, which needs root (CI runs as root)");
-        return;
-    }
-    let kubelet_dir = tempfile::tempdir().unwrap();
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
-    let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
-    let log = kubelet_dir.path().join("plugin.log");
-    let plugin = common::shim_plugin(kubelet_dir.path(), &kubelet, host.path(), state.path());
-    let plugin = Killed(
-        common::with_bounded_state(&plugin, state.path())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
+    let Some(m) = Mounting::new() else { return };
+    let (kubelet, state) = (&m.kubelet, m.state.path());
+    let plugin = m.spawn(&mut common::with_bounded_state(&m.plugin, state));
     let pid = plugin.id();
-    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
-    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
-        panic!("the plugin did not register: {}", logs());
-    }
-    let before = common::free_bytes(pid, state.path());
+    let logs = || m.logs();
+    m.registered().await;
+    let before = common::free_bytes(pid, state);
 
     let first = kubelet.admit("nb-1", "main", RESOURCE, 4).await.unwrap();
     let (_, out, err) = common::in_container(
@@ -232,7 +275,7 @@ async fn a_tenant_filling_its_state_directory_cannot_fail_the_next_allocate() {
 
     // nb-1 wrote no more than its own bounded tmpfs holds (two accounting
     // files' worth); the state dir lost only the files Allocate wrote.
-    let lost = before.saturating_sub(common::free_bytes(pid, state.path()));
+    let lost = before.saturating_sub(common::free_bytes(pid, state));
     assert!(
         lost < 512 << 10,
         "the state dir lost {lost} bytes\n{}",
@@ -251,17 +294,10 @@ async fn a_tenant_filling_its_state_directory_cannot_fail_the_next_allocate() {
 /// refuses to start, naming why; `auto` starts unbounded and says so.
 #[tokio::test]
 async fn bounded_state_dirs_are_refused_or_said_where_mounts_would_not_reach_the_host() {
-    if !common::root() {
-        eprintln!("skipped: the plugin mounts, which needs root (CI runs as root)");
-        return;
-    }
-    let kubelet_dir = tempfile::tempdir().unwrap();
-    let host = common::installed_shim();
-    let state = tempfile::tempdir().unwrap();
-    let kubelet = KubeletSim::start(kubelet_dir.path()).unwrap();
-    let plugin = common::shim_plugin(kubelet_dir.path(), &kubelet, host.path(), state.path());
+    let Some(m) = Mounting::new() else { return };
+    let (plugin, state) = (&m.plugin, m.state.path());
 
-    let out = common::with_state_tmpfs(&plugin, state.path(), "--make-private")
+    let out = common::with_state_tmpfs(plugin, state, "--make-private")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -272,19 +308,12 @@ async fn bounded_state_dirs_are_refused_or_said_where_mounts_would_not_reach_the
         "{stderr}"
     );
 
-    let log = kubelet_dir.path().join("plugin.log");
-    let _plugin = Killed(
-        common::with_state_tmpfs(&plugin, state.path(), "--make-private")
-            .env("GPUMEM_BOUND_STATE_DIRS", "auto")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+    let _plugin = m.spawn(
+        common::with_state_tmpfs(plugin, state, "--make-private")
+            .env("GPUMEM_BOUND_STATE_DIRS", "auto"),
     );
-    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
-    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
-        panic!("the plugin did not register: {}", logs());
-    }
+    let logs = || m.logs();
+    m.registered().await;
     assert!(
         logs().contains("WARN") && logs().contains("state directories are NOT bounded"),
         "{}",

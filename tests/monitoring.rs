@@ -50,6 +50,66 @@ fn prometheus_tool(name: &str) -> PathBuf {
     })
 }
 
+/// `gpumem plugin` as the chart runs it, registered with the simulated
+/// kubelet, on a fake node under one directory: the shim installed,
+/// reconciling every second, metrics on a free port.
+struct ChartPlugin {
+    kubelet: KubeletSim,
+    metrics_port: u16,
+    log: PathBuf,
+    _plugin: Killed,
+}
+
+impl ChartPlugin {
+    /// In `dir`, with what `node` adds to say what the node's GPUs are.
+    async fn start(dir: &Path, node: impl FnOnce(&mut Command) -> &mut Command) -> ChartPlugin {
+        let (kubelet_dir, host, state) = (dir.join("kubelet"), dir.join("shim"), dir.join("state"));
+        for d in [&kubelet_dir, &host, &state] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        common::fake_installed_shim(&host);
+        let kubelet = KubeletSim::start(&kubelet_dir).unwrap();
+        let metrics_port = free_port();
+        let log = dir.join("plugin.log");
+        let mut cmd = common::gpumem_cmd();
+        cmd.arg("plugin")
+            .arg("--kubelet-dir")
+            .arg(&kubelet_dir)
+            .arg("--pod-resources-socket")
+            .arg(kubelet.pod_resources_socket())
+            .arg("--shim-host-dir")
+            .arg(&host)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--status-socket", "", "--reconcile-secs", "1"])
+            // As the chart sets it (no --node-name: that means "use the API
+            // server").
+            .env("NODE_NAME", NODE)
+            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        let plugin = ChartPlugin {
+            _plugin: Killed(node(&mut cmd).spawn().unwrap()),
+            kubelet,
+            metrics_port,
+            log,
+        };
+        if plugin
+            .kubelet
+            .wait_for_devices(RESOURCE, 1, WAIT)
+            .await
+            .is_none()
+        {
+            panic!("the plugin did not register:\n{}", plugin.log());
+        }
+        plugin
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
 #[test]
 fn each_alert_fires_and_clears() {
     let output = Command::new(prometheus_tool("promtool"))
@@ -185,52 +245,14 @@ async fn every_dashboard_query_returns_its_series() {
     let prometheus = prometheus_tool("prometheus");
     let queries = dashboard_queries();
     let dir = tempfile::tempdir().unwrap();
-    let (kubelet_dir, host, state) = (
-        dir.path().join("kubelet"),
-        dir.path().join("shim"),
-        dir.path().join("state"),
-    );
-    for d in [&kubelet_dir, &host, &state] {
-        std::fs::create_dir_all(d).unwrap();
-    }
-    common::fake_installed_shim(&host);
     let gpus = dir.path().join("node.toml");
     common::rewrite_fake_gpus(
         &gpus,
         std::fs::read_to_string(common::fixture("t4")).unwrap(),
     );
-    let kubelet = KubeletSim::start(&kubelet_dir).unwrap();
-
     // The plugin as the chart runs it, on the fake node.
-    let metrics_port = free_port();
-    let log = dir.path().join("plugin.log");
-    let _plugin = Killed(
-        common::gpumem_cmd()
-            .arg("plugin")
-            .arg("--fake-gpus")
-            .arg(&gpus)
-            .arg("--kubelet-dir")
-            .arg(&kubelet_dir)
-            .arg("--pod-resources-socket")
-            .arg(kubelet.pod_resources_socket())
-            .arg("--shim-host-dir")
-            .arg(&host)
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["--status-socket", "", "--reconcile-secs", "1"])
-            // As the chart sets it (no --node-name: that means "use the API
-            // server").
-            .env("NODE_NAME", NODE)
-            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
-    let plugin_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
-        panic!("the plugin did not register:\n{}", plugin_log());
-    }
+    let plugin = ChartPlugin::start(dir.path(), |cmd| cmd.arg("--fake-gpus").arg(&gpus)).await;
+    let (kubelet, metrics_port) = (&plugin.kubelet, plugin.metrics_port);
     // A pod with 4 GiB, its process holding 1000 MiB under the shim.
     let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
     let container = PathBuf::from(&allocation.response.mounts[2].host_path);
@@ -276,7 +298,7 @@ async fn every_dashboard_query_returns_its_series() {
     let logs = || {
         format!(
             "plugin:\n{}\nprometheus:\n{}",
-            plugin_log(),
+            plugin.log(),
             std::fs::read_to_string(&prometheus_log).unwrap_or_default()
         )
     };
@@ -357,50 +379,19 @@ fn sample<'a>(scrape: &'a str, name: &str, labels: &[&str]) -> Option<&'a str> {
 async fn nvml_readings_and_each_pods_sm_use_reach_the_metrics() {
     let kit = shim_kit();
     let dir = tempfile::tempdir().unwrap();
-    let (kubelet_dir, host, state) = (
-        dir.path().join("kubelet"),
-        dir.path().join("shim"),
-        dir.path().join("state"),
-    );
-    for d in [&kubelet_dir, &host, &state] {
-        std::fs::create_dir_all(d).unwrap();
-    }
-    common::fake_installed_shim(&host);
     // The fake driver's view of the node, shared by the plugin's NVML and
     // the pod's CUDA.
     let node = dir.path().join("fake-node");
-    let kubelet = KubeletSim::start(&kubelet_dir).unwrap();
-    let metrics_port = free_port();
-    let log = dir.path().join("plugin.log");
-    let _plugin = Killed(
-        common::gpumem_cmd()
-            .arg("plugin")
-            .arg("--kubelet-dir")
-            .arg(&kubelet_dir)
-            .arg("--pod-resources-socket")
-            .arg(kubelet.pod_resources_socket())
-            .arg("--shim-host-dir")
-            .arg(&host)
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["--status-socket", "", "--reconcile-secs", "1"])
-            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
-            .env("NODE_NAME", NODE)
-            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.env("LD_LIBRARY_PATH", &kit.driver_dir)
             .env("FAKEGPU_NODE_FILE", &node)
             .env("FAKEGPU_UTILIZATION_PERCENT", "87")
             .env("FAKEGPU_TEMPERATURE_C", "64")
             .env("FAKEGPU_POWER_MW", "70500")
             .env("FAKEGPU_PROCESS_SM_PERCENT", "40")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
-    );
-    let plugin_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    if kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_none() {
-        panic!("the plugin did not register:\n{}", plugin_log());
-    }
+    })
+    .await;
+    let (kubelet, metrics_port) = (&plugin.kubelet, plugin.metrics_port);
     let allocation = kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
     let container = PathBuf::from(&allocation.response.mounts[2].host_path);
     let mut holder = Killed(
@@ -444,7 +435,7 @@ async fn nvml_readings_and_each_pods_sm_use_reach_the_metrics() {
         assert!(
             Instant::now() < deadline,
             "{missing:?} not in:\n{scrape}\n{}",
-            plugin_log()
+            plugin.log()
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

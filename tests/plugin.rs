@@ -452,8 +452,17 @@ async fn registers_again_when_kubelet_ends_list_and_watch() {
         .admit("after-hang-up", "main", RESOURCE, 2)
         .await
         .unwrap();
-    // Once: the new registration's stream stays up.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Once: the new registration's stream stays up, and carries what
+    // changes after it.
+    let sick = node.inventory.borrow().with_health(common::T4_UUID, false);
+    node.inventory
+        .send_replace(std::sync::Arc::new(sick.expect("the T4 was healthy")));
+    node.kubelet()
+        .wait_for_list(RESOURCE, WAIT, |l| {
+            l.iter().all(|dev| dev.health == "Unhealthy")
+        })
+        .await
+        .expect("a health change on the new stream");
     assert_eq!(node.kubelet().registrations().len(), 2);
     node.stop().await;
 }

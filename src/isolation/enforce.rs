@@ -188,6 +188,10 @@ pub type Notices = tokio::sync::mpsc::UnboundedSender<Notice>;
 pub struct Actions {
     pub kills: AtomicU64,
     pub reports: AtomicU64,
+    /// Samples checked to the end: once it has moved past a value read
+    /// after a change, the action has decided on what followed it, so a
+    /// reader can tell "nothing was done" from "not looked at yet".
+    pub checks: AtomicU64,
 }
 
 /// One container's GPU processes on one GPU, as sampled.
@@ -354,6 +358,8 @@ impl Enforcer {
             }
         }
         self.over.retain(|_, over| !over.is_idle());
+        // Release: whoever sees the count sees this check's kills done.
+        self.actions.checks.fetch_add(1, Ordering::Release);
     }
 
     /// The processes killed, with what each held.

@@ -211,6 +211,7 @@ impl Observed {
             (
                 a.kills.load(std::sync::atomic::Ordering::Relaxed),
                 a.reports.load(std::sync::atomic::Ordering::Relaxed),
+                a.checks.load(std::sync::atomic::Ordering::Acquire),
             )
         });
         let sensors = match self.sensors.as_ref().map(Sensors::read) {
@@ -414,8 +415,8 @@ struct Reading {
     /// Per-GPU process overhead by UUID, where it is reconciled.
     overheads: HashMap<String, u64>,
     registrations: u64,
-    /// Over-cap kills and reports so far, where the action is on.
-    over_cap: Option<(u64, u64)>,
+    /// Over-cap kills, reports and checks so far, where the action is on.
+    over_cap: Option<(u64, u64, u64)>,
     sensors: Readings,
     /// Whose each GPU process is, where reconciled.
     whose: Option<Whose>,
@@ -770,7 +771,7 @@ impl Collector for NodeCollector {
             }
         }
 
-        if let Some((kills, reports)) = over_cap {
+        if let Some((kills, reports, checks)) = over_cap {
             single(
                 e,
                 "over_cap_kills",
@@ -784,6 +785,13 @@ impl Collector for NodeCollector {
                 "Times a container was over its cap for the grace period in total within the \
                  window with --over-cap-action report",
                 ConstCounter::new(*reports),
+            )?;
+            single(
+                e,
+                "over_cap_checks",
+                "Reconcile samples the over-cap action has checked: once it has moved on, what \
+                 a sample showed has been acted on or found within the cap",
+                ConstCounter::new(*checks),
             )?;
         }
         single(

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod cdi;
+pub mod daemon;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -580,4 +581,29 @@ pub fn free_bytes(pid: u32, path: &Path) -> u64 {
         .collect();
     assert_eq!(numbers.len(), 2, "stat -f: {text}");
     numbers[0] * numbers[1]
+}
+
+/// Waits until a plugin's clean-up has swept `state` past its grace: a
+/// directory `name` made now, which no container holds, is removed.
+pub async fn swept_past_the_grace(state: &Path, name: &str) {
+    let stray = state.join("containers").join(name);
+    std::fs::create_dir_all(&stray).unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    while stray.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} was never cleaned up",
+            stray.display()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Waits until clean-up has swept `state` past its grace twice: a stray
+/// directory is removed, then another made after that. The sweep that
+/// removed the first has then finished, and it found every older directory
+/// past its grace too: one it would remove is gone, one still there is kept.
+pub async fn swept_twice_past_the_grace(state: &Path) {
+    swept_past_the_grace(state, "stray-1").await;
+    swept_past_the_grace(state, "stray-2").await;
 }
