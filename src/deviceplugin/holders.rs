@@ -4,6 +4,7 @@
 //! an init container waiting for its image longer than the grace period
 //! would otherwise lose its directory before it starts.
 
+use crate::error_text::{chain, one_line};
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -90,7 +91,7 @@ impl Holders for KubeletHolders {
             .pod_resources
             .listed()
             .await
-            .map_err(|err| err.to_string())?;
+            .map_err(|err| one_line(&err))?;
         // Every unit's name: a container allocated before --memory-unit
         // changed keeps its directory.
         let mut live: HashSet<ContainerName> = listed
@@ -101,14 +102,14 @@ impl Holders for KubeletHolders {
         let (path, resource) = (self.checkpoint.clone(), self.resource.clone());
         let read = tokio::task::spawn_blocking(move || checkpoint::read(&path, &resource))
             .await
-            .map_err(|err| err.to_string())?;
+            .map_err(|err| one_line(&err))?;
         let entries = match read {
             Ok(entries) => entries,
             Err(err) => {
                 // List alone, as before this reader: init containers may
                 // lose their directories, nothing else changes.
                 if !self.warned.swap(true, Ordering::Relaxed) {
-                    warn!(%err, "init containers' accounting directories are kept only while they run; the rest of clean-up goes on");
+                    warn!(err = %chain(&err), "init containers' accounting directories are kept only while they run; the rest of clean-up goes on");
                 }
                 return Ok(live);
             }
@@ -141,7 +142,7 @@ impl Holders for KubeletHolders {
     fn restartable(&self) -> Option<HashSet<ContainerName>> {
         let entries = checkpoint::read(&self.checkpoint, &self.resource)
             .inspect_err(
-                |err| debug!(%err, "no checkpoint to tell which containers kubelet restarts"),
+                |err| debug!(err = %chain(err), "no checkpoint to tell which containers kubelet restarts"),
             )
             .ok()?;
         Some(
