@@ -74,6 +74,13 @@ mod tests {
     }
 
     #[test]
+    fn kube_errors_that_repeat_their_source_say_it_once() {
+        let err = kube::Error::ReadEvents(refused());
+        assert_eq!(err.to_string(), "Error reading events stream: refused");
+        assert_eq!(one_line(&err), "Error reading events stream: refused");
+    }
+
+    #[test]
     fn gpumem_errors_say_their_level_and_chain_their_cause() {
         use crate::isolation::cdi::CdiError;
         let err = CdiError::Write {

@@ -535,7 +535,7 @@ impl PreparedClaims {
             // follows the clean-up rules.
             let _ = self.inner.config.specs.remove(&claim.uid);
             if let Err(forget) = checkpoint.remove(&claim.uid) {
-                warn!(uid = %claim.uid, err = %forget, "cannot forget a failed prepare; it is rolled back at the next start");
+                warn!(uid = %claim.uid, err = %chain(&forget), "cannot forget a failed prepare; it is rolled back at the next start");
             }
             return Err(err);
         }
