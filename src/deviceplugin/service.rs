@@ -371,3 +371,23 @@ fn container_response(grant: Grant) -> ContainerAllocateResponse {
         ..Default::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolation::cdi::CdiError;
+
+    #[test]
+    fn a_status_tells_kubelet_the_cause_once() {
+        let err = InjectError::Cdi(CdiError::Write {
+            path: "/var/run/cdi/gpumem.json".into(),
+            source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied"),
+        });
+        let status = Status::from(err);
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(
+            status.message(),
+            "cannot write the CDI spec /var/run/cdi/gpumem.json (--cdi-spec-dir): denied"
+        );
+    }
+}
