@@ -42,7 +42,7 @@ pub struct ExtenderConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExtenderError {
-    #[error("cannot serve the extender on {addr}: {source}")]
+    #[error("cannot serve the extender on {addr}")]
     Serve { addr: String, source: io::Error },
 }
 

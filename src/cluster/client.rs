@@ -26,17 +26,17 @@ pub const ADMISSION_CALL_BOUND: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("cannot read the kubeconfig {path} (--kubeconfig): {source}")]
+    #[error("cannot read the kubeconfig {path} (--kubeconfig)")]
     Kubeconfig {
         path: PathBuf,
         source: kube::config::KubeconfigError,
     },
     #[error(
         "no API server configuration: not in a pod with a service account, and no kubeconfig \
-         (set --kubeconfig or KUBECONFIG): {0}"
+         (set --kubeconfig or KUBECONFIG)"
     )]
     Infer(#[from] kube::config::InferConfigError),
-    #[error("cannot build an API client: {0}")]
+    #[error("cannot build an API client")]
     Build(#[from] kube::Error),
 }
 

@@ -11,6 +11,7 @@
 //! what they say; Allocate checks them and marks the pod assigned. Both
 //! calls match against the node's pods listed afresh, so they agree.
 
+use crate::error_text::chain;
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -101,7 +102,7 @@ pub enum GpushareError {
     },
     #[error("{pod} is no longer waiting to be placed (assigned or deleted meanwhile)")]
     Gone { pod: String },
-    #[error("cannot read or annotate pods: {0}")]
+    #[error("cannot read or annotate pods")]
     Pods(#[from] PodsError),
     #[error(transparent)]
     Placement(#[from] placement::PlacementError),
@@ -468,7 +469,7 @@ pub async fn annotate_placed(
                 info!(pod = %format!("{namespace}/{name}"), gpu = index, units, "annotated for gpushare's tools")
             }
             Err(err) => {
-                warn!(pod = %format!("{namespace}/{name}"), %err, "cannot annotate pod for gpushare's tools")
+                warn!(pod = %format!("{namespace}/{name}"), err = %chain(&err), "cannot annotate pod for gpushare's tools")
             }
         }
     }

@@ -127,9 +127,9 @@ pub async fn unpublish(client: &Client, only: &[String]) -> Result<Vec<String>, 
 
 #[derive(Debug, thiserror::Error)]
 pub enum UnpublishError {
-    #[error("cannot list Nodes: {0}")]
+    #[error("cannot list Nodes")]
     List(#[source] kube::Error),
-    #[error("cannot remove gpumem's GPU count and annotation from Node {node}: {source}")]
+    #[error("cannot remove gpumem's GPU count and annotation from Node {node}")]
     Patch {
         node: String,
         #[source]

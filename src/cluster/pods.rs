@@ -39,7 +39,7 @@ pub struct NodePods {
 pub enum PodsError {
     #[error("the API server did not answer within {0:?}")]
     Timeout(Duration),
-    #[error("API server: {0}")]
+    #[error("API server")]
     Api(#[from] kube::Error),
     #[error("pod {namespace}/{name} was changed by others {CONFLICT_RETRIES} times while gpumem updated it")]
     Conflicts { namespace: String, name: String },

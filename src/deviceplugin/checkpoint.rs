@@ -25,13 +25,13 @@ pub struct Entry {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("cannot read kubelet's device checkpoint {path}: {source}")]
+    #[error("cannot read kubelet's device checkpoint {path}")]
     Read {
         path: String,
         #[source]
         source: io::Error,
     },
-    #[error("kubelet's device checkpoint {path} does not parse: {source}")]
+    #[error("kubelet's device checkpoint {path} does not parse")]
     Parse {
         path: String,
         #[source]

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::deviceplugin::checkpoint;
+use crate::error_text::{chain, one_line};
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
 use crate::isolation::reconcile::PodDirs;
@@ -91,7 +92,7 @@ impl Holders for KubeletHolders {
             .pod_resources
             .listed()
             .await
-            .map_err(|err| err.to_string())?;
+            .map_err(|err| one_line(&err))?;
         // Every unit's name: a container allocated before --memory-unit
         // changed keeps its directory.
         let mut live: HashSet<ContainerName> = listed
@@ -102,14 +103,14 @@ impl Holders for KubeletHolders {
         let (path, resource) = (self.checkpoint.clone(), self.resource.clone());
         let read = tokio::task::spawn_blocking(move || checkpoint::read(&path, &resource))
             .await
-            .map_err(|err| err.to_string())?;
+            .map_err(|err| one_line(&err))?;
         let entries = match read {
             Ok(entries) => entries,
             Err(err) => {
                 // List alone, as before this reader: init containers may
                 // lose their directories, nothing else changes.
                 if !self.warned.swap(true, Ordering::Relaxed) {
-                    warn!(%err, "init containers' accounting directories are kept only while they run; the rest of clean-up goes on");
+                    warn!(err = %chain(&err), "init containers' accounting directories are kept only while they run; the rest of clean-up goes on");
                 }
                 return Ok(live);
             }
@@ -142,7 +143,7 @@ impl Holders for KubeletHolders {
     fn restartable(&self) -> Option<HashSet<ContainerName>> {
         let entries = checkpoint::read(&self.checkpoint, &self.resource)
             .inspect_err(
-                |err| debug!(%err, "no checkpoint to tell which containers kubelet restarts"),
+                |err| debug!(err = %chain(err), "no checkpoint to tell which containers kubelet restarts"),
             )
             .ok()?;
         Some(
@@ -165,7 +166,9 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
     );
     Box::new(move || {
         let entries = checkpoint::read(&path, &resource)
-            .inspect_err(|err| debug!(%err, "GPU processes are attributed without their pods"))
+            .inspect_err(
+                |err| debug!(err = %chain(err), "GPU processes are attributed without their pods"),
+            )
             .ok()?;
         let mut by_pod: HashMap<String, Vec<String>> = HashMap::new();
         for entry in entries {

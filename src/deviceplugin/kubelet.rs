@@ -20,7 +20,7 @@ const REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
 pub enum KubeletError {
     #[error("{path} does not exist yet (kubelet not running?)")]
     Missing { path: PathBuf },
-    #[error("cannot connect to {path}: {source}")]
+    #[error("cannot connect to {path}")]
     Connect {
         path: PathBuf,
         source: tonic::transport::Error,

@@ -2,6 +2,7 @@
 //! kubelet restart, or kubelet ending ListAndWatch, and do both again; on
 //! shutdown, stop and remove the socket.
 
+use crate::error_text::chain;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -69,13 +70,13 @@ pub struct PluginStatus {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
-    #[error("--kubelet-dir {path} is not a usable directory: {source}")]
+    #[error("--kubelet-dir {path} is not a usable directory")]
     KubeletDir { path: PathBuf, source: io::Error },
     #[error("another process is serving {path}; stop it before starting a second gpumem here")]
     SocketInUse { path: PathBuf },
-    #[error("--state-dir {path} is not usable: {source}")]
+    #[error("--state-dir {path} is not usable")]
     StateDir { path: PathBuf, source: io::Error },
-    #[error("cannot create plugin socket {path}: {source}")]
+    #[error("cannot create plugin socket {path}")]
     Bind { path: PathBuf, source: io::Error },
 }
 
@@ -189,7 +190,7 @@ impl Plugin {
                     let Some(backoff) = bind_backoff else {
                         return Err(err);
                     };
-                    warn!(%err, retry_in = ?backoff, "cannot serve a new plugin socket; retrying");
+                    warn!(err = %chain(&err), retry_in = ?backoff, "cannot serve a new plugin socket; retrying");
                     tokio::select! {
                         () = shutdown.cancelled() => return Ok(()),
                         () = tokio::time::sleep(backoff) => {}
@@ -283,7 +284,7 @@ impl Plugin {
         let generation = generation.clone();
         let task = tokio::spawn(async move {
             if let Err(err) = server.await {
-                error!(%err, "plugin server failed");
+                error!(err = %chain(&err), "plugin server failed");
                 // Drop this generation; the run loop serves a fresh socket.
                 generation.cancel();
             }
@@ -326,7 +327,7 @@ impl Plugin {
             match outcome {
                 Ok(()) => return Registration::Done(kubelet_id),
                 Err(err) => {
-                    warn!(attempt, retry_in = ?backoff, %err, "registration with kubelet failed; retrying")
+                    warn!(attempt, retry_in = ?backoff, err = %chain(&err), "registration with kubelet failed; retrying")
                 }
             }
             // Wait out the backoff, but retry at once when kubelet.sock changes.
@@ -411,6 +412,6 @@ fn remove_socket(path: &Path) {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-        Err(err) => warn!(path = %path.display(), %err, "cannot remove socket"),
+        Err(err) => warn!(path = %path.display(), err = %chain(&err), "cannot remove socket"),
     }
 }

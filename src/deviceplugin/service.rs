@@ -1,6 +1,7 @@
 //! The DevicePlugin gRPC service kubelet calls: translates between protobuf
 //! and the pure inventory, placement and inject functions.
 
+use crate::error_text::{chain, one_line};
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -38,9 +39,9 @@ impl From<InjectError> for Status {
         match err {
             // The node is not set up as the flags say: tell the user.
             InjectError::ShimMissing(_) | InjectError::Cdi(_) => {
-                Status::failed_precondition(err.to_string())
+                Status::failed_precondition(one_line(&err))
             }
-            InjectError::Accounting(_) => Status::internal(err.to_string()),
+            InjectError::Accounting(_) => Status::internal(one_line(&err)),
         }
     }
 }
@@ -48,9 +49,9 @@ impl From<InjectError> for Status {
 impl From<PlacementError> for Status {
     fn from(err: PlacementError) -> Self {
         if err.is_bad_request() {
-            Status::invalid_argument(err.to_string())
+            Status::invalid_argument(one_line(&err))
         } else {
-            Status::resource_exhausted(err.to_string())
+            Status::resource_exhausted(one_line(&err))
         }
     }
 }
@@ -59,11 +60,9 @@ impl From<GpushareError> for Status {
     fn from(err: GpushareError) -> Self {
         match err {
             GpushareError::Placement(err) => err.into(),
-            GpushareError::Pods(PodsError::Timeout(_)) => {
-                Status::deadline_exceeded(err.to_string())
-            }
-            GpushareError::Pods(_) => Status::unavailable(err.to_string()),
-            _ => Status::failed_precondition(err.to_string()),
+            GpushareError::Pods(PodsError::Timeout(_)) => Status::deadline_exceeded(one_line(&err)),
+            GpushareError::Pods(_) => Status::unavailable(one_line(&err)),
+            _ => Status::failed_precondition(one_line(&err)),
         }
     }
 }
@@ -213,7 +212,7 @@ impl DevicePlugin for DevicePluginService {
                     )
                     .await
                     .inspect_err(
-                        |err| warn!(size = req.allocation_size, %err, "no preferred allocation"),
+                        |err| warn!(size = req.allocation_size, err = %chain(err), "no preferred allocation"),
                     )?;
                 container_responses.push(ContainerPreferredAllocationResponse {
                     device_i_ds: picked,
@@ -228,7 +227,7 @@ impl DevicePlugin for DevicePluginService {
                 i64::from(req.allocation_size),
             )
             .inspect_err(
-                |err| warn!(size = req.allocation_size, %err, "no preferred allocation"),
+                |err| warn!(size = req.allocation_size, err = %chain(err), "no preferred allocation"),
             )?;
             container_responses.push(ContainerPreferredAllocationResponse {
                 device_i_ds: picked,
@@ -283,7 +282,7 @@ impl DevicePluginService {
                     .confirm(&inv, container.assignment)
                     .await
                     .inspect_err(|err| {
-                        warn!(ids = %IdSample::of(&container.ids), %err, "Allocate rejected");
+                        warn!(ids = %IdSample::of(&container.ids), err = %chain(err), "Allocate rejected");
                     })?;
             }
         }
@@ -293,7 +292,12 @@ impl DevicePluginService {
         // the async workers.
         tokio::task::spawn_blocking(move || grant_all(&inv, placed, &isolation, &device_list))
             .await
-            .unwrap_or_else(|err| Err(Status::internal(format!("Allocate failed: {err}"))))
+            .unwrap_or_else(|err| {
+                Err(Status::internal(format!(
+                    "Allocate failed: {}",
+                    chain(&err)
+                )))
+            })
     }
 }
 
@@ -309,7 +313,7 @@ fn place_all(inv: &Inventory, request: AllocateRequest) -> Result<Vec<Placed>, S
         .into_iter()
         .map(|req| {
             let assignment = placement::assign(inv, &req.devices_ids).inspect_err(|err| {
-                warn!(ids = %IdSample::of(&req.devices_ids), %err, "Allocate rejected");
+                warn!(ids = %IdSample::of(&req.devices_ids), err = %chain(err), "Allocate rejected");
             })?;
             Ok(Placed {
                 ids: req.devices_ids,
@@ -338,7 +342,7 @@ fn grant_all(
             "Allocate"
         );
         let grant = inject::container_grant(inv, assignment, &ids, isolation, device_list)
-            .inspect_err(|err| warn!(%err, "Allocate failed"))?;
+            .inspect_err(|err| warn!(err = %chain(err), "Allocate failed"))?;
         container_responses.push(container_response(grant));
     }
     Ok(AllocateResponse {
@@ -365,5 +369,25 @@ fn container_response(grant: Grant) -> ContainerAllocateResponse {
             .map(|name| CdiDevice { name })
             .collect(),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolation::cdi::CdiError;
+
+    #[test]
+    fn a_status_tells_kubelet_the_cause_once() {
+        let err = InjectError::Cdi(CdiError::Write {
+            path: "/var/run/cdi/gpumem.json".into(),
+            source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied"),
+        });
+        let status = Status::from(err);
+        assert_eq!(status.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(
+            status.message(),
+            "cannot write the CDI spec /var/run/cdi/gpumem.json (--cdi-spec-dir): denied"
+        );
     }
 }

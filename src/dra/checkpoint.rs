@@ -37,6 +37,7 @@
 //! the file (renamed into place, not fsynced: see `save`) before it returns,
 //! and on a failed write leaves the checkpoint in memory as it was.
 
+use crate::error_text::one_line;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs;
@@ -61,16 +62,19 @@ const MODE: u32 = 0o600;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("cannot read the DRA checkpoint {path} (check its permissions; removing it forgets the prepared claims): {source}")]
+    #[error("cannot read the DRA checkpoint {path} (check its permissions; removing it forgets the prepared claims)")]
     Read { path: PathBuf, source: io::Error },
-    #[error("cannot write the DRA checkpoint {path} (is its directory writable and the disk not full?): {source}")]
+    #[error(
+        "cannot write the DRA checkpoint {path} (is its directory writable and the disk not full?)"
+    )]
     Write { path: PathBuf, source: io::Error },
-    /// Returned in [`Opened::corrupt`], not as a failure of `open`.
-    #[error("the DRA checkpoint {path} does not parse ({source}); it was moved to {moved_to} and an empty one started: the claims it recorded keep their CDI specs until kubelet unprepares them, and their accounting directories follow the clean-up rules")]
+    /// Returned in [`Opened::corrupt`], not as a failure of `open`. The
+    /// parse error sits mid-sentence, so it is told here and not chained.
+    #[error("the DRA checkpoint {path} does not parse ({error}); it was moved to {moved_to} and an empty one started: the claims it recorded keep their CDI specs until kubelet unprepares them, and their accounting directories follow the clean-up rules")]
     Corrupt {
         path: PathBuf,
         moved_to: PathBuf,
-        source: serde_json::Error,
+        error: serde_json::Error,
     },
     #[error("claim {uid} is already recorded as {state} in the DRA checkpoint {path} (with accounting directory {dir:?}, CDI device {cdi_device:?}): roll that back first")]
     Conflict {
@@ -276,7 +280,7 @@ impl<'de> Deserialize<'de> for Claims {
                     claims.read.insert(uid, entry);
                 }
                 Err(err) => {
-                    claims.unreadable.insert(uid, (value, err.to_string()));
+                    claims.unreadable.insert(uid, (value, one_line(&err)));
                 }
             }
         }
@@ -370,12 +374,12 @@ impl Checkpoint {
         let mut doc = match fs::read(path) {
             Ok(bytes) => match serde_json::from_slice::<Document>(&bytes) {
                 Ok(doc) => doc,
-                Err(source) => {
+                Err(error) => {
                     let moved_to = move_aside(path, &dir, &name)?;
                     corrupt = Some(CheckpointError::Corrupt {
                         path: path.to_owned(),
                         moved_to,
-                        source,
+                        error,
                     });
                     Document::default()
                 }

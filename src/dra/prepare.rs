@@ -4,6 +4,7 @@
 //! directory and one CDI spec. The checkpoint records what was made, so
 //! Unprepare and a restarted driver never depend on the API server.
 
+use crate::error_text::{chain, one_line};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -46,7 +47,7 @@ pub enum PrepareError {
     BadUid(String),
     #[error("ResourceClaim {namespace}/{name} does not exist (deleted before its pod started?)")]
     NotFound { namespace: String, name: String },
-    #[error("cannot read ResourceClaim {namespace}/{name} from the API server: {source}")]
+    #[error("cannot read ResourceClaim {namespace}/{name} from the API server")]
     Api {
         namespace: String,
         name: String,
@@ -124,7 +125,7 @@ pub enum PrepareError {
     Checkpoint(#[from] crate::dra::checkpoint::CheckpointError),
     #[error("preparing the claim stopped unexpectedly: {0}")]
     Internal(String),
-    #[error("cannot remove the CDI spec {path}: {source}")]
+    #[error("cannot remove the CDI spec {path}")]
     RemoveSpec {
         path: PathBuf,
         source: std::io::Error,
@@ -196,7 +197,7 @@ impl PreparedClaims {
         for (uid, entry) in entries {
             info!(claim = %format!("{}/{}", entry.namespace, entry.name), %uid, why, "rolling back a prepared claim");
             if let Err(err) = self.forget_entry(&mut self.checkpoint(), &uid, &entry) {
-                warn!(%uid, %err, "cannot roll back a prepared claim; trying again at the next start");
+                warn!(%uid, err = %chain(&err), "cannot roll back a prepared claim; trying again at the next start");
             }
         }
     }
@@ -228,7 +229,7 @@ impl PreparedClaims {
                     info!(spec = %specs.path(&name).display(), "removed the CDI spec of a claim no longer prepared, written before the node booted")
                 }
                 Err(err) => {
-                    warn!(spec = %specs.path(&name).display(), %err, "cannot remove the CDI spec of a claim no longer prepared")
+                    warn!(spec = %specs.path(&name).display(), err = %chain(&err), "cannot remove the CDI spec of a claim no longer prepared")
                 }
             }
         }
@@ -321,7 +322,7 @@ impl PreparedClaims {
             let this = self.clone();
             return tokio::task::spawn_blocking(move || this.restore_spec(&key, &done))
                 .await
-                .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())));
+                .unwrap_or_else(|err| Err(PrepareError::Internal(one_line(&err))));
         }
         let object = self.read(claim).await?;
         let inv = self.inner.inventory.borrow().clone();
@@ -334,7 +335,7 @@ impl PreparedClaims {
             this.commit(&claim, key, devices, reserved_pods(&object), &inv)
         })
         .await
-        .unwrap_or_else(|err| Err(PrepareError::Internal(err.to_string())))
+        .unwrap_or_else(|err| Err(PrepareError::Internal(one_line(&err))))
     }
 
     fn completed(&self, uid: &str) -> Option<ClaimEntry> {
@@ -538,7 +539,7 @@ impl PreparedClaims {
                 // A concurrent prepare of this claim (two pods starting
                 // with it) finished, and kubelet may already have its
                 // answer: what it made stays.
-                warn!(uid = %claim.uid, %err, "a concurrent prepare of the claim failed after another succeeded");
+                warn!(uid = %claim.uid, err = %chain(&err), "a concurrent prepare of the claim failed after another succeeded");
                 return Ok(answer(done));
             }
             if others > 0 {
@@ -551,7 +552,7 @@ impl PreparedClaims {
             // follows the clean-up rules.
             let _ = self.inner.config.specs.remove(&claim.uid);
             if let Err(forget) = checkpoint.remove(&claim.uid) {
-                warn!(uid = %claim.uid, err = %forget, "cannot forget a failed prepare; it is rolled back at the next start");
+                warn!(uid = %claim.uid, err = %chain(&forget), "cannot forget a failed prepare; it is rolled back at the next start");
             }
             return Err(err);
         }
@@ -677,7 +678,7 @@ impl PreparedClaims {
                 ),
                 Ok(false) => {}
                 Err(err) => {
-                    warn!(%uid, %err, "cannot bring the CDI spec of a prepared claim up to date; it stays as it was")
+                    warn!(%uid, err = %chain(&err), "cannot bring the CDI spec of a prepared claim up to date; it stays as it was")
                 }
             }
         }
@@ -804,8 +805,8 @@ impl Claims for PreparedClaims {
             .zip(answers)
             .map(|(claim, answer)| {
                 let answer = answer.map_err(|err| {
-                    warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, %err, "cannot prepare");
-                    err.to_string()
+                    warn!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, err = %chain(&err), "cannot prepare");
+                    one_line(&err)
                 });
                 (claim.uid, answer)
             })
@@ -818,7 +819,7 @@ impl Claims for PreparedClaims {
             claims
                 .into_iter()
                 .map(|claim| {
-                    let done = this.forget(&claim.uid).map_err(|err| err.to_string());
+                    let done = this.forget(&claim.uid).map_err(|err| one_line(&err));
                     if done.is_ok() {
                         info!(claim = %format!("{}/{}", claim.namespace, claim.name), uid = %claim.uid, "unprepared");
                     }

@@ -2,6 +2,7 @@
 //! versions over the [`Claims`] seam and device health beside it, served
 //! with kubelet's registration.
 
+use crate::error_text::chain;
 use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::fs::MetadataExt;
@@ -74,22 +75,24 @@ impl DraSockets {
 pub enum DraError {
     #[error("driver name {name:?} cannot name a socket: it must be non-empty, without '/', and not start with '.' (kubelet ignores such sockets)")]
     DriverName { name: String },
-    #[error("kubelet's plugin registry {path} is not a usable directory: {source}; mount the host's {DEFAULT_REGISTRY_DIR} there (kubelet creates it and watches it for registration sockets)")]
-    RegistryDir { path: PathBuf, source: io::Error },
-    #[error("cannot create the DRA socket directory {path}: {source}; mount the host's {DEFAULT_PLUGINS_DIR} writable")]
-    SocketDir { path: PathBuf, source: io::Error },
+    // These two tell their cause mid-sentence, before the fix: it is not
+    // chained, so it is said once.
+    #[error("kubelet's plugin registry {path} is not a usable directory: {error}; mount the host's {DEFAULT_REGISTRY_DIR} there (kubelet creates it and watches it for registration sockets)")]
+    RegistryDir { path: PathBuf, error: io::Error },
+    #[error("cannot create the DRA socket directory {path}: {error}; mount the host's {DEFAULT_PLUGINS_DIR} writable")]
+    SocketDir { path: PathBuf, error: io::Error },
     #[error("socket path {path} is not UTF-8, which kubelet needs to be told the endpoint")]
     NotUtf8 { path: PathBuf },
     #[error("another process is serving {path}; stop it before starting a second gpumem here")]
     SocketInUse { path: PathBuf },
-    #[error("cannot create socket {path}: {source}")]
+    #[error("cannot create socket {path}")]
     Bind { path: PathBuf, source: io::Error },
-    #[error("the gRPC server on {path} failed: {source}")]
+    #[error("the gRPC server on {path} failed")]
     Serve {
         path: PathBuf,
         source: tonic::transport::Error,
     },
-    #[error("the gRPC server on {path} stopped abnormally: {source}")]
+    #[error("the gRPC server on {path} stopped abnormally")]
     Task {
         path: PathBuf,
         source: tokio::task::JoinError,
@@ -301,21 +304,21 @@ pub async fn serve(
         Ok(_) => {
             return Err(DraError::RegistryDir {
                 path: registry.clone(),
-                source: io::Error::other("not a directory"),
+                error: io::Error::other("not a directory"),
             })
         }
-        Err(source) => {
+        Err(error) => {
             return Err(DraError::RegistryDir {
                 path: registry.clone(),
-                source,
+                error,
             })
         }
     }
     let dra_socket = sockets.dra_socket();
     if let Some(dir) = dra_socket.parent() {
-        std::fs::create_dir_all(dir).map_err(|source| DraError::SocketDir {
+        std::fs::create_dir_all(dir).map_err(|error| DraError::SocketDir {
             path: dir.to_owned(),
-            source,
+            error,
         })?;
     }
     let endpoint = dra_socket.to_str().ok_or_else(|| DraError::NotUtf8 {
@@ -409,7 +412,7 @@ async fn teardown(served: Vec<Served>, stop: &CancellationToken) -> Option<DraEr
         // Another instance may have replaced it since: leave theirs.
         if SocketId::of(&s.path) == Some(s.id) {
             if let Err(err) = std::fs::remove_file(&s.path) {
-                warn!(socket = %s.path.display(), %err, "cannot remove our socket");
+                warn!(socket = %s.path.display(), err = %chain(&err), "cannot remove our socket");
             }
         }
     }
@@ -427,7 +430,7 @@ async fn teardown(served: Vec<Served>, stop: &CancellationToken) -> Option<DraEr
                 continue;
             }
         };
-        error!(%err, "DRA plugin server failed");
+        error!(err = %chain(&err), "DRA plugin server failed");
         failed.get_or_insert(err);
     }
     failed

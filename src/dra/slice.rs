@@ -8,6 +8,7 @@
 //! because an API server without `DRAConsumableCapacity` silently drops the
 //! fields that make a GPU shareable.
 
+use crate::error_text::{chain, one_line};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -341,18 +342,18 @@ pub async fn run(
                     retry_at = Some(Instant::now() + backoff);
                     if failing.first(failure.kind()) {
                         warn!(
-                            slice = %publisher.name, %failure, retry_in = ?backoff,
+                            slice = %publisher.name, failure = %chain(&failure), retry_in = ?backoff,
                             "cannot publish the ResourceSlice; retrying (repeats of this error \
                              are logged at debug)"
                         );
                     } else {
                         debug!(
-                            slice = %publisher.name, %failure, retry_in = ?backoff,
+                            slice = %publisher.name, failure = %chain(&failure), retry_in = ?backoff,
                             "cannot publish the ResourceSlice"
                         );
                     }
                     backoff = (backoff * 2).min(BACKOFF_MAX);
-                    let message = failure.to_string();
+                    let message = one_line(&failure);
                     status.send_modify(|s| {
                         s.in_sync = false;
                         s.consumable_capacity = publisher.consumable;
@@ -498,7 +499,7 @@ impl Publisher {
             match self.pass(inv).await {
                 Err(failure) if failure.is_conflict() && attempt + 1 < CONFLICT_RETRIES => {
                     debug!(
-                        slice = %self.name, %failure,
+                        slice = %self.name, failure = %chain(&failure),
                         "lost a race writing the ResourceSlice; reading it again"
                     );
                     attempt += 1;
@@ -791,7 +792,7 @@ impl Failure {
         Failure {
             step,
             class,
-            message: err.to_string(),
+            message: one_line(err),
         }
     }
 

@@ -7,6 +7,7 @@
 //! refuses drops its booking; one whose outcome is unknown (no answer in
 //! time) keeps it until the watch shows the pod or the booking expires.
 
+use crate::error_text::one_line;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -35,7 +36,7 @@ pub enum BindError {
     NotSynced,
     #[error("bind request without PodName, PodNamespace or Node: {0:?}")]
     BadRequest(ExtenderBindingArgs),
-    #[error("cannot read pod {pod}: {source}")]
+    #[error("cannot read pod {pod}")]
     Lookup { pod: String, source: kube::Error },
     #[error("cannot read pod {pod}: no answer from the API server within {bound:?}")]
     LookupTimeout { pod: String, bound: Duration },
@@ -54,7 +55,7 @@ pub enum BindError {
         units: u64,
         reason: String,
     },
-    #[error("the API server refused binding {pod} to node {node}: {source}")]
+    #[error("the API server refused binding {pod} to node {node}")]
     Refused {
         pod: String,
         node: String,
@@ -314,7 +315,7 @@ impl Binder {
         match tokio::time::timeout_at(deadline, call).await {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(err @ kube::Error::Api(_))) => Err(Outcome::Refused(err)),
-            Ok(Err(err)) => Err(Outcome::Unknown(err.to_string())),
+            Ok(Err(err)) => Err(Outcome::Unknown(one_line(&err))),
             Err(_) => Err(Outcome::Unknown(format!(
                 "no answer from the API server within {API_CALL_BOUND:?}"
             ))),

@@ -9,6 +9,7 @@
 //! finished (Succeeded or Failed); a terminating pod still holds them until
 //! it is gone, as its processes may still hold the memory.
 
+use crate::error_text::one_line;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -347,7 +348,7 @@ impl Cache {
         {
             None => Err(NodeProblem::NotPublished),
             Some(text) => serde_json::from_str::<Vec<PublishedGpu>>(text)
-                .map_err(|err| NodeProblem::Invalid(err.to_string())),
+                .map_err(|err| NodeProblem::Invalid(one_line(&err))),
         };
         self.nodes.insert(name, gpus);
     }

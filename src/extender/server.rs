@@ -7,6 +7,7 @@
 //! as "failed … code N". Prioritize has no `Error`: its failures are HTTP
 //! errors, which kube-scheduler ignores (it scores without us).
 
+use crate::error_text::one_line;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -129,7 +130,7 @@ async fn bind(State(binder): Verbs, body: Bytes) -> Json<ExtenderBindingResult> 
     match binder.bind(&args).await {
         Ok(_) => Json(ExtenderBindingResult::default()),
         Err(err) => {
-            let error = err.to_string();
+            let error = one_line(&err);
             warn!(%error, "bind failed");
             Json(ExtenderBindingResult { error })
         }

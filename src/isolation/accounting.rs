@@ -25,9 +25,9 @@ pub enum AccountingError {
     BadUuid(String),
     #[error("a container can be capped on at most {max} GPUs, not {count}")]
     TooManyGpus { count: usize, max: usize },
-    #[error("cannot write accounting state in {path}: {source}")]
+    #[error("cannot write accounting state in {path}")]
     Io { path: PathBuf, source: io::Error },
-    #[error("cannot mount the bounded file system of the accounting directory {path}: {source}")]
+    #[error("cannot mount the bounded file system of the accounting directory {path}")]
     Mount { path: PathBuf, source: io::Error },
 }
 

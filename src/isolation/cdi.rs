@@ -50,11 +50,11 @@ pub enum CdiError {
     DeviceName { name: String, reason: &'static str },
     #[error("{kind:?} is not a valid CDI kind (vendor/class): {reason}")]
     Kind { kind: String, reason: &'static str },
-    #[error("cannot write the CDI spec {path} (--cdi-spec-dir): {source}")]
+    #[error("cannot write the CDI spec {path} (--cdi-spec-dir)")]
     Write { path: PathBuf, source: io::Error },
-    #[error("cannot read the CDI spec {path}: {source}")]
+    #[error("cannot read the CDI spec {path}")]
     Read { path: PathBuf, source: io::Error },
-    #[error("the CDI spec {path} does not parse: {source}")]
+    #[error("the CDI spec {path} does not parse")]
     Parse {
         path: PathBuf,
         source: serde_json::Error,

@@ -3,6 +3,7 @@
 //! still uses, and only after it has been unused for the whole grace period.
 //! With CDI, also keeps a spec beside every directory a holder holds.
 
+use crate::error_text::chain;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,7 +91,7 @@ pub async fn run(
     // and shared with /status).
     let inv = inventory.borrow().clone();
     if let Err(err) = sync(inv, None).await {
-        warn!(%err, "state clean-up stopped");
+        warn!(err = %chain(&err), "state clean-up stopped");
         return;
     }
     loop {
@@ -101,7 +102,7 @@ pub async fn run(
         let inv = inventory.borrow().clone();
         let live = holders.live().await;
         if let Err(err) = sync(inv.clone(), live.as_ref().ok().cloned()).await {
-            warn!(%err, "state clean-up stopped");
+            warn!(err = %chain(&err), "state clean-up stopped");
             return;
         }
         let live = match live {
@@ -130,7 +131,7 @@ pub async fn run(
         {
             Ok(kept) => (unused_since, told) = kept,
             Err(err) => {
-                warn!(%err, "state clean-up stopped");
+                warn!(err = %chain(&err), "state clean-up stopped");
                 return;
             }
         }
@@ -169,7 +170,7 @@ fn sweep(
         if let Some(specs) = specs {
             if let Err(err) = specs.remove(dir.name.as_str()) {
                 let spec = specs.path(dir.name.as_str());
-                warn!(spec = %spec.display(), %err, "cannot remove a finished container's CDI spec");
+                warn!(spec = %spec.display(), err = %chain(&err), "cannot remove a finished container's CDI spec");
                 continue;
             }
         }
@@ -179,7 +180,7 @@ fn sweep(
                 unused_since.remove(&dir.name);
             }
             Some(Err(err)) => {
-                warn!(dir = %dir.path.display(), %err, "cannot remove finished container state")
+                warn!(dir = %dir.path.display(), err = %chain(&err), "cannot remove finished container state")
             }
             None => {
                 debug!(dir = %dir.path.display(), "taken again meanwhile: kept");
@@ -201,7 +202,7 @@ fn sweep(
                     info!(spec = %specs.path(&name).display(), "removed a CDI spec without accounting state")
                 }
                 Err(err) => {
-                    warn!(spec = %specs.path(&name).display(), %err, "cannot remove a stale CDI spec")
+                    warn!(spec = %specs.path(&name).display(), err = %chain(&err), "cannot remove a stale CDI spec")
                 }
             }
         }
@@ -274,7 +275,7 @@ fn sync_specs(
             Ok(_) => {
                 info!(spec = %specs.path(dir.name.as_str()).display(), "wrote the missing CDI spec of a container")
             }
-            Err(err) => warn!(%err, "cannot write a container's CDI spec"),
+            Err(err) => warn!(err = %chain(&err), "cannot write a container's CDI spec"),
         }
     }
 }

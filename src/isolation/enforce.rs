@@ -7,6 +7,7 @@
 //! over is summed within the window, not an unbroken run of samples, so
 //! bursts with pauses under the cap between them add up (issue 29).
 
+use crate::error_text::chain;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -404,7 +405,9 @@ impl Enforcer {
                          in total within the window (newest first; --over-cap-action kill)"
                     );
                 }
-                Err(err) => error!(pid, %err, "cannot kill a process of a container over its cap"),
+                Err(err) => {
+                    error!(pid, err = %chain(&err), "cannot kill a process of a container over its cap")
+                }
             }
         }
         killed

@@ -6,6 +6,7 @@
 //! starting container maps either the old library or the new one, never
 //! half of one.
 
+use crate::error_text::one_line;
 use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
@@ -18,9 +19,10 @@ use crate::isolation::inject::{CONTAINER_SHIM_DIR, PRELOAD_LIST, SHIM_LIBRARY};
 
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
-    #[error("--from: {0}")]
+    // Whole in its own text, not chained: callers show it with `{}`.
+    #[error("--from: {}", crate::error_text::chain(.0))]
     Source(ShimError),
-    #[error("cannot install {what} into {path}: {source}")]
+    #[error("cannot install {what} into {path}")]
     Write {
         what: &'static str,
         path: PathBuf,
@@ -31,7 +33,7 @@ pub enum InstallError {
 /// A file offered as the shim that cannot be used as one.
 #[derive(Debug, thiserror::Error)]
 pub enum ShimError {
-    #[error("cannot read the shim {path}: {source}")]
+    #[error("cannot read the shim {path}")]
     Read { path: PathBuf, source: io::Error },
     #[error(
         "{path} is not the gpumem shim: {defect}. Preloaded, it would leave GPU memory \
@@ -137,7 +139,7 @@ pub fn shim_defect(bytes: &[u8]) -> Result<(), ShimDefect> {
     if bytes.get(..4) != Some(&b"\x7fELF"[..]) {
         return Err(ShimDefect::NotElf);
     }
-    let malformed = |e: object::Error| ShimDefect::Malformed(e.to_string());
+    let malformed = |e: object::Error| ShimDefect::Malformed(one_line(&e));
     let file = object::File::parse(bytes).map_err(malformed)?;
     if file.kind() != ObjectKind::Dynamic {
         return Err(ShimDefect::NotSharedLibrary);

@@ -566,9 +566,9 @@ impl Reconciler {
                 memory
             }
             Err(err) => {
-                let text = err.to_string();
+                let text = crate::error_text::one_line(&err);
                 if self.last_error.as_ref() != Some(&text) {
-                    warn!(%err, "cannot read per-process GPU memory; untracked usage not updated");
+                    warn!(err = %text, "cannot read per-process GPU memory; untracked usage not updated");
                     self.last_error = Some(text);
                 }
                 return;
@@ -663,7 +663,7 @@ impl Reconciler {
                     // holding the publishers' lock would say it every tick.
                     Err(err) => {
                         if self.publish_failing.insert(key) {
-                            warn!(file = %file.display(), %err, "cannot publish untracked usage")
+                            warn!(file = %file.display(), err = %crate::error_text::chain(&err), "cannot publish untracked usage")
                         }
                     }
                 }
@@ -697,11 +697,11 @@ impl Reconciler {
                     replaced.unwrap_or((processes, None))
                 }
                 Err(err) => match self.grant(file, memory) {
-                    Some(grant) => (grant, Some(err.to_string())),
+                    Some(grant) => (grant, Some(crate::error_text::one_line(&err))),
                     // No grant known (a directory being removed, a file of
                     // `gpumem exec`): removed meanwhile, or being replaced.
                     None => {
-                        debug!(file = %file.display(), %err, "skipping accounting file");
+                        debug!(file = %file.display(), err = %crate::error_text::chain(&err), "skipping accounting file");
                         continue;
                     }
                 },

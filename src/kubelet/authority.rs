@@ -23,6 +23,7 @@
 //! still open as of November 2026. Until then, and while kubelets of 1.25 and
 //! older or plugin-watcher dials can reach us, the rewrite stays.
 
+use crate::error_text::{chain, one_line};
 use std::borrow::Cow;
 use std::io;
 use std::pin::Pin;
@@ -79,9 +80,9 @@ pub enum AuthorityError {
     },
     #[error("header block of stream {stream} is over {MAX_BLOCK} bytes")]
     TooLarge { stream: u32 },
-    #[error("header block of stream {stream} does not decode: {source}")]
+    #[error("header block of stream {stream} does not decode")]
     Hpack { stream: u32, source: DecoderError },
-    #[error("cannot encode the header block of stream {stream}: {source}")]
+    #[error("cannot encode the header block of stream {stream}")]
     Encode { stream: u32, source: io::Error },
 }
 
@@ -171,8 +172,8 @@ impl<S: AsyncRead + Unpin> AsyncRead for LenientAuthority<S> {
                 // the connection end either way.
                 this.read = ReadState::Eof;
             } else if let Err(err) = this.rewriter.feed(chunk.filled(), &mut this.out) {
-                debug!(%err, "closing a connection whose HTTP/2 stream cannot be rewritten");
-                this.read = ReadState::Failed(err.to_string());
+                debug!(err = %chain(&err), "closing a connection whose HTTP/2 stream cannot be rewritten");
+                this.read = ReadState::Failed(one_line(&err));
             }
         }
     }
@@ -440,7 +441,7 @@ impl Rewriter {
         if self.reencode {
             return Err(err);
         }
-        debug!(%err, "cannot follow the client's HTTP/2 stream; passing its bytes as they are");
+        debug!(err = %chain(&err), "cannot follow the client's HTTP/2 stream; passing its bytes as they are");
         if let Some(block) = self.block.take() {
             out.extend_from_slice(&block.raw);
         }

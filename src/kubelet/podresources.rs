@@ -3,6 +3,7 @@
 //! even right after a restart. Answers are cached to stay far below
 //! kubelet's rate limit (100 calls/s, burst 10).
 
+use crate::error_text::one_line;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -105,7 +106,7 @@ impl PodResources {
                 .await
                 .map_err(|e| PodResourcesError::Unreachable {
                     path: self.path.clone(),
-                    message: e.to_string(),
+                    message: one_line(&e),
                 })?;
         let response = PodResourcesListerClient::new(channel)
             .max_decoding_message_size(MAX_MESSAGE)

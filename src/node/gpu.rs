@@ -1,6 +1,7 @@
 //! Where GPUs come from: the `GpuSource` seam, with NVML for real nodes and a
 //! TOML-described fake node for the demo, tests and GPU-less development.
 
+use crate::error_text::{chain, one_line};
 use std::collections::{HashMap, HashSet};
 use std::fs::FileType;
 use std::io::Read;
@@ -55,7 +56,7 @@ pub(crate) fn test_gpu(index: u32, uuid: &str, memory_mib: u64) -> Gpu {
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
-    #[error("cannot read fake GPU file {path}: {source}")]
+    #[error("cannot read fake GPU file {path}")]
     Read {
         path: PathBuf,
         source: std::io::Error,
@@ -269,7 +270,7 @@ impl FakeGpus {
     pub fn parse(text: &str, origin: &Path) -> Result<Self, GpuError> {
         let file: FakeFile = toml::from_str(text).map_err(|e| GpuError::Parse {
             path: origin.to_owned(),
-            message: e.to_string().trim_end().to_owned(),
+            message: one_line(&e).trim_end().to_owned(),
         })?;
         if file.gpu.is_empty() {
             return Err(GpuError::Parse {
@@ -492,7 +493,7 @@ impl GpuSource for NvmlGpus<'_> {
         let nvml = self.nvml.map_err(|e| GpuError::Nvml(e.to_owned()))?;
         let count = nvml
             .device_count()
-            .map_err(|e| GpuError::Nvml(e.to_string()))?;
+            .map_err(|e| GpuError::Nvml(one_line(&e)))?;
         if count == 0 {
             return Err(GpuError::NoGpus);
         }
@@ -518,13 +519,13 @@ impl GpuSource for NvmlGpus<'_> {
                         uuid: gpu.uuid,
                         memory_mib: gpu.memory_mib,
                     };
-                    tracing::error!(gpu = index, %err, "this GPU is not advertised until gpumem restarts; the node's other GPUs are");
+                    tracing::error!(gpu = index, err = %chain(&err), "this GPU is not advertised until gpumem restarts; the node's other GPUs are");
                     failed.get_or_insert(err);
                 }
                 Ok(gpu) => gpus.push(gpu),
                 Err(err) => {
-                    tracing::error!(gpu = index, %err, "cannot read this GPU (lost, or needing a reset?): it is not advertised until gpumem restarts; the node's other GPUs are");
-                    failed.get_or_insert(GpuError::Nvml(format!("GPU {index}: {err}")));
+                    tracing::error!(gpu = index, err = %chain(&err), "cannot read this GPU (lost, or needing a reset?): it is not advertised until gpumem restarts; the node's other GPUs are");
+                    failed.get_or_insert(GpuError::Nvml(format!("GPU {index}: {}", chain(&err))));
                 }
             }
         }

@@ -1,6 +1,7 @@
 //! The one door hardware enters through: NVML, initialised at most once per
 //! process, or a fake GPU file standing in for it; chosen once, in main.
 
+use crate::error_text::one_line;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -69,7 +70,7 @@ impl LazyNvml {
             .get_or_init(|| {
                 Nvml::init()
                     .map(|nvml| &*Box::leak(Box::new(nvml)))
-                    .map_err(|err| err.to_string())
+                    .map_err(|err| one_line(&err))
             })
             .as_ref()
             .copied()

@@ -2,6 +2,7 @@
 //! cannot reach turn a GPU's units Unhealthy in ListAndWatch, until it
 //! recovers or, for what only a reset cures, until it is reset.
 
+use crate::error_text::{chain, one_line};
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -231,7 +232,7 @@ impl NvmlHealth {
         recovery: Duration,
     ) -> Result<Self, crate::node::gpu::GpuError> {
         let nvml_err =
-            |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(e.to_string());
+            |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(one_line(&e));
         let count = nvml.device_count().map_err(nvml_err)?;
         // A GPU that cannot be read is not advertised (see `NvmlGpus`):
         // the others are watched.
@@ -241,7 +242,7 @@ impl NvmlHealth {
                 match uuid {
                     Ok(uuid) => Some((index, uuid)),
                     Err(err) => {
-                        warn!(gpu = index, %err, "cannot read this GPU: its health is not watched");
+                        warn!(gpu = index, err = %chain(&err), "cannot read this GPU: its health is not watched");
                         None
                     }
                 }
@@ -306,7 +307,7 @@ impl NvmlHealth {
                 Ok(event) => event,
                 Err(NvmlError::Timeout) => return,
                 Err(e) => {
-                    warn!(error = %e, "waiting for NVML events failed");
+                    warn!(error = %chain(&e), "waiting for NVML events failed");
                     std::thread::sleep(left);
                     return;
                 }
@@ -457,7 +458,7 @@ fn xid_events(
         let mut set = match nvml.create_event_set() {
             Ok(set) => set,
             Err(error) => {
-                warn!(%error, "no NVML event set; XID events unavailable, only polling every GPU");
+                warn!(error = %chain(&error), "no NVML event set; XID events unavailable, only polling every GPU");
                 return None;
             }
         };
@@ -645,7 +646,7 @@ pub fn watch_for(
         {
             Ok(watch) => Some(Box::new(watch)),
             Err(err) => {
-                warn!(%err, "GPU health checks disabled");
+                warn!(err = %chain(&err), "GPU health checks disabled");
                 None
             }
         },

@@ -1,6 +1,7 @@
 //! Per-process GPU memory: who holds how much of each GPU, as NVML lists it
 //! (or the fake GPU file says), and what `/proc` says of those processes.
 
+use crate::error_text::{chain, one_line};
 use std::path::{Path, PathBuf};
 
 use tracing::{debug, warn};
@@ -42,7 +43,7 @@ impl NvmlProcesses {
 impl ProcessUsage for NvmlProcesses {
     fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
         use nvml_wrapper::enums::device::UsedGpuMemory;
-        let nvml_err = |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(e.to_string());
+        let nvml_err = |e: nvml_wrapper::error::NvmlError| GpuError::Nvml(one_line(&e));
         let mut memory = ProcessMemory::new();
         for index in 0..self.nvml.device_count().map_err(nvml_err)? {
             // A GPU that does not answer is left out: its containers keep
@@ -54,7 +55,7 @@ impl ProcessUsage for NvmlProcesses {
             let (uuid, processes) = match answer {
                 Ok(answer) => answer,
                 Err(err) => {
-                    debug!(gpu = index, %err, "no per-process memory for this GPU");
+                    debug!(gpu = index, err = %chain(&err), "no per-process memory for this GPU");
                     continue;
                 }
             };
@@ -115,7 +116,7 @@ pub fn source_for(hardware: &Hardware) -> Option<Box<dyn ProcessUsage>> {
         Hardware::Nvml(nvml) => match nvml.usable() {
             Ok(nvml) => Some(Box::new(NvmlProcesses::new(nvml))),
             Err(err) => {
-                warn!(%err, "untracked GPU memory is not reconciled");
+                warn!(err = %chain(&err), "untracked GPU memory is not reconciled");
                 None
             }
         },

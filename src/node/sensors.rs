@@ -1,6 +1,7 @@
 //! What each GPU's sensors read now (memory in use, utilisation, temperature,
 //! power) and each process's share of the SMs, from NVML or the fake file.
 
+use crate::error_text::chain;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -60,7 +61,7 @@ fn read_nvml(nvml: &nvml_wrapper::Nvml) -> Readings {
         let device = match nvml.device_by_index(index) {
             Ok(device) => device,
             Err(err) => {
-                debug!(gpu = index, %err, "no readings for this GPU");
+                debug!(gpu = index, err = %chain(&err), "no readings for this GPU");
                 continue;
             }
         };

@@ -85,7 +85,7 @@ pub enum DaemonError {
     Dra(#[from] crate::dra::service::DraError),
     #[error(transparent)]
     Checkpoint(#[from] crate::dra::checkpoint::CheckpointError),
-    #[error("cannot lock {path}: {source}")]
+    #[error("cannot lock {path}")]
     Lock {
         path: PathBuf,
         source: std::io::Error,
@@ -168,7 +168,7 @@ pub enum StartError {
     List(#[from] crate::deviceplugin::list::TooLarge),
     #[error(transparent)]
     Address(#[from] metrics::BadAddress),
-    #[error("--metrics-addr {addr}: cannot listen: {source}")]
+    #[error("--metrics-addr {addr}: cannot listen")]
     Listen {
         addr: std::net::SocketAddr,
         source: std::io::Error,
@@ -428,7 +428,7 @@ fn serve_endpoints(
                 ));
             }
             Err(err) => {
-                error!(%err, "cannot serve /status: `gpumem inspect` will read the node directly")
+                error!(err = %crate::error_text::chain(&err), "cannot serve /status: `gpumem inspect` will read the node directly")
             }
         }
     }
@@ -654,7 +654,7 @@ async fn post_event(events: &PodEvents, pod: &Pod, notice: &Notice, subject: &st
         ),
     };
     if let Err(err) = events.warn(pod, reason, action, note).await {
-        warn!(%err, reason, "cannot post an Event");
+        warn!(err = %crate::error_text::chain(&err), reason, "cannot post an Event");
     }
 }
 

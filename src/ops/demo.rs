@@ -3,6 +3,7 @@
 //! where the shim and the fake driver are built, one process per admitted
 //! container runs under the shim and shows its cap holding.
 
+use crate::error_text::{chain, one_line};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -111,7 +112,7 @@ pub enum DemoError {
     List(#[from] crate::deviceplugin::list::TooLarge),
     #[error(transparent)]
     Plugin(#[from] PluginError),
-    #[error("cannot set up the simulated kubelet: {0}")]
+    #[error("cannot set up the simulated kubelet")]
     Io(#[from] std::io::Error),
     #[error("the plugin did not register and advertise devices within {0:?}")]
     NotRegistered(Duration),
@@ -187,7 +188,7 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
                     scheduling::run(kit.as_ref(), &config.resource_name, config.unit, &mut out)
                         .await
                 {
-                    let _ = writeln!(out, "\nScheduling by GPU: could not run: {err}");
+                    let _ = writeln!(out, "\nScheduling by GPU: could not run: {}", chain(&err));
                 }
             }
             Ok(out)
@@ -263,7 +264,7 @@ async fn run_tenants(
     let driver_dir = match driver_dir(kit) {
         Ok(dir) => dir,
         Err(err) => {
-            let _ = writeln!(out, "  cannot set up the fake driver: {err}");
+            let _ = writeln!(out, "  cannot set up the fake driver: {}", chain(&err));
             return;
         }
     };
@@ -312,7 +313,7 @@ async fn run_tenant(
 ) -> Result<String, String> {
     let state = applied
         .state_dir()
-        .map_err(|e| format!("could not make the state directory: {e}"))?
+        .map_err(|e| format!("could not make the state directory: {}", chain(&e)))?
         .ok_or("no accounting directory was mounted")?;
     let cap: u64 = applied
         .env
@@ -333,7 +334,7 @@ async fn run_tenant(
         .arg("nvml")
         .args((0..steps).map(|_| format!("alloc:{STEP_MIB}")))
         .kill_on_drop(true);
-    let output = cmd.output().await.map_err(|e| e.to_string())?;
+    let output = cmd.output().await.map_err(|e| one_line(&e))?;
     let text = String::from_utf8_lossy(&output.stdout);
     tenant_line(&text, cap).ok_or_else(|| {
         let stderr = String::from_utf8_lossy(&output.stderr);
@@ -421,7 +422,7 @@ fn report(
                 held.push((pod, gpu.1, units, cap));
             }
             Err(err) => {
-                let _ = writeln!(out, "  {pod:<14} NOT admitted: {err}");
+                let _ = writeln!(out, "  {pod:<14} NOT admitted: {}", chain(err));
                 if matches!(err, AdmissionError::Insufficient { .. }) {
                     let _ = writeln!(
                         out,

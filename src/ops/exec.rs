@@ -52,9 +52,10 @@ pub enum ExecError {
         /// The flag that names the shim in the command at hand.
         flag: &'static str,
     },
-    #[error("{flag}: {error}")]
+    #[error("{flag}")]
     NotShim {
         flag: &'static str,
+        #[source]
         error: ShimError,
     },
     #[error("no command given: gpumem exec --mem 4308MiB -- COMMAND [ARGS...]")]
@@ -68,12 +69,12 @@ pub enum ExecError {
         command: OsString,
         why: &'static str,
     },
-    #[error("cannot run {command:?}: not executable: {source}")]
+    #[error("cannot run {command:?}: not executable")]
     NotExecutable {
         command: OsString,
         source: std::io::Error,
     },
-    #[error("lost track of {command:?}: {source}")]
+    #[error("lost track of {command:?}")]
     Wait {
         command: OsString,
         source: std::io::Error,

@@ -2,6 +2,7 @@
 //! running plugin's status socket, or straight from kubelet's
 //! pod-resources API when no plugin answers.
 
+use crate::error_text::one_line;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -167,27 +168,27 @@ pub async fn fetch(socket: &Path) -> Result<NodeStatus, InspectError> {
                     socket: socket.to_owned(),
                 }
             } else {
-                unreachable(e.to_string())
+                unreachable(one_line(&e))
             }
         })?;
         let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(one_line(&e)))?;
         let driver = tokio::spawn(connection);
         let request = Request::get("/status")
             .header(hyper::header::HOST, "localhost")
             .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(one_line(&e)))?;
         let response = sender
             .send_request(request)
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
+            .map_err(|e| unreachable(one_line(&e)))?;
         let status = response.status();
         let body = response
             .into_body()
             .collect()
             .await
-            .map_err(|e| unreachable(e.to_string()))?
+            .map_err(|e| unreachable(one_line(&e)))?
             .to_bytes();
         driver.abort();
         if !status.is_success() {
@@ -198,7 +199,7 @@ pub async fn fetch(socket: &Path) -> Result<NodeStatus, InspectError> {
         }
         serde_json::from_slice(&body).map_err(|e| InspectError::Decode {
             socket: socket.to_owned(),
-            message: e.to_string(),
+            message: one_line(&e),
         })
     };
     tokio::time::timeout(TIMEOUT, call)

@@ -2,6 +2,7 @@
 //! liveness probe that fails while the plugin is not registered. The node
 //! status as JSON is built here but served on the status socket alone.
 
+use crate::error_text::chain;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -217,7 +218,7 @@ impl Observed {
         let sensors = match self.sensors.as_ref().map(Sensors::read) {
             Some(Ok(readings)) => readings,
             Some(Err(err)) => {
-                debug!(%err, "no GPU readings for this scrape");
+                debug!(err = %chain(&err), "no GPU readings for this scrape");
                 Readings::default()
             }
             None => Readings::default(),
@@ -279,7 +280,7 @@ pub async fn serve_logged(
     shutdown: CancellationToken,
 ) {
     if let Err(err) = serve(listener, observed, shutdown).await {
-        error!(%err, "metrics endpoint failed");
+        error!(err = %chain(&err), "metrics endpoint failed");
     }
 }
 
@@ -326,7 +327,7 @@ pub(crate) async fn status(
     match observed.status().await {
         Ok(status) => Ok(Json(status)),
         Err(err) => {
-            error!(%err, "cannot read the node status");
+            error!(err = %chain(&err), "cannot read the node status");
             Err(StatusCode::INTERNAL_SERVER_ERROR)
         }
     }
@@ -352,7 +353,7 @@ async fn scrape(State(endpoint): State<Endpoint>) -> impl IntoResponse {
         ),
         Ok(Err(std::fmt::Error)) => plain(StatusCode::INTERNAL_SERVER_ERROR),
         Err(err) => {
-            error!(%err, "cannot read the node for metrics");
+            error!(err = %chain(&err), "cannot read the node for metrics");
             plain(StatusCode::INTERNAL_SERVER_ERROR)
         }
     }

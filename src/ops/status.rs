@@ -4,6 +4,7 @@
 //! and the containers' accounting files (those alone when pod-resources
 //! cannot be read); served as JSON and as metrics.
 
+use crate::error_text::one_line;
 use serde::{Deserialize, Serialize};
 
 use crate::isolation::accounting::Usage;
@@ -181,7 +182,7 @@ impl NodeStatus {
             // containers have caps here and what they use.
             Err(e) => (
                 state.map_or_else(Vec::new, |state| found(inv, &state)),
-                Some(e.to_string()),
+                Some(one_line(&e)),
             ),
         };
         containers.sort_by(|a, b| {

@@ -1,6 +1,7 @@
 //! Who holds what on the node (`/status`, what `gpumem inspect` reads),
 //! served on a unix socket only the plugin's user may open, never on the network.
 
+use crate::error_text::chain;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -21,7 +22,7 @@ const MODE: u32 = 0o600;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StatusSocketError {
-    #[error("--status-socket {}: {source}", path.display())]
+    #[error("--status-socket {}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
@@ -100,7 +101,7 @@ pub async fn serve_logged(
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await;
     if let Err(err) = served {
-        error!(%err, socket = %path.display(), "the status socket failed");
+        error!(err = %chain(&err), socket = %path.display(), "the status socket failed");
     }
     let _ = std::fs::remove_file(&path);
 }

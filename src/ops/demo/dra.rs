@@ -6,6 +6,7 @@
 //! CDI spec is applied as a runtime would, and, with the shim built, a
 //! process in each claim's container shows what `nvidia-smi` prints there.
 
+use crate::error_text::chain;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -39,7 +40,9 @@ pub async fn run(
     kit: Option<&TenantKit>,
     out: &mut String,
 ) -> Result<(), DemoError> {
-    let fail = |what: &str, err: &dyn std::fmt::Display| DemoError::Dra(format!("{what}: {err}"));
+    let fail = |what: &str, err: &(dyn std::error::Error + 'static)| {
+        DemoError::Dra(format!("{what}: {}", chain(err)))
+    };
     let dir = tempfile::Builder::new()
         .prefix("gpumem-demo-dra-")
         .tempdir()?;
@@ -111,7 +114,9 @@ async fn scenario(
     kit: Option<&TenantKit>,
     out: &mut String,
 ) -> Result<(), DemoError> {
-    let fail = |what: &str, err: &dyn std::fmt::Display| DemoError::Dra(format!("{what}: {err}"));
+    let fail = |what: &str, err: &(dyn std::error::Error + 'static)| {
+        DemoError::Dra(format!("{what}: {}", chain(err)))
+    };
     let socket = sockets.registration_socket();
     gpumem_testkit::simulator::dra::wait_for_socket(&socket, STARTUP)
         .await

@@ -9,6 +9,7 @@
 //! tools read are shown, and, with the shim built, what `nvidia-smi` prints
 //! in the pod.
 
+use crate::error_text::{chain, one_line};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -75,14 +76,14 @@ pub async fn run(
     api.put(json!({"kind": "Node", "metadata": {"name": NODE}}));
     let client = client::connect(Some(&kubeconfig))
         .await
-        .map_err(|err| DemoError::Cluster(err.to_string()))?;
+        .map_err(|err| DemoError::Cluster(one_line(&err)))?;
 
     let gpus = FakeGpus::parse(TWO_V100, Path::new("<embedded two-V100 node>"))?.discover()?;
     let inventory = Arc::new(Inventory::new(gpus, unit)?);
     crate::deviceplugin::list::check(&inventory)?;
     crate::cluster::node::publish(&client, NODE, &inventory)
         .await
-        .map_err(|err| DemoError::Cluster(err.to_string()))?;
+        .map_err(|err| DemoError::Cluster(one_line(&err)))?;
 
     let isolation = node_isolation(kit, dir.path())?;
     let kubelet_dir = dir.path().join("kubelet");
@@ -302,7 +303,7 @@ impl Scenario<'_> {
                     });
                 format!("bound by the extender, admitted on GPU{gpu}")
             }
-            Err(err) => format!("bound, NOT admitted: {err}"),
+            Err(err) => format!("bound, NOT admitted: {}", chain(&err)),
         }
     }
 
@@ -378,10 +379,10 @@ async fn request(
 ) -> Result<(u16, String), String> {
     let stream = tokio::net::TcpStream::connect(addr)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| one_line(&e))?;
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| one_line(&e))?;
     tokio::spawn(connection);
     let request = Request::builder()
         .method(method)
@@ -391,17 +392,17 @@ async fn request(
         .body(http_body_util::Full::new(hyper::body::Bytes::from(
             body.unwrap_or_default(),
         )))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| one_line(&e))?;
     let response = tokio::time::timeout(Duration::from_secs(10), sender.send_request(request))
         .await
         .map_err(|_| "timed out".to_owned())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| one_line(&e))?;
     let status = response.status().as_u16();
     let bytes = response
         .into_body()
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| one_line(&e))?
         .to_bytes();
     Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
 }

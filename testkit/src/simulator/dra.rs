@@ -53,7 +53,7 @@ const NOTIFY: &str = "/pluginregistration.Registration/NotifyRegistrationStatus"
 pub enum FakeKubeletError {
     #[error("registration socket {path} did not appear within {timeout:?}")]
     NoSocket { path: PathBuf, timeout: Duration },
-    #[error("cannot connect to {path}: {source}")]
+    #[error("cannot connect to {path}")]
     Connect {
         path: PathBuf,
         source: std::io::Error,
