@@ -19,16 +19,18 @@ command -v go >/dev/null 2>&1 || {
 }
 export GOFLAGS="${GOFLAGS:-} -buildvcs=false"
 
+# What `make` in kubernetes stamps for release $1: the components report it
+# (node status, /version), and feature gates follow the binary's version.
+stamp() {
+    local major=${1#v} minor=${1#v*.} v=k8s.io/component-base/version
+    major=${major%%.*}
+    minor=${minor%%.*}
+    echo "-s -w -X $v.gitVersion=$1 -X $v.gitMajor=$major -X $v.gitMinor=$minor -X $v.gitTreeState=clean"
+}
+
 cd "$here"
 kube=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
-major=${kube#v}
-major=${major%%.*}
-minor=${kube#v*.}
-minor=${minor%%.*}
-# What `make` in kubernetes stamps: the components report it (node status,
-# /version), and feature gates follow the binary's version.
-v=k8s.io/component-base/version
-ldflags="-s -w -X $v.gitVersion=$kube -X $v.gitMajor=$major -X $v.gitMinor=$minor -X $v.gitTreeState=clean"
+ldflags=$(stamp "$kube")
 
 components=(kube-apiserver kube-scheduler kube-controller-manager kubelet)
 pkgs=()
@@ -38,4 +40,9 @@ if [ -d cmd/gpumem-e2e ]; then pkgs+=(./cmd/gpumem-e2e); fi
 start=$SECONDS
 go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}"
 (cd etcd && go build -trimpath -ldflags "-s -w" -o "$out/etcd" go.etcd.io/etcd/server/v3)
-echo "e2e/build.sh: kubernetes $kube and etcd $(cd etcd && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) in $out ($((SECONDS - start)) s)"
+# An older kubelet under the same control plane, from its own module (its
+# staging modules pin other versions): the skew a cluster meets while it
+# upgrades. v1.34 is the first kubelet of consumable capacity.
+old=$(cd kubelet-v1.34 && go list -m -f '{{.Version}}' k8s.io/kubernetes)
+(cd kubelet-v1.34 && go build -trimpath -ldflags "$(stamp "$old")" -o "$out/v1.34/kubelet" k8s.io/kubernetes/cmd/kubelet)
+echo "e2e/build.sh: kubernetes $kube, kubelet $old and etcd $(cd etcd && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) in $out ($((SECONDS - start)) s)"

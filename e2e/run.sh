@@ -28,5 +28,15 @@ shim=$repo/target/debug/libgpumem_shim.so
 if [ ! -x "$gpumem" ] || [ ! -f "$shim" ]; then
     (cd "$repo" && cargo build --workspace --locked)
 fi
-exec "$bin/gpumem-e2e" --bin "$bin" --gpumem "$gpumem" --shim "$shim" \
-    --fake-gpus "$repo/tests/fixtures/gpus/t4.toml" --manifest "$repo/daemonset/gpumem.yaml" "$@"
+run() {
+    "$bin/gpumem-e2e" --bin "$bin" --gpumem "$gpumem" --shim "$shim" \
+        --fake-gpus "$repo/tests/fixtures/gpus/t4.toml" --manifest "$repo/daemonset/gpumem.yaml" "$@"
+}
+# Every phase on the release's own kubelet, then the device plugin and the
+# DRA driver on the oldest kubelet gpumem supports under the same control
+# plane (the extender's part is kube-scheduler's, already covered).
+status=0
+run "$@" || status=$?
+echo "== again on kubelet $("$bin/v1.34/kubelet" --version 2>/dev/null | awk '{print $2}')"
+run --kubelet "$bin/v1.34/kubelet" --phases plugin,dra "$@" || status=$?
+exit $status

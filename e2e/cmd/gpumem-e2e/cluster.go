@@ -35,6 +35,7 @@ const nodeName = "e2e-node"
 
 type config struct {
 	bin      string // etcd, kube-* and kubelet
+	kubelet  string // the kubelet binary: bin's, or an older release's
 	gpumem   string
 	shim     string
 	fixture  string
@@ -389,7 +390,7 @@ shift 2
 exec "$@"`
 	c.kubeletArgv = []string{"unshare", "-m", "--propagation", "private", "sh", "-c", script, "kubelet-ns",
 		c.kubeletRoot, c.kubeletLogDir,
-		filepath.Join(c.cfg.bin, "kubelet"), "--config=" + cfg, "--kubeconfig=" + kc,
+		c.cfg.kubelet, "--config=" + cfg, "--kubeconfig=" + kc,
 		"--hostname-override=" + nodeName, "--node-ip=127.0.0.1", "--v=2"}
 	if err := c.runKubelet(); err != nil {
 		return err

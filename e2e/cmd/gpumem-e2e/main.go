@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"syscall"
@@ -36,9 +37,11 @@ const (
 func main() {
 	repo, _ := filepath.Abs(filepath.Join(filepath.Dir(os.Args[0]), "..", "..", ".."))
 	var cfg config
-	var keep, noExtender bool
+	var keep bool
 	var extenderFixture string
 	flag.StringVar(&cfg.bin, "bin", filepath.Dir(os.Args[0]), "directory with etcd, kube-apiserver, kube-scheduler and kubelet (e2e/build.sh)")
+	flag.StringVar(&cfg.kubelet, "kubelet", "", "the kubelet binary (default: --bin's): an older release's, to check version skew")
+	phaseList := flag.String("phases", "plugin,extender,dra", "which phases to run, comma-separated: plugin, extender, dra")
 	flag.StringVar(&cfg.gpumem, "gpumem", filepath.Join(repo, "target/debug/gpumem"), "the gpumem binary")
 	flag.StringVar(&cfg.shim, "shim", filepath.Join(repo, "target/debug/libgpumem_shim.so"), "the shim library the init container installs")
 	flag.StringVar(&cfg.fixture, "fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/t4.toml"), "the node's GPUs (gpumem --fake-gpus) with the default scheduler")
@@ -46,7 +49,6 @@ func main() {
 	flag.StringVar(&cfg.manifest, "manifest", filepath.Join(repo, "daemonset/gpumem.yaml"), "the DaemonSet whose RBAC, command, args and env gpumem runs with")
 	flag.StringVar(&cfg.extenderManifest, "extender-manifest", filepath.Join(repo, "daemonset/extender.yaml"), "the extender's Deployment and RBAC")
 	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
-	flag.BoolVar(&noExtender, "no-extender", false, "run the device-plugin scenarios only")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
 	var bench benchConfig
 	flag.IntVar(&bench.restarts, "bench-restarts", 0, "instead of the suite: restart kubelet this many times on the --fake-gpus node and time restart → allocatable")
@@ -54,7 +56,10 @@ func main() {
 	flag.Int64Var(&bench.hold, "bench-hold", 0, "with --bench-restarts: units a pod holds through the restarts")
 	flag.Parse()
 
-	for _, f := range []*string{&cfg.bin, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture} {
+	if cfg.kubelet == "" {
+		cfg.kubelet = filepath.Join(cfg.bin, "kubelet")
+	}
+	for _, f := range []*string{&cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture} {
 		// kubelet runs in its own working directory.
 		if abs, err := filepath.Abs(*f); err == nil {
 			*f = abs
@@ -64,7 +69,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gpumem-e2e: needs root (kubelet, mount namespaces)")
 		os.Exit(2)
 	}
-	for _, f := range []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture} {
+	for _, f := range []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture} {
 		if _, err := os.Stat(f); err != nil {
 			fmt.Fprintf(os.Stderr, "gpumem-e2e: %v\n", err)
 			os.Exit(2)
@@ -86,25 +91,28 @@ func main() {
 	extender := cfg
 	extender.fixture = extenderFixture
 	extender.work = filepath.Join(work, "gpushare-extender")
-	phases := []struct {
-		title string
-		cfg   config
-		run   func(*suite)
-	}{
-		{"device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
-		{"gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
-	}
 	dra := cfg
 	dra.extenderManifest, dra.schedulerConfig = "", ""
 	dra.manifest = filepath.Join(filepath.Dir(cfg.manifest), "gpumem-dra.yaml")
 	dra.work = filepath.Join(work, "dra")
-	phases = append(phases, struct {
-		title string
-		cfg   config
-		run   func(*suite)
-	}{"DRA driver, " + filepath.Base(dra.fixture), dra, (*suite).runDRA})
-	if noExtender {
-		phases = phases[:1]
+	type phase struct {
+		name, title string
+		cfg         config
+		run         func(*suite)
+	}
+	all := []phase{
+		{"plugin", "device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
+		{"extender", "gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
+		{"dra", "DRA driver, " + filepath.Base(dra.fixture), dra, (*suite).runDRA},
+	}
+	var phases []phase
+	for _, name := range strings.Split(*phaseList, ",") {
+		i := slices.IndexFunc(all, func(p phase) bool { return p.name == name })
+		if i < 0 {
+			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra)\n", name)
+			os.Exit(2)
+		}
+		phases = append(phases, all[i])
 	}
 
 	began := time.Now()
