@@ -36,7 +36,7 @@ const (
 func main() {
 	repo, _ := filepath.Abs(filepath.Join(filepath.Dir(os.Args[0]), "..", "..", ".."))
 	var cfg config
-	var keep, noExtender bool
+	var keep, noExtender, noContainerd bool
 	var extenderFixture string
 	flag.StringVar(&cfg.bin, "bin", filepath.Dir(os.Args[0]), "directory with etcd, kube-apiserver, kube-scheduler and kubelet (e2e/build.sh)")
 	flag.StringVar(&cfg.gpumem, "gpumem", filepath.Join(repo, "target/debug/gpumem"), "the gpumem binary")
@@ -46,7 +46,10 @@ func main() {
 	flag.StringVar(&cfg.manifest, "manifest", filepath.Join(repo, "daemonset/gpumem.yaml"), "the DaemonSet whose RBAC, command, args and env gpumem runs with")
 	flag.StringVar(&cfg.extenderManifest, "extender-manifest", filepath.Join(repo, "daemonset/extender.yaml"), "the extender's Deployment and RBAC")
 	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
+	flag.StringVar(&cfg.probe, "probe", filepath.Join(repo, "target/debug/gpumem-probe"), "the probe the real containers run")
+	flag.StringVar(&cfg.fakeDriver, "fake-driver", filepath.Join(repo, "target/debug/libgpumem_fakegpu.so"), "the fake driver the real containers load as libcuda.so.1 and libnvidia-ml.so.1")
 	flag.BoolVar(&noExtender, "no-extender", false, "run the device-plugin scenarios only")
+	flag.BoolVar(&noContainerd, "no-containerd", false, "leave out the real containers (containerd and runc)")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
 	var bench benchConfig
 	flag.IntVar(&bench.restarts, "bench-restarts", 0, "instead of the suite: restart kubelet this many times on the --fake-gpus node and time restart → allocatable")
@@ -54,7 +57,7 @@ func main() {
 	flag.Int64Var(&bench.hold, "bench-hold", 0, "with --bench-restarts: units a pod holds through the restarts")
 	flag.Parse()
 
-	for _, f := range []*string{&cfg.bin, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture} {
+	for _, f := range []*string{&cfg.bin, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture, &cfg.probe, &cfg.fakeDriver} {
 		// kubelet runs in its own working directory.
 		if abs, err := filepath.Abs(*f); err == nil {
 			*f = abs
@@ -64,7 +67,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gpumem-e2e: needs root (kubelet, mount namespaces)")
 		os.Exit(2)
 	}
-	for _, f := range []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture} {
+	for _, f := range []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture, cfg.probe, cfg.fakeDriver} {
 		if _, err := os.Stat(f); err != nil {
 			fmt.Fprintf(os.Stderr, "gpumem-e2e: %v\n", err)
 			os.Exit(2)
@@ -106,6 +109,16 @@ func main() {
 	if noExtender {
 		phases = phases[:1]
 	}
+	if !noContainerd {
+		real := plugin
+		real.containerd = true
+		real.work = filepath.Join(work, "containerd")
+		phases = append(phases, struct {
+			title string
+			cfg   config
+			run   func(*suite)
+		}{"real containers: containerd and runc, device plugin, " + filepath.Base(real.fixture), real, (*suite).runContainers})
+	}
 
 	began := time.Now()
 	s := &suite{}
@@ -118,7 +131,7 @@ func main() {
 			s.failed++
 			fmt.Printf("FAIL cluster up: %v\n", err)
 		} else {
-			fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: fake CRI)\n", time.Since(phaseBegan).Seconds(), kubeletVersion(c))
+			fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: %s)\n", time.Since(phaseBegan).Seconds(), kubeletVersion(c), runtimeName(c))
 			s.c, s.gateFailed = c, ""
 			ph.run(s)
 		}
@@ -157,6 +170,23 @@ func stopOnSignal(c *cluster) func() {
 		signal.Stop(ch)
 		close(done)
 	}
+}
+
+// runtimeName is the runtime as the node reports it, the snapshotter with
+// containerd's.
+func runtimeName(c *cluster) string {
+	if c.runtime != nil {
+		return "fake CRI"
+	}
+	node, err := c.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+	if err != nil {
+		return "?"
+	}
+	v := node.Status.NodeInfo.ContainerRuntimeVersion
+	if out, err := runCmd("runc", "--version"); err == nil {
+		v += ", " + strings.SplitN(out, "\n", 2)[0]
+	}
+	return v + ", " + c.snapshotter + " snapshotter"
 }
 
 func kubeletVersion(c *cluster) string {
