@@ -7,6 +7,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -15,6 +16,10 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
 // probeImage runs the probe in the pods and, with the probe's "hold" step,
@@ -194,4 +199,21 @@ func (c *cluster) stopContainerd() {
 			}
 		}
 	}
+}
+
+// execSync runs argv in a running container through containerd's CRI
+// socket, as kubelet does.
+func (c *cluster) execSync(id string, argv []string) (stdout, stderr string, exit int32, err error) {
+	conn, err := grpc.NewClient("unix://"+c.containerdSocket(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return "", "", 0, err
+	}
+	defer conn.Close()
+	callCtx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	resp, err := runtimeapi.NewRuntimeServiceClient(conn).ExecSync(callCtx, &runtimeapi.ExecSyncRequest{ContainerId: id, Cmd: argv, Timeout: 30})
+	if err != nil {
+		return "", "", 0, err
+	}
+	return string(resp.Stdout), string(resp.Stderr), resp.ExitCode, nil
 }

@@ -33,6 +33,7 @@ func (s *suite) runContainers() {
 		{"real container, envvar: the shim caps NVML and CUDA at 4 units", func() (string, error) {
 			return s.capped("real-envvar", "")
 		}},
+		{"real container, envvar: a process exec'd into it shares the cap", s.execShares},
 		{"real container without the request sees the whole GPU", s.uncapped},
 		{"real container, volume-mounts: the shim caps NVML and CUDA at 4 units", func() (string, error) {
 			return s.capped("real-vm", "volume-mounts")
@@ -258,4 +259,68 @@ func (s *suite) uncapped() (string, error) {
 		return "", fmt.Errorf("/etc/ld.so.preload mounted from %s without the request", src)
 	}
 	return fmt.Sprintf("probe under runc: NVML total %d MiB; 4000 and 100 MiB granted", r.totalMiB), nil
+}
+
+// execShares holds 2000 MiB in a 4-unit container, then runs a second probe
+// in it through the CRI's ExecSync (as kubelet runs an exec probe; kubectl
+// exec's process joins the container the same way): that process sees the
+// first one's memory as used and is refused 2000 MiB more.
+func (s *suite) execShares() (string, error) {
+	wantCap, _, err := s.capFor(4)
+	if err != nil {
+		return "", err
+	}
+	p := probePod("real-exec", 4)
+	p.Spec.Containers[0].Command = []string{imageProbe, "alloc:2000", "hold"}
+	if err := s.createPod(p); err != nil {
+		return "", err
+	}
+	var pod *corev1.Pod
+	err = waitFor(120*time.Second, "real-exec holding its 2000 MiB", func() (bool, error) {
+		var err error
+		pod, err = s.c.admin.CoreV1().Pods(namespace).Get(ctx, "real-exec", metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		if pod.Status.Phase != corev1.PodRunning {
+			return false, fmt.Errorf("phase %q %s", pod.Status.Phase, containerState(pod))
+		}
+		log, err := s.containerLog(pod, "main")
+		return strings.Contains(log, "holding"), fmt.Errorf("log %q: %v", log, err)
+	})
+	if err != nil {
+		return "", err
+	}
+	id := strings.TrimPrefix(pod.Status.ContainerStatuses[0].ContainerID, "containerd://")
+	stdout, stderr, code, err := s.c.execSync(id, []string{imageProbe, "nvml", "alloc:2000"})
+	if err != nil {
+		return "", fmt.Errorf("ExecSync: %w", err)
+	}
+	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, "real-exec", metav1.DeleteOptions{}); err != nil {
+		return "", err
+	}
+	if err := waitFor(60*time.Second, "real-exec gone", func() (bool, error) {
+		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, "real-exec", metav1.GetOptions{})
+		return apierrors.IsNotFound(err), err
+	}); err != nil {
+		return "", err
+	}
+	var total, used uint64
+	alloc := -1
+	for _, line := range strings.Split(stdout, "\n") {
+		f := strings.Fields(line)
+		switch {
+		case len(f) > 3 && f[0] == "nvml":
+			total, _ = strconv.ParseUint(strings.TrimPrefix(f[2], "total="), 10, 64)
+			used, _ = strconv.ParseUint(strings.TrimPrefix(f[3], "used="), 10, 64)
+		case len(f) > 1 && f[0] == "alloc:2000":
+			alloc, _ = strconv.Atoi(f[1])
+		}
+	}
+	// The holder's 2000 MiB and its context, at least.
+	if code != 0 || total>>20 != wantCap || used>>20 < 2000 || alloc != cudaOutOfMemory {
+		return "", fmt.Errorf("exec'd probe: exit %d, NVML total %d MiB used %d MiB, alloc:2000 %d; want total %d MiB, used ≥ 2000 MiB, alloc refused (%d); stdout %q stderr %q",
+			code, total>>20, used>>20, alloc, wantCap, cudaOutOfMemory, stdout, stderr)
+	}
+	return fmt.Sprintf("beside a process holding 2000 MiB, an exec'd probe sees NVML total %d MiB, used %d MiB, and is refused 2000 MiB more (CUDA %d)", total>>20, used>>20, alloc), nil
 }
