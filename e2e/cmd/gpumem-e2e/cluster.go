@@ -1,8 +1,9 @@
 // A one-node cluster on 127.0.0.1 in a temporary directory: etcd,
 // kube-apiserver (RBAC, Node authorizer, NodeRestriction), kube-scheduler
 // and a kubelet in its own mount namespace over the recording fake runtime
-// or over containerd and runc (containerd.go); then gpumem, started as daemonset/gpumem.yaml starts it, with the
-// service account's token and so the RBAC that manifest grants.
+// or over containerd and runc (containerd.go); then gpumem, started as
+// daemonset/gpumem.yaml starts it, with the service account's token and so
+// the RBAC that manifest grants.
 package main
 
 import (

@@ -67,7 +67,11 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gpumem-e2e: needs root (kubelet, mount namespaces)")
 		os.Exit(2)
 	}
-	for _, f := range []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture, cfg.probe, cfg.fakeDriver} {
+	need := []string{filepath.Join(cfg.bin, "kubelet"), cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture}
+	if !noContainerd && bench.restarts == 0 {
+		need = append(need, cfg.probe, cfg.fakeDriver)
+	}
+	for _, f := range need {
 		if _, err := os.Stat(f); err != nil {
 			fmt.Fprintf(os.Stderr, "gpumem-e2e: %v\n", err)
 			os.Exit(2)
