@@ -5,8 +5,10 @@
 #   e2e/run.sh [gpumem-e2e flags, e.g. --keep]
 #
 # Needs root (kubelet, a mount namespace), Go 1.26 and the Go module proxy
-# (e2e/build.sh), util-linux's unshare and mount, and gpumem's debug build
-# (`cargo build --workspace`; `cargo test --workspace` makes the same files).
+# (e2e/build.sh), util-linux's unshare, nsenter and mount, gpumem's debug
+# build (`cargo build --workspace`; `cargo test --workspace` makes the same
+# files), and for the real containers containerd and runc (Debian's: apt-get
+# install containerd runc; --no-containerd leaves them out).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
@@ -16,20 +18,33 @@ if [ "$(id -u)" != 0 ]; then
     echo "e2e/run.sh: run as root: kubelet runs in its own mount namespace" >&2
     exit 2
 fi
-for tool in unshare mount; do
+for tool in unshare nsenter mount; do
     command -v "$tool" >/dev/null 2>&1 || {
         echo "e2e/run.sh: $tool is required (apt-get install util-linux mount)" >&2
         exit 2
     }
 done
+case " $* " in
+*" --no-containerd "*) ;;
+*)
+    for tool in containerd ctr runc; do
+        command -v "$tool" >/dev/null 2>&1 || {
+            echo "e2e/run.sh: $tool is required for the real containers (apt-get install containerd runc), or pass --no-containerd" >&2
+            exit 2
+        }
+    done
+    ;;
+esac
 GPUMEM_E2E_BIN=$bin "$here/build.sh"
 gpumem=$repo/target/debug/gpumem
 shim=$repo/target/debug/libgpumem_shim.so
-if [ ! -x "$gpumem" ] || [ ! -f "$shim" ]; then
+probe=$repo/target/debug/gpumem-probe
+fake=$repo/target/debug/libgpumem_fakegpu.so
+if [ ! -x "$gpumem" ] || [ ! -f "$shim" ] || [ ! -x "$probe" ] || [ ! -f "$fake" ]; then
     (cd "$repo" && cargo build --workspace --locked)
 fi
 run() {
-    "$bin/gpumem-e2e" --bin "$bin" --gpumem "$gpumem" --shim "$shim" \
+    "$bin/gpumem-e2e" --bin "$bin" --gpumem "$gpumem" --shim "$shim" --probe "$probe" --fake-driver "$fake" \
         --fake-gpus "$repo/tests/fixtures/gpus/t4.toml" --manifest "$repo/daemonset/gpumem.yaml" "$@"
 }
 # Every phase on the release's own kubelet, then the device plugin and the

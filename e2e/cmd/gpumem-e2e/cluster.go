@@ -1,8 +1,9 @@
 // A one-node cluster on 127.0.0.1 in a temporary directory: etcd,
 // kube-apiserver (RBAC, Node authorizer, NodeRestriction), kube-scheduler
-// and a kubelet in its own mount namespace over the recording fake runtime;
-// then gpumem, started as daemonset/gpumem.yaml starts it, with the
-// service account's token and so the RBAC that manifest grants.
+// and a kubelet in its own mount namespace over the recording fake runtime
+// or over containerd and runc (containerd.go); then gpumem, started as
+// daemonset/gpumem.yaml starts it, with the service account's token and so
+// the RBAC that manifest grants.
 package main
 
 import (
@@ -46,6 +47,11 @@ type config struct {
 	extenderManifest string
 	schedulerConfig  string
 	memoryUnit       string // replaces the manifest's --memory-unit when set
+	// containerd and runc instead of the fake runtime; the probe and the
+	// fake driver go into the image its pods run (image.go).
+	containerd bool
+	probe      string
+	fakeDriver string
 }
 
 type cluster struct {
@@ -55,7 +61,10 @@ type cluster struct {
 
 	etcd, apiserver, controllers, scheduler, kubelet, gpumem, extender *proc
 	extenderURL                                                        string
-	runtime                                                            *recordingRuntime
+	runtime                                                            *recordingRuntime // nil with containerd
+	containerd                                                         *proc
+	snapshotter                                                        string
+	stateShared                                                        bool
 
 	server string // https://127.0.0.1:port
 	admin  *kubernetes.Clientset
@@ -87,6 +96,15 @@ func up(cfg config) (*cluster, error) {
 	if c.pki, err = newPKI(c.path("pki")); err != nil {
 		return c, err
 	}
+	// kubelet's hard-coded directories, bound to these in its namespace.
+	c.kubeletRoot = c.path("kubelet")
+	c.kubeletLogDir = c.path("var-log")
+	c.stateDir = c.path("gpumem-state")
+	for _, d := range []string{filepath.Join(c.kubeletRoot, "device-plugins"), c.kubeletLogDir, "/var/lib/kubelet"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return c, err
+		}
+	}
 	steps := []struct {
 		what string
 		run  func() error
@@ -114,6 +132,7 @@ func (c *cluster) down() {
 	if c.runtime != nil {
 		c.runtime.stop()
 	}
+	c.stopContainerd()
 	c.unmountAll()
 }
 
@@ -315,19 +334,22 @@ func (c *cluster) startScheduler() error {
 }
 
 func (c *cluster) startRuntime() error {
+	if c.cfg.containerd {
+		return c.startContainerd()
+	}
 	var err error
-	c.runtime, err = startRuntime(c.path("cri.sock"))
+	c.runtime, err = startRuntime(c.criSocket())
 	return err
 }
 
-func (c *cluster) startKubelet() error {
-	c.kubeletRoot = c.path("kubelet")
-	c.kubeletLogDir = c.path("var-log")
-	for _, d := range []string{filepath.Join(c.kubeletRoot, "device-plugins"), c.kubeletLogDir, "/var/lib/kubelet"} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
-		}
+func (c *cluster) criSocket() string {
+	if c.cfg.containerd {
+		return c.containerdSocket()
 	}
+	return c.path("cri.sock")
+}
+
+func (c *cluster) startKubelet() error {
 	kc, err := c.componentConfig("kubelet", "system:node:"+nodeName, "system:nodes")
 	if err != nil {
 		return err
@@ -377,7 +399,7 @@ evictionHard:
   memory.available: 1Mi
   nodefs.available: 1%%
   imagefs.available: 1%%
-`, port, healthz, serving, servingKey, c.pki.caFile(), c.path("cri.sock"))
+`, port, healthz, serving, servingKey, c.pki.caFile(), c.criSocket())
 	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
 		return err
 	}
@@ -389,9 +411,14 @@ mount --bind "$2" /var/log
 shift 2
 exec "$@"`
 	c.kubeletArgv = []string{"unshare", "-m", "--propagation", "private", "sh", "-c", script, "kubelet-ns",
-		c.kubeletRoot, c.kubeletLogDir,
-		c.cfg.kubelet, "--config=" + cfg, "--kubeconfig=" + kc,
-		"--hostname-override=" + nodeName, "--node-ip=127.0.0.1", "--v=2"}
+		c.kubeletRoot, c.kubeletLogDir}
+	if c.cfg.containerd {
+		// containerd's namespace, where both are bound already: the two
+		// must see the same paths.
+		c.kubeletArgv = []string{"nsenter", "--target", fmt.Sprint(c.containerd.cmd.Process.Pid), "--mount", "--wd=" + c.path("kubelet-cwd")}
+	}
+	c.kubeletArgv = append(c.kubeletArgv, c.cfg.kubelet, "--config="+cfg, "--kubeconfig="+kc,
+		"--hostname-override="+nodeName, "--node-ip=127.0.0.1", "--v=2")
 	if err := c.runKubelet(); err != nil {
 		return err
 	}
@@ -551,7 +578,6 @@ func (c *cluster) startGpumem() error {
 	if err != nil {
 		return err
 	}
-	c.stateDir = c.path("gpumem-state")
 	c.shimDir = c.path("usr-local-gpumem")
 	hostPaths := strings.NewReplacer(
 		"/var/lib/kubelet", c.kubeletRoot,
@@ -615,19 +641,11 @@ func (c *cluster) startGpumem() error {
 			c.statusSocket = rewrite(e.Value)
 		}
 	}
-	for _, d := range []string{c.stateDir, c.path("cdi")} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
-		}
+	if err := os.MkdirAll(c.path("cdi"), 0o755); err != nil {
+		return err
 	}
-	// The manifest's state volume has mountPropagation: Bidirectional,
-	// which needs the host path on a shared mount: gpumem's tmpfs per
-	// container (--bound-state-dirs) must reach the runtime from there.
-	if err := syscall.Mount(c.stateDir, c.stateDir, "", syscall.MS_BIND, ""); err != nil {
-		return fmt.Errorf("bind %s: %w", c.stateDir, err)
-	}
-	if err := syscall.Mount("", c.stateDir, "", syscall.MS_SHARED, ""); err != nil {
-		return fmt.Errorf("make %s shared: %w", c.stateDir, err)
+	if err := c.shareStateDir(); err != nil {
+		return err
 	}
 	return c.runGpumem()
 }

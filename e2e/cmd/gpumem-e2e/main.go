@@ -37,11 +37,11 @@ const (
 func main() {
 	repo, _ := filepath.Abs(filepath.Join(filepath.Dir(os.Args[0]), "..", "..", ".."))
 	var cfg config
-	var keep bool
+	var keep, noContainerd bool
 	var extenderFixture string
 	flag.StringVar(&cfg.bin, "bin", filepath.Dir(os.Args[0]), "directory with etcd, kube-apiserver, kube-scheduler and kubelet (e2e/build.sh)")
 	flag.StringVar(&cfg.kubelet, "kubelet", "", "the kubelet binary (default: --bin's): an older release's, to check version skew")
-	phaseList := flag.String("phases", "plugin,extender,dra", "which phases to run, comma-separated: plugin, extender, dra")
+	phaseList := flag.String("phases", "plugin,extender,dra,containerd", "which phases to run, comma-separated: plugin, extender, dra, containerd")
 	flag.StringVar(&cfg.gpumem, "gpumem", filepath.Join(repo, "target/debug/gpumem"), "the gpumem binary")
 	flag.StringVar(&cfg.shim, "shim", filepath.Join(repo, "target/debug/libgpumem_shim.so"), "the shim library the init container installs")
 	flag.StringVar(&cfg.fixture, "fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/t4.toml"), "the node's GPUs (gpumem --fake-gpus) with the default scheduler")
@@ -49,17 +49,24 @@ func main() {
 	flag.StringVar(&cfg.manifest, "manifest", filepath.Join(repo, "daemonset/gpumem.yaml"), "the DaemonSet whose RBAC, command, args and env gpumem runs with")
 	flag.StringVar(&cfg.extenderManifest, "extender-manifest", filepath.Join(repo, "daemonset/extender.yaml"), "the extender's Deployment and RBAC")
 	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
+	flag.StringVar(&cfg.probe, "probe", filepath.Join(repo, "target/debug/gpumem-probe"), "the probe the real containers run")
+	flag.StringVar(&cfg.fakeDriver, "fake-driver", filepath.Join(repo, "target/debug/libgpumem_fakegpu.so"), "the fake driver the real containers load as libcuda.so.1 and libnvidia-ml.so.1")
+	flag.BoolVar(&noContainerd, "no-containerd", false, "leave out the real containers (containerd and runc): the containerd phase")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
 	var bench benchConfig
 	flag.IntVar(&bench.restarts, "bench-restarts", 0, "instead of the suite: restart kubelet this many times on the --fake-gpus node and time restart → allocatable")
 	flag.StringVar(&bench.unit, "bench-unit", "GiB", "with --bench-restarts: gpumem's --memory-unit")
 	flag.Int64Var(&bench.hold, "bench-hold", 0, "with --bench-restarts: units a pod holds through the restarts")
 	flag.Parse()
+	phaseNames := strings.Split(*phaseList, ",")
+	if noContainerd {
+		phaseNames = slices.DeleteFunc(phaseNames, func(n string) bool { return n == "containerd" })
+	}
 
 	if cfg.kubelet == "" {
 		cfg.kubelet = filepath.Join(cfg.bin, "kubelet")
 	}
-	for _, f := range []*string{&cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture} {
+	for _, f := range []*string{&cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture, &cfg.probe, &cfg.fakeDriver} {
 		// kubelet runs in its own working directory.
 		if abs, err := filepath.Abs(*f); err == nil {
 			*f = abs
@@ -69,7 +76,11 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gpumem-e2e: needs root (kubelet, mount namespaces)")
 		os.Exit(2)
 	}
-	for _, f := range []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture} {
+	need := []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture}
+	if slices.Contains(phaseNames, "containerd") && bench.restarts == 0 {
+		need = append(need, cfg.probe, cfg.fakeDriver)
+	}
+	for _, f := range need {
 		if _, err := os.Stat(f); err != nil {
 			fmt.Fprintf(os.Stderr, "gpumem-e2e: %v\n", err)
 			os.Exit(2)
@@ -100,16 +111,20 @@ func main() {
 		cfg         config
 		run         func(*suite)
 	}
+	real := plugin
+	real.containerd = true
+	real.work = filepath.Join(work, "containerd")
 	all := []phase{
 		{"plugin", "device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
 		{"extender", "gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
 		{"dra", "DRA driver, " + filepath.Base(dra.fixture), dra, (*suite).runDRA},
+		{"containerd", "real containers: containerd and runc, device plugin, " + filepath.Base(real.fixture), real, (*suite).runContainers},
 	}
 	var phases []phase
-	for _, name := range strings.Split(*phaseList, ",") {
+	for _, name := range phaseNames {
 		i := slices.IndexFunc(all, func(p phase) bool { return p.name == name })
 		if i < 0 {
-			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra)\n", name)
+			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra, containerd)\n", name)
 			os.Exit(2)
 		}
 		phases = append(phases, all[i])
@@ -126,7 +141,7 @@ func main() {
 			s.failed++
 			fmt.Printf("FAIL cluster up: %v\n", err)
 		} else {
-			fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: fake CRI)\n", time.Since(phaseBegan).Seconds(), kubeletVersion(c))
+			fmt.Printf("cluster up in %.1f s (kubernetes %s, runtime: %s)\n", time.Since(phaseBegan).Seconds(), kubeletVersion(c), runtimeName(c))
 			s.c, s.gateFailed = c, ""
 			ph.run(s)
 		}
@@ -165,6 +180,23 @@ func stopOnSignal(c *cluster) func() {
 		signal.Stop(ch)
 		close(done)
 	}
+}
+
+// runtimeName is the runtime as the node reports it, the snapshotter with
+// containerd's.
+func runtimeName(c *cluster) string {
+	if c.runtime != nil {
+		return "fake CRI"
+	}
+	node, err := c.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+	if err != nil {
+		return "?"
+	}
+	v := node.Status.NodeInfo.ContainerRuntimeVersion
+	if out, err := runCmd("runc", "--version"); err == nil {
+		v += ", " + strings.SplitN(out, "\n", 2)[0]
+	}
+	return v + ", " + c.snapshotter + " snapshotter"
 }
 
 func kubeletVersion(c *cluster) string {

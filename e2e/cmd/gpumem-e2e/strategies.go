@@ -20,24 +20,7 @@ import (
 // 4-unit pod and returns its CreateContainer request; the pod is deleted
 // again before it returns.
 func (s *suite) withStrategy(strategy, pod string) (*runtimeapi.ContainerConfig, error) {
-	s.c.gpumem.stop(30 * time.Second)
-	if _, err := s.waitAllocatable(0, 30*time.Second); err != nil {
-		return nil, fmt.Errorf("after gpumem stopped: %w", err)
-	}
-	found := false
-	for i, a := range s.c.gpumemArgv {
-		if strings.HasPrefix(a, "--device-list-strategy=") {
-			s.c.gpumemArgv[i] = "--device-list-strategy=" + strategy
-			found = true
-		}
-	}
-	if !found {
-		return nil, fmt.Errorf("the manifest's args have no --device-list-strategy")
-	}
-	if err := s.c.runGpumem(); err != nil {
-		return nil, err
-	}
-	if _, err := s.waitAllocatable(s.units, 60*time.Second); err != nil {
+	if err := s.restartWithStrategy(strategy); err != nil {
 		return nil, err
 	}
 	if err := s.createPod(gpuPod(pod, 4)); err != nil {
@@ -60,6 +43,30 @@ func (s *suite) withStrategy(strategy, pod string) (*runtimeapi.ContainerConfig,
 		return nil, err
 	}
 	return created[0].GetConfig(), nil
+}
+
+// restartWithStrategy restarts gpumem with --device-list-strategy=strategy
+// and waits for kubelet to offer every unit again.
+func (s *suite) restartWithStrategy(strategy string) error {
+	s.c.gpumem.stop(30 * time.Second)
+	if _, err := s.waitAllocatable(0, 30*time.Second); err != nil {
+		return fmt.Errorf("after gpumem stopped: %w", err)
+	}
+	found := false
+	for i, a := range s.c.gpumemArgv {
+		if strings.HasPrefix(a, "--device-list-strategy=") {
+			s.c.gpumemArgv[i] = "--device-list-strategy=" + strategy
+			found = true
+		}
+	}
+	if !found {
+		return fmt.Errorf("the manifest's args have no --device-list-strategy")
+	}
+	if err := s.c.runGpumem(); err != nil {
+		return err
+	}
+	_, err := s.waitAllocatable(s.units, 60*time.Second)
+	return err
 }
 
 func envOf(cfg *runtimeapi.ContainerConfig) map[string]string {
