@@ -1,21 +1,31 @@
-// A benchmark, not a test: kubelet restart → the node's allocatable back,
-// on the real kubelet, as the device count (GiB or MiB units) and the
-// units a pod holds grow (issue 33, finding 3). Run by hand; the figures
-// go to docs/BENCHMARKS.md.
+// Benchmarks, not tests, on the real kubelet: kubelet restart → the node's
+// allocatable back, as the device count (GiB or MiB units) and the units a
+// pod holds grow (issue 33, finding 3); and pod created → container
+// created, through each front end. Run by hand; the figures go to
+// docs/BENCHMARKS.md.
 package main
 
 import (
 	"fmt"
 	"os"
+	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	resourcev1 "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/utils/ptr"
 )
 
 type benchConfig struct {
-	restarts int
-	unit     string
-	hold     int64
+	restarts   int
+	unit       string
+	hold       int64
+	admissions int
 }
 
 func runBench(cfg config, b benchConfig, work string, keep bool) int {
@@ -71,4 +81,157 @@ func runBench(cfg config, b benchConfig, work string, keep bool) int {
 		fmt.Printf("bench: restart %d: allocatable %d again %.2f s after kubelet started\n", i, s.units, took.Seconds())
 	}
 	return 0
+}
+
+// runAdmissionBench times, on the real kubelet and the fake runtime, pod
+// created → CreateContainer at the runtime (kubelet admitted it and had its
+// devices' answer) → Running: n pods of one unit through the device plugin
+// (bound to the node by name, so the scheduler is not in it), then n pods
+// each with a 1Gi claim from a template through the DRA driver (the
+// controller-manager makes the claim, kube-scheduler allocates it, kubelet
+// has the driver prepare it).
+func runAdmissionBench(plugin, dra config, n int, work string, keep bool) int {
+	defer func() {
+		if keep {
+			fmt.Printf("logs and configs kept in %s\n", work)
+		} else {
+			os.RemoveAll(work)
+		}
+	}()
+	fmt.Printf("bench: pod created → container created → Running; %d pods per front end, %s\n", n, plugin.fixture)
+	code := 0
+	for _, fe := range []struct {
+		name      string
+		cfg       config
+		ready     func(*suite) error
+		pod       func(*suite, int) (*corev1.Pod, error)
+		container string
+	}{
+		{"device plugin, 1 unit", plugin, func(s *suite) error { _, err := s.registersWithin(time.Minute); return err },
+			func(_ *suite, i int) (*corev1.Pod, error) { return gpuPod(fmt.Sprintf("adm-%d", i), 1), nil }, "main"},
+		{"DRA driver, a 1Gi claim from a template", dra, (*suite).draBenchReady, (*suite).draBenchPod, "cuda"},
+	} {
+		if err := benchAdmissions(fe.name, fe.cfg, n, fe.ready, fe.pod, fe.container); err != nil {
+			fmt.Printf("FAIL %s: %v\n", fe.name, err)
+			code = 1
+		}
+	}
+	return code
+}
+
+func benchAdmissions(name string, cfg config, n int, ready func(*suite) error, newPod func(*suite, int) (*corev1.Pod, error), container string) error {
+	c, err := up(cfg)
+	stop := stopOnSignal(c)
+	defer stop()
+	defer c.down()
+	if err != nil {
+		return err
+	}
+	s := &suite{c: c}
+	if err := ready(s); err != nil {
+		return err
+	}
+	var toCreate, toRunning []time.Duration
+	for i := 1; i <= n; i++ {
+		pod, err := newPod(s, i)
+		if err != nil {
+			return err
+		}
+		began := time.Now()
+		if err := s.createPod(pod); err != nil {
+			return err
+		}
+		var created time.Duration
+		for {
+			if created == 0 && len(c.runtime.createdFor(namespace, pod.Name, container)) > 0 {
+				created = time.Since(began)
+			}
+			p, err := c.admin.CoreV1().Pods(namespace).Get(ctx, pod.Name, metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			if p.Status.Phase == corev1.PodRunning && created > 0 {
+				toCreate, toRunning = append(toCreate, created), append(toRunning, time.Since(began))
+				break
+			}
+			if time.Since(began) > 2*time.Minute {
+				return fmt.Errorf("pod %s: phase %q after %s", pod.Name, p.Status.Phase, time.Since(began))
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	fmt.Printf("bench: %s: created → container created: %s; → Running: %s\n", name, spread(toCreate), spread(toRunning))
+	return nil
+}
+
+// spread says the median, least and most of ds.
+func spread(ds []time.Duration) string {
+	sorted := slices.Clone(ds)
+	slices.Sort(sorted)
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	return fmt.Sprintf("median %.0f ms (%.0f to %.0f ms, %d pods)", ms(sorted[len(sorted)/2]), ms(sorted[0]), ms(sorted[len(sorted)-1]), len(sorted))
+}
+
+// draBenchReady waits for the driver's slice and an untainted node, and
+// makes the template the bench's pods claim from.
+func (s *suite) draBenchReady() error {
+	if _, err := s.draRegisters(); err != nil {
+		return err
+	}
+	if err := s.untainted(); err != nil {
+		return err
+	}
+	template, _, err := s.draExampleObjects()
+	if err != nil {
+		return err
+	}
+	template.Name = "bench-1gi"
+	template.Spec.Spec.Devices.Requests[0].Exactly.Capacity.Requests["memory"] = resource.MustParse("1Gi")
+	_, err = s.c.admin.ResourceV1().ResourceClaimTemplates(namespace).Create(ctx, template, metav1.CreateOptions{})
+	return err
+}
+
+// draBenchPod is dra-example.yaml's first pod, renamed, claiming from the
+// bench's template.
+func (s *suite) draBenchPod(i int) (*corev1.Pod, error) {
+	_, pod, err := s.draExampleObjects()
+	if err != nil {
+		return nil, err
+	}
+	pod.Name = fmt.Sprintf("adm-dra-%d", i)
+	pod.Namespace = namespace
+	pod.Spec.AutomountServiceAccountToken = ptr.To(false)
+	pod.Spec.TerminationGracePeriodSeconds = ptr.To[int64](1)
+	pod.Spec.ResourceClaims[0].ResourceClaimTemplateName = ptr.To("bench-1gi")
+	return pod, nil
+}
+
+// draExampleObjects decodes dra-example.yaml's template and first pod.
+func (s *suite) draExampleObjects() (*resourcev1.ResourceClaimTemplate, *corev1.Pod, error) {
+	data, err := os.ReadFile(filepath.Join(filepath.Dir(s.c.cfg.manifest), "dra-example.yaml"))
+	if err != nil {
+		return nil, nil, err
+	}
+	var template *resourcev1.ResourceClaimTemplate
+	var pod *corev1.Pod
+	for _, doc := range strings.Split(string(data), "\n---") {
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			continue
+		}
+		switch o := obj.(type) {
+		case *resourcev1.ResourceClaimTemplate:
+			if template == nil {
+				template = o
+			}
+		case *corev1.Pod:
+			if pod == nil {
+				pod = o
+			}
+		}
+	}
+	if template == nil || pod == nil {
+		return nil, nil, fmt.Errorf("dra-example.yaml: no template or no pod")
+	}
+	return template, pod, nil
 }

@@ -57,6 +57,7 @@ func main() {
 	flag.IntVar(&bench.restarts, "bench-restarts", 0, "instead of the suite: restart kubelet this many times on the --fake-gpus node and time restart → allocatable")
 	flag.StringVar(&bench.unit, "bench-unit", "GiB", "with --bench-restarts: gpumem's --memory-unit")
 	flag.Int64Var(&bench.hold, "bench-hold", 0, "with --bench-restarts: units a pod holds through the restarts")
+	flag.IntVar(&bench.admissions, "bench-admissions", 0, "instead of the suite: time this many pods created → container created → Running through the device plugin, then the DRA driver")
 	flag.Parse()
 	phaseNames := strings.Split(*phaseList, ",")
 	if noContainerd {
@@ -77,7 +78,7 @@ func main() {
 		os.Exit(2)
 	}
 	need := []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture}
-	if slices.Contains(phaseNames, "containerd") && bench.restarts == 0 {
+	if slices.Contains(phaseNames, "containerd") && bench.restarts == 0 && bench.admissions == 0 {
 		need = append(need, cfg.probe, cfg.fakeDriver)
 	}
 	for _, f := range need {
@@ -106,6 +107,9 @@ func main() {
 	dra.extenderManifest, dra.schedulerConfig = "", ""
 	dra.manifest = filepath.Join(filepath.Dir(cfg.manifest), "gpumem-dra.yaml")
 	dra.work = filepath.Join(work, "dra")
+	if bench.admissions > 0 {
+		os.Exit(runAdmissionBench(plugin, dra, bench.admissions, work, keep))
+	}
 	type phase struct {
 		name, title string
 		cfg         config
