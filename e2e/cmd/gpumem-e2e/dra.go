@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"sort"
 	"strings"
 	"time"
 
@@ -189,12 +191,18 @@ func (s *suite) draTemplate() (string, error) {
 }
 
 func (s *suite) draShared() (string, error) {
+	began := time.Now()
 	a, err := s.draPrepared("dra-shared-a", resource.MustParse("8Gi"))
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("%w; %s", err, s.podEvents("dra-shared-a", "dra-shared-b"))
 	}
 	if _, err := s.draPrepared("dra-shared-b", resource.MustParse("8Gi")); err != nil {
-		return "", err
+		return "", fmt.Errorf("%w; %s", err, s.podEvents("dra-shared-a", "dra-shared-b"))
+	}
+	// Usually at once; in two of about ten full runs it took about 70 s.
+	// Say what the pods went through when it is slow, to find out why.
+	if slow := time.Since(began); slow > 20*time.Second {
+		fmt.Printf("     slow (%.0f s): %s\n", slow.Seconds(), s.podEvents("dra-shared-a", "dra-shared-b"))
 	}
 	var claims []string
 	err = waitFor(20*time.Second, "gpumem lists both claims", func() (bool, error) {
@@ -379,4 +387,25 @@ func (s *suite) draDriverRestart() (string, error) {
 		return "", err
 	}
 	return fmt.Sprintf("registered again with its 2 claims %.1f s after start; a new pod prepared: %s", took.Seconds(), detail[:strings.Index(detail, ";")]), nil
+}
+
+// podEvents lists the Events of pods, oldest first, for a failure's or a
+// slow scenario's line.
+func (s *suite) podEvents(pods ...string) string {
+	list, err := s.c.admin.CoreV1().Events(namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Sprintf("events: %v", err)
+	}
+	var lines []string
+	for _, e := range list.Items {
+		if slices.Contains(pods, e.InvolvedObject.Name) {
+			at := e.LastTimestamp.Time
+			if at.IsZero() {
+				at = e.EventTime.Time
+			}
+			lines = append(lines, fmt.Sprintf("%s %s %s %s: %s", at.Format("15:04:05.000"), e.InvolvedObject.Name, e.Source.Component+e.ReportingController, e.Reason, e.Message))
+		}
+	}
+	sort.Strings(lines)
+	return "events: " + strings.Join(lines, " | ")
 }
