@@ -164,7 +164,19 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
         device_plugins.join(checkpoint::FILE_NAME),
         resource.to_owned(),
     );
+    // kubelet replaces the file whole: while its modification time stays,
+    // what was read stands (a node with MiB units has a large file, and a
+    // shim-less process makes the reconciler ask at every tick).
+    type Read = (std::time::SystemTime, HashMap<String, Vec<String>>);
+    let last: Mutex<Option<Read>> = Mutex::new(None);
     Box::new(move || {
+        let modified = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        let mut last = last.lock_unpoisoned();
+        if let (Some((at, by_pod)), Some(modified)) = (last.as_ref(), modified) {
+            if *at == modified {
+                return Some(by_pod.clone());
+            }
+        }
         let entries = checkpoint::read(&path, &resource)
             .inspect_err(
                 |err| debug!(err = %chain(err), "GPU processes are attributed without their pods"),
@@ -178,6 +190,7 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
                 .or_default()
                 .extend(names.into_iter().map(|n| n.as_str().to_owned()));
         }
+        *last = modified.map(|at| (at, by_pod.clone()));
         Some(by_pod)
     })
 }
