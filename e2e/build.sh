@@ -3,7 +3,9 @@
 # upstream kube-apiserver, kube-scheduler, kube-controller-manager and kubelet
 # of the k8s.io/kubernetes version e2e/go.mod requires, an etcd server from
 # e2e/etcd/go.mod (its own module: etcd's grpc and otel versions differ from
-# kubernetes'), and the suite's runner (e2e/cmd/gpumem-e2e).
+# kubernetes'), containerd 2.x from e2e/containerd-v2/go.mod (its own module
+# too) for the real containers with CDI, and the suite's runner
+# (e2e/cmd/gpumem-e2e).
 #
 # Output: target/e2e/bin/ (or $GPUMEM_E2E_BIN). Go's build cache (GOCACHE)
 # keeps later builds fast; docs/BENCHMARKS.md has the cold and warm times.
@@ -45,4 +47,12 @@ go build -trimpath -ldflags "$ldflags" -o "$out/" "${pkgs[@]}"
 # upgrades. v1.34 is the first kubelet of consumable capacity.
 old=$(cd kubelet-v1.34 && go list -m -f '{{.Version}}' k8s.io/kubernetes)
 (cd kubelet-v1.34 && go build -trimpath -ldflags "$(stamp "$old")" -o "$out/v1.34/kubelet" k8s.io/kubernetes/cmd/kubelet)
-echo "e2e/build.sh: kubernetes $kube, kubelet $old and etcd $(cd etcd && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) in $out ($((SECONDS - start)) s)"
+# containerd 2.x, the first with CDI (Debian 12's 1.6 has none): the daemon,
+# ctr and the runc shim, which the runner puts first on containerd's PATH.
+# no_btrfs: no btrfs headers to build against (the suite uses overlayfs).
+ctrd=$(cd containerd-v2 && go list -m -f '{{.Version}}' github.com/containerd/containerd/v2)
+ctrdpkgs=()
+for c in containerd ctr containerd-shim-runc-v2; do ctrdpkgs+=("github.com/containerd/containerd/v2/cmd/$c"); done
+mkdir -p "$out/containerd-v2"
+(cd containerd-v2 && go build -trimpath -tags no_btrfs -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=${ctrd#v}" -o "$out/containerd-v2/" "${ctrdpkgs[@]}")
+echo "e2e/build.sh: kubernetes $kube, kubelet $old, etcd $(cd etcd && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) and containerd $ctrd in $out ($((SECONDS - start)) s)"

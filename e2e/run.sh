@@ -8,7 +8,8 @@
 # (e2e/build.sh), util-linux's unshare, nsenter and mount, gpumem's debug
 # build (`cargo build --workspace`; `cargo test --workspace` makes the same
 # files), and for the real containers containerd and runc (Debian's: apt-get
-# install containerd runc; --no-containerd leaves them out).
+# install containerd runc; build.sh builds containerd 2.x for CDI, over the
+# same runc; --no-containerd leaves them out).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)

@@ -52,6 +52,9 @@ type config struct {
 	containerd bool
 	probe      string
 	fakeDriver string
+	// With containerd: the directory of containerd 2.x's containerd, ctr
+	// and runc shim, which run with CDI on; empty for Debian's 1.6.
+	containerd2 string
 }
 
 type cluster struct {
@@ -79,6 +82,10 @@ type cluster struct {
 	stateDir      string
 	shimDir       string
 }
+
+// cdiDir is where gpumem writes CDI specs (the manifests' /var/run/cdi)
+// and, for containerd 2.x, where it reads them.
+func (c *cluster) cdiDir() string { return c.path("cdi") }
 
 func (c *cluster) path(parts ...string) string {
 	return filepath.Join(append([]string{c.cfg.work}, parts...)...)
@@ -583,7 +590,7 @@ func (c *cluster) startGpumem() error {
 		"/var/lib/kubelet", c.kubeletRoot,
 		"/var/lib/gpumem", c.stateDir,
 		"/usr/local/gpumem", c.shimDir,
-		"/var/run/cdi", c.path("cdi"),
+		"/var/run/cdi", c.cdiDir(),
 	)
 	rewrite := func(arg string) string {
 		if arg == "--metrics-addr=:9400" {
@@ -641,7 +648,7 @@ func (c *cluster) startGpumem() error {
 			c.statusSocket = rewrite(e.Value)
 		}
 	}
-	if err := os.MkdirAll(c.path("cdi"), 0o755); err != nil {
+	if err := os.MkdirAll(c.cdiDir(), 0o755); err != nil {
 		return err
 	}
 	if err := c.shareStateDir(); err != nil {

@@ -1,12 +1,14 @@
-// The real runtime: Debian's containerd 1.6 and runc, in the mount
-// namespace kubelet then joins (kubelet hands containerd paths under
-// /var/lib/kubelet and /var/log/pods, and containerd 1.6 keeps its shims'
-// sockets and runc's state under /run/containerd: all three bound into the
-// run's directory there), with one image built here and imported, since no
-// registry is reachable.
+// The real runtime: Debian's containerd 1.6 and runc, or containerd 2.x
+// built from its module (e2e/containerd-v2) with CDI enabled over the same
+// runc, in the mount namespace kubelet then joins (kubelet hands containerd
+// paths under /var/lib/kubelet and /var/log/pods, and containerd keeps its
+// shims' sockets and runc's state under /run/containerd: all three bound
+// into the run's directory there), with one image built here and imported,
+// since no registry is reachable.
 package main
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"os"
@@ -28,18 +30,31 @@ const probeImage = "gpumem.test/e2e/probe:1"
 
 func (c *cluster) containerdSocket() string { return c.path("containerd.sock") }
 
+// containerdTool is a containerd binary: containerd 2.x's own when the
+// cluster runs it, else Debian's on PATH.
+func (c *cluster) containerdTool(name string) string {
+	if c.cfg.containerd2 != "" {
+		return filepath.Join(c.cfg.containerd2, name)
+	}
+	return name
+}
+
 // startContainerd starts containerd in a mount namespace of its own that
 // kubelet later enters (runKubelet). The namespace is a slave of the
 // runner's: gpumem's tmpfs per container's state directory, mounted on the
 // runner's side, must reach runc there.
 func (c *cluster) startContainerd() error {
-	for _, tool := range []string{"containerd", "ctr", "runc", "nsenter"} {
+	tools, hint := []string{"containerd", "ctr", "runc", "nsenter"}, "apt-get install containerd runc"
+	if c.cfg.containerd2 != "" {
+		tools, hint = []string{c.containerdTool("containerd"), c.containerdTool("ctr"), c.containerdTool("containerd-shim-runc-v2"), "runc", "nsenter"}, "e2e/build.sh builds containerd 2.x; apt-get install runc"
+	}
+	for _, tool := range tools {
 		if _, err := exec.LookPath(tool); err != nil {
-			return fmt.Errorf("%s: %w (apt-get install containerd runc)", tool, err)
+			return fmt.Errorf("%s: %w (%s)", tool, err, hint)
 		}
 	}
 	root, state, cni := c.path("containerd", "root"), c.path("containerd", "run"), c.path("containerd", "cni")
-	for _, d := range []string{root, state, cni, "/run/containerd"} {
+	for _, d := range []string{root, state, cni, "/run/containerd", c.cdiDir()} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
 		}
@@ -59,29 +74,7 @@ func (c *cluster) startContainerd() error {
 		fmt.Printf("overlay mount refused (%v): containerd uses the native snapshotter\n", err)
 		c.snapshotter = "native"
 	}
-	// restrict_oom_score_adj: these machines withhold CAP_SYS_RESOURCE, and
-	// runc cannot lower a container's oom_score_adj below containerd's.
-	cfg := fmt.Sprintf(`version = 2
-root = %q
-state = "/run/containerd"
-disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp"]
-
-[grpc]
-  address = %q
-
-[ttrpc]
-  address = %q
-
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %q
-  restrict_oom_score_adj = true
-  disable_apparmor = true
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = %q
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    conf_dir = %q
-    bin_dir = %q
-`, root, c.containerdSocket(), c.containerdSocket()+".ttrpc", probeImage, c.snapshotter, cni, c.path("containerd", "cni-bin"))
+	cfg := c.containerdConfig(root, cni)
 	cfgFile := c.path("containerd", "config.toml")
 	if err := os.WriteFile(cfgFile, []byte(cfg), 0o644); err != nil {
 		return err
@@ -92,10 +85,16 @@ mount --bind "$2" /var/log
 mount --bind "$3" /run/containerd
 shift 3
 exec "$@"`
+	// containerd looks for its shim on PATH before beside itself: 2.x's
+	// first, not Debian's 1.6 one.
+	var env []string
+	if c.cfg.containerd2 != "" {
+		env = []string{"PATH=" + c.cfg.containerd2 + ":" + os.Getenv("PATH")}
+	}
 	var err error
-	c.containerd, err = start(c.logs, "containerd", "", nil,
+	c.containerd, err = start(c.logs, "containerd", "", env,
 		"unshare", "-m", "--propagation", "slave", "sh", "-c", script, "runtime-ns",
-		c.kubeletRoot, c.kubeletLogDir, state, "containerd", "--config", cfgFile)
+		c.kubeletRoot, c.kubeletLogDir, state, c.containerdTool("containerd"), "--config", cfgFile)
 	if err != nil {
 		return err
 	}
@@ -122,7 +121,79 @@ exec "$@"`
 }
 
 func (c *cluster) ctr(args ...string) (string, error) {
-	return runCmd(append([]string{"ctr", "--address", c.containerdSocket(), "--namespace", "k8s.io"}, args...)...)
+	return runCmd(append([]string{c.containerdTool("ctr"), "--address", c.containerdSocket(), "--namespace", "k8s.io"}, args...)...)
+}
+
+// ctrStdout is ctr's standard output alone, for output that is parsed:
+// ctr 2.x writes more than the spec, on its standard error.
+func (c *cluster) ctrStdout(args ...string) (string, error) {
+	var stdout, stderr bytes.Buffer
+	cmd := exec.Command(c.containerdTool("ctr"), append([]string{"--address", c.containerdSocket(), "--namespace", "k8s.io"}, args...)...)
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("%s %v: %w: %s", cmd.Path, args, err, stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+// containerdConfig is containerd's configuration: 1.6's version 2 or, for
+// containerd 2.x, version 3 (the CRI plugin split into images and runtime)
+// with CDI on, reading the specs gpumem writes (cdiDir).
+func (c *cluster) containerdConfig(root, cni string) string {
+	// restrict_oom_score_adj: these machines withhold CAP_SYS_RESOURCE, and
+	// runc cannot lower a container's oom_score_adj below containerd's.
+	if c.cfg.containerd2 == "" {
+		return fmt.Sprintf(`version = 2
+root = %q
+state = "/run/containerd"
+disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.tracing.processor.v1.otlp"]
+
+[grpc]
+  address = %q
+
+[ttrpc]
+  address = %q
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %q
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = %q
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    conf_dir = %q
+    bin_dir = %q
+`, root, c.containerdSocket(), c.containerdSocket()+".ttrpc", probeImage, c.snapshotter, cni, c.path("containerd", "cni-bin"))
+	}
+	// NRI off: it would serve a socket under the host's /var/run/nri.
+	return fmt.Sprintf(`version = 3
+root = %q
+state = "/run/containerd"
+disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.blockfile", "io.containerd.tracing.processor.v1.otlp"]
+
+[grpc]
+  address = %q
+
+[ttrpc]
+  address = %q
+
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = %q
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = %q
+
+[plugins."io.containerd.cri.v1.runtime"]
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  enable_cdi = true
+  cdi_spec_dirs = [%q]
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    conf_dir = %q
+    bin_dirs = [%q]
+`, root, c.containerdSocket(), c.containerdSocket()+".ttrpc", c.snapshotter, probeImage, c.cdiDir(), cni, c.path("containerd", "cni-bin"))
 }
 
 // shareStateDir binds gpumem's state directory onto itself as a shared

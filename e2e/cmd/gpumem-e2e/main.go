@@ -41,7 +41,7 @@ func main() {
 	var extenderFixture string
 	flag.StringVar(&cfg.bin, "bin", filepath.Dir(os.Args[0]), "directory with etcd, kube-apiserver, kube-scheduler and kubelet (e2e/build.sh)")
 	flag.StringVar(&cfg.kubelet, "kubelet", "", "the kubelet binary (default: --bin's): an older release's, to check version skew")
-	phaseList := flag.String("phases", "plugin,extender,dra,containerd", "which phases to run, comma-separated: plugin, extender, dra, containerd")
+	phaseList := flag.String("phases", "plugin,extender,dra,containerd,containerd2", "which phases to run, comma-separated: plugin, extender, dra, containerd, containerd2")
 	flag.StringVar(&cfg.gpumem, "gpumem", filepath.Join(repo, "target/debug/gpumem"), "the gpumem binary")
 	flag.StringVar(&cfg.shim, "shim", filepath.Join(repo, "target/debug/libgpumem_shim.so"), "the shim library the init container installs")
 	flag.StringVar(&cfg.fixture, "fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/t4.toml"), "the node's GPUs (gpumem --fake-gpus) with the default scheduler")
@@ -51,7 +51,9 @@ func main() {
 	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
 	flag.StringVar(&cfg.probe, "probe", filepath.Join(repo, "target/debug/gpumem-probe"), "the probe the real containers run")
 	flag.StringVar(&cfg.fakeDriver, "fake-driver", filepath.Join(repo, "target/debug/libgpumem_fakegpu.so"), "the fake driver the real containers load as libcuda.so.1 and libnvidia-ml.so.1")
-	flag.BoolVar(&noContainerd, "no-containerd", false, "leave out the real containers (containerd and runc): the containerd phase")
+	var containerd2 string
+	flag.StringVar(&containerd2, "containerd2", "", "directory of containerd 2.x's containerd, ctr and containerd-shim-runc-v2 for the containerd2 phase (default: --bin's containerd-v2)")
+	flag.BoolVar(&noContainerd, "no-containerd", false, "leave out the real containers (containerd and runc): the containerd and containerd2 phases")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
 	var bench benchConfig
 	flag.IntVar(&bench.restarts, "bench-restarts", 0, "instead of the suite: restart kubelet this many times on the --fake-gpus node and time restart → allocatable")
@@ -61,13 +63,16 @@ func main() {
 	flag.Parse()
 	phaseNames := strings.Split(*phaseList, ",")
 	if noContainerd {
-		phaseNames = slices.DeleteFunc(phaseNames, func(n string) bool { return n == "containerd" })
+		phaseNames = slices.DeleteFunc(phaseNames, func(n string) bool { return n == "containerd" || n == "containerd2" })
 	}
 
 	if cfg.kubelet == "" {
 		cfg.kubelet = filepath.Join(cfg.bin, "kubelet")
 	}
-	for _, f := range []*string{&cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture, &cfg.probe, &cfg.fakeDriver} {
+	if containerd2 == "" {
+		containerd2 = filepath.Join(cfg.bin, "containerd-v2")
+	}
+	for _, f := range []*string{&containerd2, &cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture, &cfg.probe, &cfg.fakeDriver} {
 		// kubelet runs in its own working directory.
 		if abs, err := filepath.Abs(*f); err == nil {
 			*f = abs
@@ -78,7 +83,7 @@ func main() {
 		os.Exit(2)
 	}
 	need := []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture}
-	if slices.Contains(phaseNames, "containerd") && bench.restarts == 0 && bench.admissions == 0 {
+	if (slices.Contains(phaseNames, "containerd") || slices.Contains(phaseNames, "containerd2")) && bench.restarts == 0 && bench.admissions == 0 {
 		need = append(need, cfg.probe, cfg.fakeDriver)
 	}
 	for _, f := range need {
@@ -118,20 +123,35 @@ func main() {
 	real := plugin
 	real.containerd = true
 	real.work = filepath.Join(work, "containerd")
+	// containerd 2.x with CDI: the device plugin's cdi strategy, then the
+	// DRA driver, on clusters of their own (each front end owns the node's
+	// state directory).
+	cdi := real
+	cdi.containerd2 = containerd2
+	cdi.work = filepath.Join(work, "containerd2")
+	cdiDRA := dra
+	cdiDRA.containerd, cdiDRA.containerd2 = true, containerd2
+	cdiDRA.work = filepath.Join(work, "containerd2-dra")
 	all := []phase{
 		{"plugin", "device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
 		{"extender", "gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
 		{"dra", "DRA driver, " + filepath.Base(dra.fixture), dra, (*suite).runDRA},
 		{"containerd", "real containers: containerd and runc, device plugin, " + filepath.Base(real.fixture), real, (*suite).runContainers},
+		{"containerd2", "real containers: containerd 2.x with CDI and runc, device plugin, " + filepath.Base(cdi.fixture), cdi, (*suite).runCDIContainers},
+		{"containerd2", "real containers: containerd 2.x with CDI and runc, DRA driver, " + filepath.Base(cdiDRA.fixture), cdiDRA, (*suite).runDRAContainers},
 	}
 	var phases []phase
 	for _, name := range phaseNames {
-		i := slices.IndexFunc(all, func(p phase) bool { return p.name == name })
-		if i < 0 {
-			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra, containerd)\n", name)
+		n := len(phases)
+		for _, p := range all {
+			if p.name == name {
+				phases = append(phases, p)
+			}
+		}
+		if len(phases) == n {
+			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra, containerd, containerd2)\n", name)
 			os.Exit(2)
 		}
-		phases = append(phases, all[i])
 	}
 
 	began := time.Now()

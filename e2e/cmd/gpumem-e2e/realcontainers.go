@@ -2,7 +2,8 @@
 // probe in a pod of the image built here, its allocations on the fake
 // driver capped by the shim that gpumem's /etc/ld.so.preload mount alone
 // loads (the pods set no LD_PRELOAD), with each device-list strategy that
-// needs no runtime settings.
+// needs no runtime settings under containerd 1.6, and with the cdi strategy
+// and the DRA driver, whose mounts only CDI carries, under containerd 2.x.
 package main
 
 import (
@@ -39,6 +40,113 @@ func (s *suite) runContainers() {
 			return s.capped("real-vm", "volume-mounts")
 		}},
 	})
+}
+
+func (s *suite) runCDIContainers() {
+	s.run([]scenario{
+		{"plugin registers with kubelet", s.registers},
+		{"real container, cdi: the shim from gpumem's CDI spec caps NVML and CUDA at 4 units", func() (string, error) {
+			return s.capped("real-cdi", "cdi")
+		}},
+	})
+}
+
+func (s *suite) runDRAContainers() {
+	s.run([]scenario{
+		{"DRA driver registers and publishes consumable capacity", s.draRegisters},
+		{"real container, 4Gi claim: the shim from the claim's CDI spec caps NVML and CUDA at 4096 MiB", s.draCapped},
+	})
+}
+
+// nvidiaEnv is what the runner's stand-in for NVIDIA's CDI spec sets: the
+// cdi strategy names nvidia.com/gpu=<UUID> too (and so does the DRA driver
+// where a spec names the GPU), which containerd refuses to start a
+// container with unless a spec resolves it.
+const nvidiaEnv = "GPUMEM_E2E_NVIDIA_CDI"
+
+// writeNVIDIASpec writes a CDI spec of kind nvidia.com/gpu naming the GPU
+// uuid, as `nvidia-ctk cdi generate` would, beside gpumem's specs. Its only
+// edit is nvidiaEnv: the image has the fake driver where the toolkit would
+// mount NVIDIA's.
+func (s *suite) writeNVIDIASpec(uuid string) error {
+	spec := fmt.Sprintf(`cdiVersion: 0.5.0
+kind: nvidia.com/gpu
+devices:
+  - name: %s
+    containerEdits:
+      env:
+        - %s=%s
+`, uuid, nvidiaEnv, uuid)
+	return os.WriteFile(filepath.Join(s.c.cdiDir(), "nvidia.yaml"), []byte(spec), 0o644)
+}
+
+// env is the value of name in the container's environment, if set.
+func (o *ociSpec) env(name string) (string, bool) {
+	for _, e := range o.Process.Env {
+		if v, ok := strings.CutPrefix(e, name+"="); ok {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+// draCapped runs the probe in a pod whose 4Gi claim comes from
+// dra-example.yaml's template: everything the container gets from gpumem
+// (cap, shim, accounting directory) comes through the claim's CDI spec.
+func (s *suite) draCapped() (string, error) {
+	if err := s.untainted(); err != nil {
+		return "", err
+	}
+	st, err := s.gpumemStatus()
+	if err != nil {
+		return "", err
+	}
+	uuid := st.Gpus[0].UUID
+	if err := s.writeNVIDIASpec(uuid); err != nil {
+		return "", err
+	}
+	template, example, err := s.draExampleObjects()
+	if err != nil {
+		return "", err
+	}
+	want := template.Spec.Spec.Devices.Requests[0].Exactly.Capacity.Requests["memory"]
+	if _, err := s.c.admin.ResourceV1().ResourceClaimTemplates(namespace).Create(ctx, template, metav1.CreateOptions{}); err != nil {
+		return "", err
+	}
+	wantCap := uint64(want.Value() >> 20)
+	p := probePod("real-dra", 0)
+	p.Spec.NodeName = ""
+	p.Spec.ResourceClaims = example.Spec.ResourceClaims
+	p.Spec.Tolerations = example.Spec.Tolerations
+	c := &p.Spec.Containers[0]
+	c.Resources.Claims = example.Spec.Containers[0].Resources.Claims
+	// 3700 MiB fits beside the fake driver's 300 MiB context under 4096
+	// MiB; 100 MiB more does not.
+	c.Command = []string{imageProbe, "nvml", "alloc:3700", "alloc:100"}
+	r, err := s.runProbe(p)
+	if err != nil {
+		return "", err
+	}
+	if r.totalMiB != wantCap || r.allocs[0] != 0 || r.allocs[1] != cudaOutOfMemory {
+		return "", fmt.Errorf("NVML total %d MiB, allocations %v; want %d MiB, [0 %d]; log: %q", r.totalMiB, r.allocs, wantCap, cudaOutOfMemory, r.log)
+	}
+	var problems []string
+	if src, ro := r.spec.mount("/etc/ld.so.preload"); src != filepath.Join(s.c.shimDir, "ld.so.preload") || !ro {
+		problems = append(problems, fmt.Sprintf("/etc/ld.so.preload from %q read-only=%v", src, ro))
+	}
+	if v, _ := r.spec.env("GPUMEM_LIMIT_MIB"); v != fmt.Sprint(wantCap) {
+		problems = append(problems, fmt.Sprintf("GPUMEM_LIMIT_MIB=%q", v))
+	}
+	if v, _ := r.spec.env(nvidiaEnv); v != uuid {
+		problems = append(problems, fmt.Sprintf("%s=%q: nvidia.com/gpu=%s not injected", nvidiaEnv, v, uuid))
+	}
+	if e := r.spec.preloadEnv(); e != "" {
+		problems = append(problems, e+" in the env")
+	}
+	if len(problems) > 0 {
+		return "", fmt.Errorf("runc's spec: %s", strings.Join(problems, "; "))
+	}
+	return fmt.Sprintf("probe under runc: NVML total %d MiB; 3700 MiB granted, 100 MiB more refused (CUDA %d); CDI gave GPUMEM_LIMIT_MIB=%d, /etc/ld.so.preload read-only and nvidia.com/gpu=%s", r.totalMiB, r.allocs[1], wantCap, uuid), nil
 }
 
 func probePod(name string, units int64) *corev1.Pod {
@@ -98,12 +206,13 @@ func (o *ociSpec) preloadEnv() string {
 	return ""
 }
 
-// runProbe runs a probe pod to completion, reads the log file containerd
+// runProbe runs probe pod p to completion, reads the log file containerd
 // wrote where kubelet asked (the API server cannot reach a kubelet whose
 // node has only a loopback address, which kubelet does not publish), and
 // deletes the pod.
-func (s *suite) runProbe(name string, units int64) (*probeResult, error) {
-	if err := s.createPod(probePod(name, units)); err != nil {
+func (s *suite) runProbe(p *corev1.Pod) (*probeResult, error) {
+	name := p.Name
+	if err := s.createPod(p); err != nil {
 		return nil, err
 	}
 	var pod *corev1.Pod
@@ -135,12 +244,12 @@ func (s *suite) runProbe(name string, units int64) (*probeResult, error) {
 	if cs := pod.Status.ContainerStatuses; len(cs) == 1 {
 		id = strings.TrimPrefix(cs[0].ContainerID, "containerd://")
 	}
-	out, err := s.c.ctr("containers", "info", "--spec", id)
+	out, err := s.c.ctrStdout("containers", "info", "--spec", id)
 	if err != nil {
-		return nil, fmt.Errorf("spec of container %q: %v: %s", id, err, out)
+		return nil, fmt.Errorf("spec of container %q: %w", id, err)
 	}
 	if err := json.Unmarshal([]byte(out), &r.spec); err != nil {
-		return nil, fmt.Errorf("spec of container %s: %w", id, err)
+		return nil, fmt.Errorf("spec of container %s: %w: %q", id, err, out)
 	}
 	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		return nil, err
@@ -210,7 +319,12 @@ func (s *suite) capped(name, strategy string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	r, err := s.runProbe(name, 4)
+	if strategy == "cdi" {
+		if err := s.writeNVIDIASpec(uuid); err != nil {
+			return "", err
+		}
+	}
+	r, err := s.runProbe(probePod(name, 4))
 	if err != nil {
 		return "", err
 	}
@@ -229,6 +343,20 @@ func (s *suite) capped(name, strategy string) (string, error) {
 		problems = append(problems, e+" in the env")
 	}
 	how := "/etc/ld.so.preload mounted read-only, no LD_PRELOAD"
+	if strategy == "cdi" {
+		// kubelet got only CDI names from Allocate: the mounts above and
+		// the cap came from gpumem's spec, and NVIDIA's name resolved.
+		if v, _ := r.spec.env("GPUMEM_LIMIT_MIB"); v != fmt.Sprint(wantCap) {
+			problems = append(problems, fmt.Sprintf("GPUMEM_LIMIT_MIB=%q", v))
+		}
+		if v, _ := r.spec.env(nvidiaEnv); v != uuid {
+			problems = append(problems, fmt.Sprintf("%s=%q: nvidia.com/gpu=%s not injected", nvidiaEnv, v, uuid))
+		}
+		if v, ok := r.spec.env("NVIDIA_VISIBLE_DEVICES"); ok {
+			problems = append(problems, "NVIDIA_VISIBLE_DEVICES="+v)
+		}
+		how = "CDI devices gpumem.io/container (GPUMEM_LIMIT_MIB, /etc/ld.so.preload read-only, no LD_PRELOAD) and nvidia.com/gpu=" + uuid
+	}
 	if strategy == "volume-mounts" {
 		at := "/var/run/nvidia-container-devices/" + uuid
 		if src, _ := r.spec.mount(at); src != "/dev/null" {
@@ -248,7 +376,7 @@ func (s *suite) uncapped() (string, error) {
 		return "", err
 	}
 	whole := st.Gpus[0].MemoryMiB
-	r, err := s.runProbe("real-plain", 0)
+	r, err := s.runProbe(probePod("real-plain", 0))
 	if err != nil {
 		return "", err
 	}
