@@ -28,7 +28,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path as UrlPath, Query, Request, State};
+use axum::extract::{FromRequestParts, Path as UrlPath, Query, Request, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -78,6 +79,19 @@ impl Kind {
             "ResourceClaim" => Some(Kind::ResourceClaim),
             _ => None,
         }
+    }
+
+    /// The kind a URL's resource segment (`pods`, `resourceslices`) names.
+    fn of_url(segment: &str) -> Option<Kind> {
+        [
+            Kind::Pod,
+            Kind::Node,
+            Kind::Event,
+            Kind::ResourceSlice,
+            Kind::ResourceClaim,
+        ]
+        .into_iter()
+        .find(|kind| kind.resource().split('.').next() == Some(segment))
     }
 
     fn namespaced(self) -> bool {
@@ -571,61 +585,106 @@ impl Store {
 
 fn router() -> Router<Arc<Shared>> {
     Router::new()
-        .route("/api/v1/pods", get(list_all_pods))
+        .route("/api/v1/pods", get(list))
         .route(
             "/api/v1/namespaces/{ns}/pods",
-            get(list_pods).post(create_pod),
+            get(list).post(create_object),
         )
         .route(
             "/api/v1/namespaces/{ns}/pods/{name}",
-            get(get_pod).patch(patch_pod).put(replace_pod),
+            get(get_object).patch(patch_main).put(replace_pod),
         )
         .route(
             "/api/v1/namespaces/{ns}/pods/{name}/binding",
             post(bind_pod),
         )
-        .route("/api/v1/nodes", get(list_nodes))
-        .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
+        .route("/api/v1/nodes", get(list))
+        .route("/api/v1/nodes/{name}", get(get_object).patch(patch_main))
         .route(
             "/api/v1/nodes/{name}/status",
-            get(get_node).patch(patch_node_status),
+            get(get_object).patch(patch_status),
         )
         .route(
             "/apis/events.k8s.io/v1/namespaces/{ns}/events",
-            get(list_events).post(create_event),
+            get(list).post(create_object),
         )
         .route(
             "/apis/events.k8s.io/v1/namespaces/{ns}/events/{name}",
-            get(get_event).patch(patch_event),
+            get(get_object).patch(patch_main),
         )
         .route(
             "/apis/resource.k8s.io/v1/resourceslices",
-            get(list_slices).post(create_slice).delete(delete_slices),
+            get(list).post(create_object).delete(delete_slices),
         )
         .route(
             "/apis/resource.k8s.io/v1/resourceslices/{name}",
-            get(get_slice)
+            get(get_object)
                 .put(replace_slice)
-                .patch(patch_slice)
-                .delete(delete_slice),
+                .patch(patch_main)
+                .delete(delete_object),
         )
-        .route(
-            "/apis/resource.k8s.io/v1/resourceclaims",
-            get(list_all_claims),
-        )
+        .route("/apis/resource.k8s.io/v1/resourceclaims", get(list))
         .route(
             "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
-            get(list_claims).post(create_claim),
+            get(list).post(create_object),
         )
         .route(
             "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}",
-            get(get_claim).delete(delete_claim),
+            get(get_object).delete(delete_object),
         )
         .fallback(unknown)
 }
 
 type Params = Query<HashMap<String, String>>;
 type Shared_ = State<Arc<Shared>>;
+
+/// What a request's URL names: the kind, and the `{ns}` and `{name}` its
+/// route has, so that one handler serves each verb for every kind.
+struct At {
+    kind: Kind,
+    ns: Option<String>,
+    name: String,
+}
+
+impl At {
+    /// The namespace, "" for a cluster-scoped kind.
+    fn ns(&self) -> &str {
+        self.ns.as_deref().unwrap_or_default()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for At {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<At, Response> {
+        let UrlPath(mut params) =
+            UrlPath::<HashMap<String, String>>::from_request_parts(parts, state)
+                .await
+                .map_err(IntoResponse::into_response)?;
+        let path = parts.uri.path();
+        let Some(kind) = resource_segment(path).and_then(Kind::of_url) else {
+            return Err(unknown(parts.uri.clone()).await);
+        };
+        Ok(At {
+            kind,
+            ns: params.remove("ns"),
+            name: params.remove("name").unwrap_or_default(),
+        })
+    }
+}
+
+/// The resource segment of an API path: the one after the version
+/// (`/api/v1/…`, `/apis/{group}/{version}/…`) and any `namespaces/{ns}/`.
+fn resource_segment(path: &str) -> Option<&str> {
+    let mut rest = match path.strip_prefix("/api/v1/") {
+        Some(rest) => rest,
+        None => path.strip_prefix("/apis/")?.splitn(3, '/').nth(2)?,
+    };
+    if let Some(namespaced) = rest.strip_prefix("namespaces/") {
+        rest = namespaced.split_once('/')?.1;
+    }
+    rest.split('/').next()
+}
 
 /// Every request, as `METHOD /path?query`, before it is served.
 async fn record(State(s): Shared_, request: Request, next: Next) -> Response {
@@ -647,56 +706,36 @@ async fn unknown(uri: axum::http::Uri) -> Response {
     )
 }
 
-async fn list_all_pods(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::Pod, None, &q)
+async fn list(State(s): Shared_, at: At, Query(q): Params) -> Response {
+    list_or_watch(&s, at.kind, at.ns.as_deref(), &q)
 }
 
-async fn list_pods(State(s): Shared_, UrlPath(ns): UrlPath<String>, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::Pod, Some(&ns), &q)
+async fn get_object(State(s): Shared_, at: At) -> Response {
+    get_one(&s, at.kind, at.ns(), &at.name)
 }
 
-async fn list_nodes(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::Node, None, &q)
+async fn create_object(State(s): Shared_, at: At, body: Bytes) -> Response {
+    create(&s, at.kind, at.ns(), &body)
 }
 
-async fn list_events(
-    State(s): Shared_,
-    UrlPath(ns): UrlPath<String>,
-    Query(q): Params,
-) -> Response {
-    list_or_watch(&s, Kind::Event, Some(&ns), &q)
+async fn patch_main(State(s): Shared_, at: At, headers: HeaderMap, body: Bytes) -> Response {
+    patch(&s, at.kind, at.ns(), &at.name, &headers, &body, Part::Main)
 }
 
-async fn list_slices(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::ResourceSlice, None, &q)
+async fn patch_status(State(s): Shared_, at: At, headers: HeaderMap, body: Bytes) -> Response {
+    patch(
+        &s,
+        at.kind,
+        at.ns(),
+        &at.name,
+        &headers,
+        &body,
+        Part::Status,
+    )
 }
 
-async fn list_all_claims(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::ResourceClaim, None, &q)
-}
-
-async fn list_claims(
-    State(s): Shared_,
-    UrlPath(ns): UrlPath<String>,
-    Query(q): Params,
-) -> Response {
-    list_or_watch(&s, Kind::ResourceClaim, Some(&ns), &q)
-}
-
-async fn get_slice(State(s): Shared_, UrlPath(name): UrlPath<String>) -> Response {
-    get_one(&s, Kind::ResourceSlice, "", &name)
-}
-
-async fn get_claim(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    get_one(&s, Kind::ResourceClaim, &ns, &name)
-}
-
-async fn create_slice(State(s): Shared_, body: Bytes) -> Response {
-    create(&s, Kind::ResourceSlice, "", &body)
-}
-
-async fn create_claim(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    create(&s, Kind::ResourceClaim, &ns, &body)
+async fn delete_object(State(s): Shared_, at: At, body: Bytes) -> Response {
+    delete_one(&s, at.kind, at.ns(), &at.name, &body)
 }
 
 /// `PUT resourceslices/{name}`: the whole object, unconditional unless it
@@ -714,35 +753,6 @@ async fn replace_slice(State(s): Shared_, UrlPath(name): UrlPath<String>, body: 
         check_version(&new, old)?;
         Ok(new.clone())
     })
-}
-
-async fn patch_slice(
-    State(s): Shared_,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(
-        &s,
-        Kind::ResourceSlice,
-        "",
-        &name,
-        &headers,
-        &body,
-        Part::Main,
-    )
-}
-
-async fn delete_slice(State(s): Shared_, UrlPath(name): UrlPath<String>, body: Bytes) -> Response {
-    delete_one(&s, Kind::ResourceSlice, "", &name, &body)
-}
-
-async fn delete_claim(
-    State(s): Shared_,
-    UrlPath((ns, name)): UrlPath<(String, String)>,
-    body: Bytes,
-) -> Response {
-    delete_one(&s, Kind::ResourceClaim, &ns, &name, &body)
 }
 
 /// `DELETE resourceslices?fieldSelector=…`: what kubelet sends for a node's
@@ -763,26 +773,6 @@ async fn delete_slices(State(s): Shared_, Query(q): Params) -> Response {
     .into_response()
 }
 
-async fn get_pod(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    get_one(&s, Kind::Pod, &ns, &name)
-}
-
-async fn get_node(State(s): Shared_, UrlPath(name): UrlPath<String>) -> Response {
-    get_one(&s, Kind::Node, "", &name)
-}
-
-async fn get_event(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    get_one(&s, Kind::Event, &ns, &name)
-}
-
-async fn create_pod(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    create(&s, Kind::Pod, &ns, &body)
-}
-
-async fn create_event(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    create(&s, Kind::Event, &ns, &body)
-}
-
 async fn replace_pod(
     State(s): Shared_,
     UrlPath((ns, name)): UrlPath<(String, String)>,
@@ -800,42 +790,6 @@ async fn replace_pod(
         }
         Ok(new)
     })
-}
-
-async fn patch_pod(
-    State(s): Shared_,
-    UrlPath((ns, name)): UrlPath<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Pod, &ns, &name, &headers, &body, Part::Main)
-}
-
-async fn patch_node(
-    State(s): Shared_,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Node, "", &name, &headers, &body, Part::Main)
-}
-
-async fn patch_node_status(
-    State(s): Shared_,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Node, "", &name, &headers, &body, Part::Status)
-}
-
-async fn patch_event(
-    State(s): Shared_,
-    UrlPath((ns, name)): UrlPath<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Event, &ns, &name, &headers, &body, Part::Main)
 }
 
 /// `POST pods/{name}/binding`: sets `spec.nodeName` once, and merges the
