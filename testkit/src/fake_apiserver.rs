@@ -1737,7 +1737,9 @@ mod tests {
     }
 
     use futures_util::{StreamExt, TryStreamExt};
-    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+    use k8s_openapi::api::resource::v1::{
+        DeviceRequest, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
+    };
     use kube::api::{
         Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams,
     };
@@ -1991,6 +1993,22 @@ mod tests {
         })
     }
 
+    fn first_request(claim: &ResourceClaim) -> &DeviceRequest {
+        let devices = claim.spec.as_ref().unwrap().devices.as_ref().unwrap();
+        &devices.requests.as_ref().unwrap()[0]
+    }
+
+    fn first_result(claim: &ResourceClaim) -> &DeviceRequestAllocationResult {
+        let allocation = claim.status.as_ref().unwrap().allocation.as_ref().unwrap();
+        &allocation
+            .devices
+            .as_ref()
+            .unwrap()
+            .results
+            .as_ref()
+            .unwrap()[0]
+    }
+
     #[tokio::test]
     async fn claims_are_served_and_lose_consumable_capacity_without_the_gate() {
         let server = FakeApiServer::start().await.unwrap();
@@ -1998,15 +2016,7 @@ mod tests {
         let team: Api<ResourceClaim> = Api::namespaced(client.clone(), "team");
         server.put(claim("with-gate"));
         let got = team.get("with-gate").await.unwrap();
-        let result = &got
-            .status
-            .unwrap()
-            .allocation
-            .unwrap()
-            .devices
-            .unwrap()
-            .results
-            .unwrap()[0];
+        let result = first_result(&got);
         assert!(result.share_id.is_some() && result.consumed_capacity.is_some());
         let all: Api<ResourceClaim> = Api::all(client.clone());
         assert_eq!(
@@ -2028,26 +2038,9 @@ mod tests {
         server.drop_consumable_capacity(true);
         server.put(claim("without-gate"));
         let got = team.get("without-gate").await.unwrap();
-        let request = &got
-            .spec
-            .as_ref()
-            .unwrap()
-            .devices
-            .as_ref()
-            .unwrap()
-            .requests
-            .as_ref()
-            .unwrap()[0];
+        let request = first_request(&got);
         assert!(request.exactly.as_ref().unwrap().capacity.is_none());
-        let result = &got
-            .status
-            .unwrap()
-            .allocation
-            .unwrap()
-            .devices
-            .unwrap()
-            .results
-            .unwrap()[0];
+        let result = first_result(&got);
         assert!(result.share_id.is_none() && result.consumed_capacity.is_none());
         assert_eq!(result.device, "gpu-0");
         // A claim that already used the feature keeps it on update.
@@ -2060,16 +2053,7 @@ mod tests {
         let posted: ResourceClaim = serde_json::from_value(claim("posted")).unwrap();
         let created = team.create(&PostParams::default(), &posted).await.unwrap();
         assert!(created.status.is_none());
-        let request = &created
-            .spec
-            .as_ref()
-            .unwrap()
-            .devices
-            .as_ref()
-            .unwrap()
-            .requests
-            .as_ref()
-            .unwrap()[0];
+        let request = first_request(&created);
         assert!(request.exactly.as_ref().unwrap().capacity.is_none());
 
         // Watch from the start: every claim of the namespace as ADDED.
