@@ -1452,13 +1452,7 @@ fn slice_uses_consumable_capacity(slice: Option<&Value>) -> bool {
 }
 
 fn drop_slice_consumable_capacity(slice: &mut Value) {
-    let Some(devices) = slice
-        .pointer_mut("/spec/devices")
-        .and_then(Value::as_array_mut)
-    else {
-        return;
-    };
-    for device in devices.iter_mut().filter_map(Value::as_object_mut) {
+    for device in objects_mut(slice.pointer_mut("/spec/devices")) {
         device.remove("allowMultipleAllocations");
         if let Some(capacity) = device.get_mut("capacity").and_then(Value::as_object_mut) {
             for cap in capacity.values_mut().filter_map(Value::as_object_mut) {
@@ -1506,49 +1500,37 @@ fn claim_status_uses_consumable_capacity(claim: &Value) -> bool {
 }
 
 fn drop_claim_spec_consumable_capacity(claim: &mut Value) {
-    let Some(devices) = claim.pointer_mut("/spec/devices") else {
-        return;
-    };
-    if let Some(constraints) = devices.get_mut("constraints").and_then(Value::as_array_mut) {
-        for constraint in constraints.iter_mut().filter_map(Value::as_object_mut) {
-            constraint.remove("distinctAttribute");
-        }
+    for constraint in objects_mut(claim.pointer_mut("/spec/devices/constraints")) {
+        constraint.remove("distinctAttribute");
     }
-    if let Some(requests) = devices.get_mut("requests").and_then(Value::as_array_mut) {
-        for request in requests.iter_mut() {
-            if let Some(exactly) = request.get_mut("exactly").and_then(Value::as_object_mut) {
-                exactly.remove("capacity");
-            }
-            if let Some(subs) = request
-                .get_mut("firstAvailable")
-                .and_then(Value::as_array_mut)
-            {
-                for sub in subs.iter_mut().filter_map(Value::as_object_mut) {
-                    sub.remove("capacity");
-                }
-            }
+    for request in objects_mut(claim.pointer_mut("/spec/devices/requests")) {
+        if let Some(exactly) = request.get_mut("exactly").and_then(Value::as_object_mut) {
+            exactly.remove("capacity");
+        }
+        for sub in objects_mut(request.get_mut("firstAvailable")) {
+            sub.remove("capacity");
         }
     }
 }
 
 fn drop_claim_status_consumable_capacity(claim: &mut Value) {
-    if let Some(results) = claim
-        .pointer_mut("/status/allocation/devices/results")
-        .and_then(Value::as_array_mut)
-    {
-        for result in results.iter_mut().filter_map(Value::as_object_mut) {
-            result.remove("shareID");
-            result.remove("consumedCapacity");
-        }
+    for result in objects_mut(claim.pointer_mut("/status/allocation/devices/results")) {
+        result.remove("shareID");
+        result.remove("consumedCapacity");
     }
-    if let Some(devices) = claim
-        .pointer_mut("/status/devices")
-        .and_then(Value::as_array_mut)
-    {
-        for device in devices.iter_mut().filter_map(Value::as_object_mut) {
-            device.remove("shareID");
-        }
+    for device in objects_mut(claim.pointer_mut("/status/devices")) {
+        device.remove("shareID");
     }
+}
+
+/// The objects of `array`: none where the field is absent or not an
+/// array, as the strategies skip a nil list.
+fn objects_mut(array: Option<&mut Value>) -> impl Iterator<Item = &mut Map<String, Value>> {
+    array
+        .and_then(Value::as_array_mut)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_object_mut)
 }
 
 /// Set and not null (Go's `!= nil`).
@@ -1559,18 +1541,12 @@ fn present(value: Option<&Value>) -> bool {
 /// Rewrites a slice's capacity quantities (`value`, and `requestPolicy`'s
 /// `default`, `validValues` and `validRange`) in canonical form.
 fn canonicalize_slice(slice: &mut Value) {
-    let Some(devices) = slice
-        .pointer_mut("/spec/devices")
-        .and_then(Value::as_array_mut)
-    else {
-        return;
-    };
     let fix = |q: &mut Value| {
         if let Some(canonical) = q.as_str().and_then(canonical_quantity) {
             *q = Value::String(canonical);
         }
     };
-    for device in devices.iter_mut() {
+    for device in objects_mut(slice.pointer_mut("/spec/devices")) {
         let Some(capacity) = device.get_mut("capacity").and_then(Value::as_object_mut) else {
             continue;
         };
