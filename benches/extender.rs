@@ -13,10 +13,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::header::{CONTENT_TYPE, HOST};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use serde_json::{json, Value};
 
@@ -27,6 +23,7 @@ use gpumem::extender::bind::Binder;
 use gpumem::extender::cache::{Assume, Cache};
 use gpumem::extender::{fit, server};
 use gpumem::node::placement::Policy;
+use gpumem_testkit::http1;
 
 const RESOURCE: &str = "aliyun.com/gpu-mem";
 const NODES: usize = 1000;
@@ -240,19 +237,7 @@ fn bind_choice(cache: Cache) {
 }
 
 async fn post(addr: std::net::SocketAddr, path: &str, body: Bytes) -> (u16, usize) {
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(connection);
-    let request = Request::post(path)
-        .header(HOST, addr.to_string())
-        .header(CONTENT_TYPE, "application/json")
-        .body(Full::new(body))
-        .unwrap();
-    let response = sender.send_request(request).await.unwrap();
-    let status = response.status().as_u16();
-    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let (status, bytes) = http1::exchange(addr, "POST", path, body).await.unwrap();
     (status, bytes.len())
 }
 

@@ -68,6 +68,14 @@ impl Host {
     fn write_record(&self, record: &Value) {
         std::fs::write(self.checkpoint(), serde_json::to_vec(record).unwrap()).unwrap();
     }
+
+    /// Rewrites the checkpoint through `edit`; what `edit` returns.
+    fn edit_record<T>(&self, edit: impl FnOnce(&mut Value) -> T) -> T {
+        let mut record = self.record();
+        let out = edit(&mut record);
+        self.write_record(&record);
+        out
+    }
 }
 
 /// `gpumem dra` on a fake T4 node.
@@ -234,6 +242,20 @@ impl Driver {
     fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Kills this driver, lets `meanwhile` change the node while none runs,
+    /// and starts another, with a 1.34 kubelet registered to call it.
+    async fn restart(
+        mut self,
+        host: &Host,
+        api: &FakeApiServer,
+        meanwhile: impl FnOnce(),
+    ) -> (Driver, FakeDraKubelet) {
+        self.kill();
+        meanwhile();
+        let driver = Driver::start(host, api).await;
+        (driver, kubelet_1_34(host).await)
     }
 
     /// `/status`, as `gpumem inspect -o json` reads it.
@@ -1162,13 +1184,14 @@ async fn a_restarted_driver_brings_prepared_claims_specs_up_to_date() {
 async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boots() {
     let host = Host::new();
     let api = api().await;
-    let (mut driver, refs, prepared) = driver_with_two_claims(&host, &api).await;
+    let (driver, refs, prepared) = driver_with_two_claims(&host, &api).await;
 
     // Killed; the claim deleted meanwhile: unprepare needs only the record.
-    driver.kill();
-    api.delete(Kind::ResourceClaim, "default", "c1");
-    let driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
+    let (driver, kubelet) = driver
+        .restart(&host, &api, || {
+            api.delete(Kind::ResourceClaim, "default", "c1");
+        })
+        .await;
     let again = kubelet.prepare(&refs[1..]).await.unwrap();
     assert_eq!(again[&uid(2)], prepared[&uid(2)], "the record answers");
     let done = kubelet.unprepare(&refs[..1]).await.unwrap();
@@ -1291,16 +1314,15 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
 async fn after_a_downgrade_a_claim_in_a_newer_state_is_prepared_again() {
     let host = Host::new();
     let api = api().await;
-    let (mut driver, prepared) = driver_with_notebook(&host, &api).await;
+    let (driver, prepared) = driver_with_notebook(&host, &api).await;
     let refs = [claim_ref("nb", &uid(1))];
 
     // A newer version recorded a state this one does not know.
-    driver.kill();
-    let mut record = host.record();
-    record["claims"][uid(1)]["state"] = json!("Resizing");
-    host.write_record(&record);
-    let driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
+    let (driver, kubelet) = driver
+        .restart(&host, &api, || {
+            host.edit_record(|record| record["claims"][uid(1)]["state"] = json!("Resizing"));
+        })
+        .await;
     let again = kubelet.prepare(&refs).await.unwrap();
     assert_eq!(again[&uid(1)], prepared[&uid(1)], "{}", driver.log());
     let record = host.record();
@@ -1315,10 +1337,10 @@ async fn an_unreadable_checkpoint_entry_costs_only_its_own_claim() {
 
     // A hand edit breaks one entry while the driver is down.
     driver.kill();
-    let mut record = host.record();
-    record["claims"][uid(1)]["state"] = json!(7);
-    let broken = record["claims"][uid(1)].clone();
-    host.write_record(&record);
+    let broken = host.edit_record(|record| {
+        record["claims"][uid(1)]["state"] = json!(7);
+        record["claims"][uid(1)].clone()
+    });
     let driver = Driver::start(&host, &api).await;
     let kubelet = kubelet_1_34(&host).await;
 
@@ -1378,17 +1400,16 @@ async fn a_missing_checkpoint_keeps_the_files_of_prepared_claims_until_unprepare
 async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path)) {
     let host = Host::new();
     let api = api().await;
-    let (mut driver, _) = driver_with_notebook(&host, &api).await;
+    let (driver, _) = driver_with_notebook(&host, &api).await;
     assert!(host.spec_file(&uid(1)).exists());
     let dir = host
         .path("state/containers")
         .join(format!("claim-{}", uid(1)));
     assert!(dir.is_dir());
 
-    driver.kill();
-    damage(&host.checkpoint());
-    let driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
+    let (driver, kubelet) = driver
+        .restart(&host, &api, || damage(&host.checkpoint()))
+        .await;
     wait_until("the checkpoint to be reported", || {
         driver.log().contains(reported).then_some(())
     })
@@ -1407,10 +1428,7 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
     // Restarted again (a rollout, say): the checkpoint it wrote names no
     // claim, and the files stay all the same.
     drop(kubelet);
-    let mut driver = driver;
-    driver.kill();
-    let driver = Driver::start(&host, &api).await;
-    let kubelet = kubelet_1_34(&host).await;
+    let (driver, kubelet) = driver.restart(&host, &api, || ()).await;
     assert!(
         host.spec_file(&uid(1)).exists(),
         "the second start removed the spec\n{}",

@@ -11,15 +11,12 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::header::{CONTENT_TYPE, HOST};
-use hyper::Request;
-use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 
 use gpumem::cluster::gpushare::annotation;
 use gpumem::cluster::node::GPUS_ANNOTATION;
 use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
+use gpumem_testkit::http1;
 
 const RESOURCE: &str = "aliyun.com/gpu-mem";
 /// Generous: bounds waits for events, times nothing.
@@ -195,22 +192,10 @@ impl Extender {
     }
 
     async fn request(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
-        let stream = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        let body = body.map_or_else(Bytes::new, |b| Bytes::from(serde_json::to_vec(b).unwrap()));
+        let (status, bytes) = http1::exchange(self.addr, method, path, body)
             .await
             .unwrap();
-        tokio::spawn(connection);
-        let body = body.map_or_else(Bytes::new, |b| Bytes::from(serde_json::to_vec(b).unwrap()));
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header(HOST, self.addr.to_string())
-            .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .unwrap();
-        let response = sender.send_request(request).await.unwrap();
-        let status = response.status().as_u16();
-        let bytes = response.into_body().collect().await.unwrap().to_bytes();
         (status, String::from_utf8_lossy(&bytes).into_owned())
     }
 

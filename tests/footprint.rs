@@ -78,6 +78,17 @@ fn free_at(lines: &[String], n: usize) -> u64 {
     field(nth(lines, "info 0", n), "free")
 }
 
+/// Asserts that the probe printed each of `expected` as a whole line;
+/// `context` says which run of the test it was.
+fn assert_printed(lines: &[String], expected: &[&str], context: impl std::fmt::Display) {
+    for expected in expected {
+        assert!(
+            lines.iter().any(|line| line == expected),
+            "{context} {expected}: {lines:?}"
+        );
+    }
+}
+
 /// A context that does not fit is destroyed and refused, and the caller
 /// is not handed the destroyed one: cleaning up what it got back would
 /// destroy it twice.
@@ -455,17 +466,16 @@ fn stream_on_device_1(fake: &[(&str, &str)]) {
             "info",
         ],
     );
-    for expected in [
-        "stream 0 #0",
-        "asyncon:0:3000 0 #1",
-        "asyncon:0:1100 2 #2",
-        "async:1000 0 #3",
-    ] {
-        assert!(
-            lines.contains(&expected.to_owned()),
-            "{fake:?} {expected}: {lines:?}"
-        );
-    }
+    assert_printed(
+        &lines,
+        &[
+            "stream 0 #0",
+            "asyncon:0:3000 0 #1",
+            "asyncon:0:1100 2 #2",
+            "async:1000 0 #3",
+        ],
+        format_args!("{fake:?}"),
+    );
     assert_eq!(
         free_at(&lines, 0),
         CAP - CONTEXT - 1000 * MIB,
@@ -511,19 +521,18 @@ fn cuda_13_pools_are_charged_where_their_memory_goes() {
             "ctx:1",
             "info",
         ]);
-        for expected in [
-            "poolalloc:0:3000 0 #1",
-            "poolalloc:0:1100 2 #2",
-            "poolalloc:3:3000 0 #4",
-            "poolalloc:5:1000 0 #6",
-            "poolalloc:7:2000 0 #8",
-            "poolalloc:9:1100 2 #10",
-        ] {
-            assert!(
-                lines.contains(&expected.to_owned()),
-                "{via} {expected}: {lines:?}"
-            );
-        }
+        assert_printed(
+            &lines,
+            &[
+                "poolalloc:0:3000 0 #1",
+                "poolalloc:0:1100 2 #2",
+                "poolalloc:3:3000 0 #4",
+                "poolalloc:5:1000 0 #6",
+                "poolalloc:7:2000 0 #8",
+                "poolalloc:9:1100 2 #10",
+            ],
+            via,
+        );
         assert_eq!(
             free_at(&lines, 0),
             CAP - CONTEXT - 3000 * MIB,
@@ -566,18 +575,17 @@ fn a_larger_stack_is_charged_to_its_context() {
                 "info",
             ],
         );
-        for expected in [
-            "limit:0:16384 0 now=16384 (0)",
-            "alloc:3100 2 #0",
-            "limit:0:65536 2 now=16384 (0)",
-            "limit:0:1024 0 now=1024 (0)",
-            "limit:0:8192 0 now=8192 (0)",
-        ] {
-            assert!(
-                lines.contains(&expected.to_owned()),
-                "{via} {expected}: {lines:?}"
-            );
-        }
+        assert_printed(
+            &lines,
+            &[
+                "limit:0:16384 0 now=16384 (0)",
+                "alloc:3100 2 #0",
+                "limit:0:65536 2 now=16384 (0)",
+                "limit:0:1024 0 now=1024 (0)",
+                "limit:0:8192 0 now=8192 (0)",
+            ],
+            via,
+        );
         assert_eq!(free_at(&lines, 0), CAP - CONTEXT - 960 * MIB, "{via}");
         assert_eq!(
             free_at(&lines, 1),
@@ -615,16 +623,15 @@ fn a_stack_shrink_gives_back_only_what_was_charged_for_it() {
             "info",
         ],
     );
-    for expected in [
-        "launch:8192 0",
-        "limit:0:1024 0 now=1024 (0)",
-        "limit:0:4096 0 now=4096 (0)",
-    ] {
-        assert!(
-            lines.contains(&expected.to_owned()),
-            "{expected}: {lines:?}"
-        );
-    }
+    assert_printed(
+        &lines,
+        &[
+            "launch:8192 0",
+            "limit:0:1024 0 now=1024 (0)",
+            "limit:0:4096 0 now=4096 (0)",
+        ],
+        "",
+    );
     assert_eq!(
         free_at(&lines, 0),
         CAP - CONTEXT,
@@ -658,12 +665,11 @@ fn a_managed_pool_is_charged_on_the_streams_device() {
         "ctx:1",
         "info",
     ]);
-    for expected in ["poolalloc:1:3000:0 0 #2", "poolalloc:1:1100:0 2 #3"] {
-        assert!(
-            lines.contains(&expected.to_owned()),
-            "{expected}: {lines:?}"
-        );
-    }
+    assert_printed(
+        &lines,
+        &["poolalloc:1:3000:0 0 #2", "poolalloc:1:1100:0 2 #3"],
+        "",
+    );
     assert_eq!(free_at(&lines, 0), CAP - CONTEXT, "device 0");
     assert_eq!(free_at(&lines, 1), CAP - CONTEXT - 3000 * MIB, "device 1");
 }

@@ -1047,19 +1047,8 @@ mod tests {
             let node = api.put(json!({"kind": "Node", "metadata": {"name": NODE}}));
             let node_uid = node["metadata"]["uid"].as_str().unwrap().to_owned();
             before(&api);
-            let inv = Arc::new(Inventory::new(gpus, MemoryUnit::GiB).unwrap());
-            let (inventory, inventory_rx) = watch::channel(inv);
-            let (status_tx, status) = watch::channel(SliceStatus::default());
             let stop = CancellationToken::new();
-            tokio::spawn(run(
-                client(&api),
-                NODE.into(),
-                DRIVER.into(),
-                inventory_rx,
-                NodeFacts::default(),
-                status_tx,
-                stop.clone(),
-            ));
+            let (inventory, status, _) = spawn_run(&api, gpus, &stop);
             Harness {
                 api,
                 inventory,
@@ -1113,6 +1102,32 @@ mod tests {
         fn drop(&mut self) {
             self.stop.cancel();
         }
+    }
+
+    /// Spawns `run` for NODE against `api` with `gpus` as the inventory,
+    /// until `stop`: the inventory's sender, the status, and the task.
+    fn spawn_run(
+        api: &FakeApiServer,
+        gpus: Vec<Gpu>,
+        stop: &CancellationToken,
+    ) -> (
+        watch::Sender<Arc<Inventory>>,
+        watch::Receiver<SliceStatus>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let inv = Arc::new(Inventory::new(gpus, MemoryUnit::GiB).unwrap());
+        let (inventory, inventory_rx) = watch::channel(inv);
+        let (status_tx, status) = watch::channel(SliceStatus::default());
+        let task = tokio::spawn(run(
+            client(api),
+            NODE.into(),
+            DRIVER.into(),
+            inventory_rx,
+            NodeFacts::default(),
+            status_tx,
+            stop.clone(),
+        ));
+        (inventory, status, task)
     }
 
     #[tokio::test]
@@ -1270,19 +1285,8 @@ mod tests {
     #[tokio::test]
     async fn a_missing_node_is_an_error_in_the_status() {
         let api = FakeApiServer::start().await.unwrap();
-        let inv = Arc::new(Inventory::new(vec![gpu(0, 16160)], MemoryUnit::GiB).unwrap());
-        let (_inventory, inventory_rx) = watch::channel(inv);
-        let (status_tx, mut status) = watch::channel(SliceStatus::default());
         let stop = CancellationToken::new();
-        let task = tokio::spawn(run(
-            client(&api),
-            NODE.into(),
-            DRIVER.into(),
-            inventory_rx,
-            NodeFacts::default(),
-            status_tx,
-            stop.clone(),
-        ));
+        let (_inventory, mut status, task) = spawn_run(&api, vec![gpu(0, 16160)], &stop);
         let failed = tokio::time::timeout(WAIT, status.wait_for(|s| s.last_error.is_some()))
             .await
             .unwrap()

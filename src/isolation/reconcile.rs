@@ -1115,6 +1115,23 @@ mod tests {
         }
     }
 
+    /// `attribute` with nothing remembered from earlier sweeps (no last
+    /// holders, no identities) and no pod directories to read.
+    fn attribute_afresh(
+        loaded: &[(PathBuf, Processes)],
+        memory: &ProcessMemory,
+        read: impl Fn(u32, &str) -> Option<String>,
+    ) -> Attributed {
+        attribute(
+            loaded,
+            &holders(loaded),
+            &LastHolders::new(),
+            memory,
+            &mut attribution::Identities::default().sweep(read),
+            &mut Pods::new(None),
+        )
+    }
+
     /// A device of an accounting file: its cap and what its slots charged.
     fn usage(uuid: &str, cap_mib: u64, used_mib: u64) -> Usage {
         Usage {
@@ -1366,15 +1383,7 @@ mod tests {
             (OTHER.to_owned(), [(10, 2 * MIB), (30, 6 * MIB)].into()),
         ]
         .into();
-        let mut identities = attribution::Identities::default();
-        let mut attributed = attribute(
-            &loaded,
-            &holders(&loaded),
-            &LastHolders::new(),
-            &memory,
-            &mut identities.sweep(read),
-            &mut Pods::new(None),
-        );
+        let mut attributed = attribute_afresh(&loaded, &memory, read);
         for per_file in &mut attributed.unslotted {
             per_file.iter_mut().for_each(|list| list.sort_unstable());
         }
@@ -1415,15 +1424,7 @@ mod tests {
             _ => None,
         };
         let memory: ProcessMemory = [(T4.to_owned(), [(30, 700 * MIB)].into())].into();
-        let mut identities = attribution::Identities::default();
-        let attributed = attribute(
-            &loaded,
-            &holders(&loaded),
-            &LastHolders::new(),
-            &memory,
-            &mut identities.sweep(read),
-            &mut Pods::new(None),
-        );
+        let attributed = attribute_afresh(&loaded, &memory, read);
         assert_eq!(
             attributed.unslotted,
             [vec![vec![]], vec![vec![(30, 700 * MIB)]]],

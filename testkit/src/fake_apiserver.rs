@@ -28,7 +28,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path as UrlPath, Query, Request, State};
+use axum::extract::{FromRequestParts, Path as UrlPath, Query, Request, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -78,6 +79,19 @@ impl Kind {
             "ResourceClaim" => Some(Kind::ResourceClaim),
             _ => None,
         }
+    }
+
+    /// The kind a URL's resource segment (`pods`, `resourceslices`) names.
+    fn of_url(segment: &str) -> Option<Kind> {
+        [
+            Kind::Pod,
+            Kind::Node,
+            Kind::Event,
+            Kind::ResourceSlice,
+            Kind::ResourceClaim,
+        ]
+        .into_iter()
+        .find(|kind| kind.resource().split('.').next() == Some(segment))
     }
 
     fn namespaced(self) -> bool {
@@ -571,61 +585,106 @@ impl Store {
 
 fn router() -> Router<Arc<Shared>> {
     Router::new()
-        .route("/api/v1/pods", get(list_all_pods))
+        .route("/api/v1/pods", get(list))
         .route(
             "/api/v1/namespaces/{ns}/pods",
-            get(list_pods).post(create_pod),
+            get(list).post(create_object),
         )
         .route(
             "/api/v1/namespaces/{ns}/pods/{name}",
-            get(get_pod).patch(patch_pod).put(replace_pod),
+            get(get_object).patch(patch_main).put(replace_pod),
         )
         .route(
             "/api/v1/namespaces/{ns}/pods/{name}/binding",
             post(bind_pod),
         )
-        .route("/api/v1/nodes", get(list_nodes))
-        .route("/api/v1/nodes/{name}", get(get_node).patch(patch_node))
+        .route("/api/v1/nodes", get(list))
+        .route("/api/v1/nodes/{name}", get(get_object).patch(patch_main))
         .route(
             "/api/v1/nodes/{name}/status",
-            get(get_node).patch(patch_node_status),
+            get(get_object).patch(patch_status),
         )
         .route(
             "/apis/events.k8s.io/v1/namespaces/{ns}/events",
-            get(list_events).post(create_event),
+            get(list).post(create_object),
         )
         .route(
             "/apis/events.k8s.io/v1/namespaces/{ns}/events/{name}",
-            get(get_event).patch(patch_event),
+            get(get_object).patch(patch_main),
         )
         .route(
             "/apis/resource.k8s.io/v1/resourceslices",
-            get(list_slices).post(create_slice).delete(delete_slices),
+            get(list).post(create_object).delete(delete_slices),
         )
         .route(
             "/apis/resource.k8s.io/v1/resourceslices/{name}",
-            get(get_slice)
+            get(get_object)
                 .put(replace_slice)
-                .patch(patch_slice)
-                .delete(delete_slice),
+                .patch(patch_main)
+                .delete(delete_object),
         )
-        .route(
-            "/apis/resource.k8s.io/v1/resourceclaims",
-            get(list_all_claims),
-        )
+        .route("/apis/resource.k8s.io/v1/resourceclaims", get(list))
         .route(
             "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
-            get(list_claims).post(create_claim),
+            get(list).post(create_object),
         )
         .route(
             "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims/{name}",
-            get(get_claim).delete(delete_claim),
+            get(get_object).delete(delete_object),
         )
         .fallback(unknown)
 }
 
 type Params = Query<HashMap<String, String>>;
 type Shared_ = State<Arc<Shared>>;
+
+/// What a request's URL names: the kind, and the `{ns}` and `{name}` its
+/// route has, so that one handler serves each verb for every kind.
+struct At {
+    kind: Kind,
+    ns: Option<String>,
+    name: String,
+}
+
+impl At {
+    /// The namespace, "" for a cluster-scoped kind.
+    fn ns(&self) -> &str {
+        self.ns.as_deref().unwrap_or_default()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for At {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<At, Response> {
+        let UrlPath(mut params) =
+            UrlPath::<HashMap<String, String>>::from_request_parts(parts, state)
+                .await
+                .map_err(IntoResponse::into_response)?;
+        let path = parts.uri.path();
+        let Some(kind) = resource_segment(path).and_then(Kind::of_url) else {
+            return Err(unknown(parts.uri.clone()).await);
+        };
+        Ok(At {
+            kind,
+            ns: params.remove("ns"),
+            name: params.remove("name").unwrap_or_default(),
+        })
+    }
+}
+
+/// The resource segment of an API path: the one after the version
+/// (`/api/v1/…`, `/apis/{group}/{version}/…`) and any `namespaces/{ns}/`.
+fn resource_segment(path: &str) -> Option<&str> {
+    let mut rest = match path.strip_prefix("/api/v1/") {
+        Some(rest) => rest,
+        None => path.strip_prefix("/apis/")?.splitn(3, '/').nth(2)?,
+    };
+    if let Some(namespaced) = rest.strip_prefix("namespaces/") {
+        rest = namespaced.split_once('/')?.1;
+    }
+    rest.split('/').next()
+}
 
 /// Every request, as `METHOD /path?query`, before it is served.
 async fn record(State(s): Shared_, request: Request, next: Next) -> Response {
@@ -647,56 +706,36 @@ async fn unknown(uri: axum::http::Uri) -> Response {
     )
 }
 
-async fn list_all_pods(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::Pod, None, &q)
+async fn list(State(s): Shared_, at: At, Query(q): Params) -> Response {
+    list_or_watch(&s, at.kind, at.ns.as_deref(), &q)
 }
 
-async fn list_pods(State(s): Shared_, UrlPath(ns): UrlPath<String>, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::Pod, Some(&ns), &q)
+async fn get_object(State(s): Shared_, at: At) -> Response {
+    get_one(&s, at.kind, at.ns(), &at.name)
 }
 
-async fn list_nodes(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::Node, None, &q)
+async fn create_object(State(s): Shared_, at: At, body: Bytes) -> Response {
+    create(&s, at.kind, at.ns(), &body)
 }
 
-async fn list_events(
-    State(s): Shared_,
-    UrlPath(ns): UrlPath<String>,
-    Query(q): Params,
-) -> Response {
-    list_or_watch(&s, Kind::Event, Some(&ns), &q)
+async fn patch_main(State(s): Shared_, at: At, headers: HeaderMap, body: Bytes) -> Response {
+    patch(&s, at.kind, at.ns(), &at.name, &headers, &body, Part::Main)
 }
 
-async fn list_slices(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::ResourceSlice, None, &q)
+async fn patch_status(State(s): Shared_, at: At, headers: HeaderMap, body: Bytes) -> Response {
+    patch(
+        &s,
+        at.kind,
+        at.ns(),
+        &at.name,
+        &headers,
+        &body,
+        Part::Status,
+    )
 }
 
-async fn list_all_claims(State(s): Shared_, Query(q): Params) -> Response {
-    list_or_watch(&s, Kind::ResourceClaim, None, &q)
-}
-
-async fn list_claims(
-    State(s): Shared_,
-    UrlPath(ns): UrlPath<String>,
-    Query(q): Params,
-) -> Response {
-    list_or_watch(&s, Kind::ResourceClaim, Some(&ns), &q)
-}
-
-async fn get_slice(State(s): Shared_, UrlPath(name): UrlPath<String>) -> Response {
-    get_one(&s, Kind::ResourceSlice, "", &name)
-}
-
-async fn get_claim(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    get_one(&s, Kind::ResourceClaim, &ns, &name)
-}
-
-async fn create_slice(State(s): Shared_, body: Bytes) -> Response {
-    create(&s, Kind::ResourceSlice, "", &body)
-}
-
-async fn create_claim(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    create(&s, Kind::ResourceClaim, &ns, &body)
+async fn delete_object(State(s): Shared_, at: At, body: Bytes) -> Response {
+    delete_one(&s, at.kind, at.ns(), &at.name, &body)
 }
 
 /// `PUT resourceslices/{name}`: the whole object, unconditional unless it
@@ -714,35 +753,6 @@ async fn replace_slice(State(s): Shared_, UrlPath(name): UrlPath<String>, body: 
         check_version(&new, old)?;
         Ok(new.clone())
     })
-}
-
-async fn patch_slice(
-    State(s): Shared_,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(
-        &s,
-        Kind::ResourceSlice,
-        "",
-        &name,
-        &headers,
-        &body,
-        Part::Main,
-    )
-}
-
-async fn delete_slice(State(s): Shared_, UrlPath(name): UrlPath<String>, body: Bytes) -> Response {
-    delete_one(&s, Kind::ResourceSlice, "", &name, &body)
-}
-
-async fn delete_claim(
-    State(s): Shared_,
-    UrlPath((ns, name)): UrlPath<(String, String)>,
-    body: Bytes,
-) -> Response {
-    delete_one(&s, Kind::ResourceClaim, &ns, &name, &body)
 }
 
 /// `DELETE resourceslices?fieldSelector=…`: what kubelet sends for a node's
@@ -763,26 +773,6 @@ async fn delete_slices(State(s): Shared_, Query(q): Params) -> Response {
     .into_response()
 }
 
-async fn get_pod(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    get_one(&s, Kind::Pod, &ns, &name)
-}
-
-async fn get_node(State(s): Shared_, UrlPath(name): UrlPath<String>) -> Response {
-    get_one(&s, Kind::Node, "", &name)
-}
-
-async fn get_event(State(s): Shared_, UrlPath((ns, name)): UrlPath<(String, String)>) -> Response {
-    get_one(&s, Kind::Event, &ns, &name)
-}
-
-async fn create_pod(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    create(&s, Kind::Pod, &ns, &body)
-}
-
-async fn create_event(State(s): Shared_, UrlPath(ns): UrlPath<String>, body: Bytes) -> Response {
-    create(&s, Kind::Event, &ns, &body)
-}
-
 async fn replace_pod(
     State(s): Shared_,
     UrlPath((ns, name)): UrlPath<(String, String)>,
@@ -800,42 +790,6 @@ async fn replace_pod(
         }
         Ok(new)
     })
-}
-
-async fn patch_pod(
-    State(s): Shared_,
-    UrlPath((ns, name)): UrlPath<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Pod, &ns, &name, &headers, &body, Part::Main)
-}
-
-async fn patch_node(
-    State(s): Shared_,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Node, "", &name, &headers, &body, Part::Main)
-}
-
-async fn patch_node_status(
-    State(s): Shared_,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Node, "", &name, &headers, &body, Part::Status)
-}
-
-async fn patch_event(
-    State(s): Shared_,
-    UrlPath((ns, name)): UrlPath<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    patch(&s, Kind::Event, &ns, &name, &headers, &body, Part::Main)
 }
 
 /// `POST pods/{name}/binding`: sets `spec.nodeName` once, and merges the
@@ -1498,13 +1452,7 @@ fn slice_uses_consumable_capacity(slice: Option<&Value>) -> bool {
 }
 
 fn drop_slice_consumable_capacity(slice: &mut Value) {
-    let Some(devices) = slice
-        .pointer_mut("/spec/devices")
-        .and_then(Value::as_array_mut)
-    else {
-        return;
-    };
-    for device in devices.iter_mut().filter_map(Value::as_object_mut) {
+    for device in objects_mut(slice.pointer_mut("/spec/devices")) {
         device.remove("allowMultipleAllocations");
         if let Some(capacity) = device.get_mut("capacity").and_then(Value::as_object_mut) {
             for cap in capacity.values_mut().filter_map(Value::as_object_mut) {
@@ -1552,49 +1500,37 @@ fn claim_status_uses_consumable_capacity(claim: &Value) -> bool {
 }
 
 fn drop_claim_spec_consumable_capacity(claim: &mut Value) {
-    let Some(devices) = claim.pointer_mut("/spec/devices") else {
-        return;
-    };
-    if let Some(constraints) = devices.get_mut("constraints").and_then(Value::as_array_mut) {
-        for constraint in constraints.iter_mut().filter_map(Value::as_object_mut) {
-            constraint.remove("distinctAttribute");
-        }
+    for constraint in objects_mut(claim.pointer_mut("/spec/devices/constraints")) {
+        constraint.remove("distinctAttribute");
     }
-    if let Some(requests) = devices.get_mut("requests").and_then(Value::as_array_mut) {
-        for request in requests.iter_mut() {
-            if let Some(exactly) = request.get_mut("exactly").and_then(Value::as_object_mut) {
-                exactly.remove("capacity");
-            }
-            if let Some(subs) = request
-                .get_mut("firstAvailable")
-                .and_then(Value::as_array_mut)
-            {
-                for sub in subs.iter_mut().filter_map(Value::as_object_mut) {
-                    sub.remove("capacity");
-                }
-            }
+    for request in objects_mut(claim.pointer_mut("/spec/devices/requests")) {
+        if let Some(exactly) = request.get_mut("exactly").and_then(Value::as_object_mut) {
+            exactly.remove("capacity");
+        }
+        for sub in objects_mut(request.get_mut("firstAvailable")) {
+            sub.remove("capacity");
         }
     }
 }
 
 fn drop_claim_status_consumable_capacity(claim: &mut Value) {
-    if let Some(results) = claim
-        .pointer_mut("/status/allocation/devices/results")
-        .and_then(Value::as_array_mut)
-    {
-        for result in results.iter_mut().filter_map(Value::as_object_mut) {
-            result.remove("shareID");
-            result.remove("consumedCapacity");
-        }
+    for result in objects_mut(claim.pointer_mut("/status/allocation/devices/results")) {
+        result.remove("shareID");
+        result.remove("consumedCapacity");
     }
-    if let Some(devices) = claim
-        .pointer_mut("/status/devices")
-        .and_then(Value::as_array_mut)
-    {
-        for device in devices.iter_mut().filter_map(Value::as_object_mut) {
-            device.remove("shareID");
-        }
+    for device in objects_mut(claim.pointer_mut("/status/devices")) {
+        device.remove("shareID");
     }
+}
+
+/// The objects of `array`: none where the field is absent or not an
+/// array, as the strategies skip a nil list.
+fn objects_mut(array: Option<&mut Value>) -> impl Iterator<Item = &mut Map<String, Value>> {
+    array
+        .and_then(Value::as_array_mut)
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_object_mut)
 }
 
 /// Set and not null (Go's `!= nil`).
@@ -1605,18 +1541,12 @@ fn present(value: Option<&Value>) -> bool {
 /// Rewrites a slice's capacity quantities (`value`, and `requestPolicy`'s
 /// `default`, `validValues` and `validRange`) in canonical form.
 fn canonicalize_slice(slice: &mut Value) {
-    let Some(devices) = slice
-        .pointer_mut("/spec/devices")
-        .and_then(Value::as_array_mut)
-    else {
-        return;
-    };
     let fix = |q: &mut Value| {
         if let Some(canonical) = q.as_str().and_then(canonical_quantity) {
             *q = Value::String(canonical);
         }
     };
-    for device in devices.iter_mut() {
+    for device in objects_mut(slice.pointer_mut("/spec/devices")) {
         let Some(capacity) = device.get_mut("capacity").and_then(Value::as_object_mut) else {
             continue;
         };
@@ -1783,7 +1713,9 @@ mod tests {
     }
 
     use futures_util::{StreamExt, TryStreamExt};
-    use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+    use k8s_openapi::api::resource::v1::{
+        DeviceRequest, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice,
+    };
     use kube::api::{
         Api, DeleteParams, ListParams, PostParams, Preconditions, WatchEvent, WatchParams,
     };
@@ -2037,6 +1969,22 @@ mod tests {
         })
     }
 
+    fn first_request(claim: &ResourceClaim) -> &DeviceRequest {
+        let devices = claim.spec.as_ref().unwrap().devices.as_ref().unwrap();
+        &devices.requests.as_ref().unwrap()[0]
+    }
+
+    fn first_result(claim: &ResourceClaim) -> &DeviceRequestAllocationResult {
+        let allocation = claim.status.as_ref().unwrap().allocation.as_ref().unwrap();
+        &allocation
+            .devices
+            .as_ref()
+            .unwrap()
+            .results
+            .as_ref()
+            .unwrap()[0]
+    }
+
     #[tokio::test]
     async fn claims_are_served_and_lose_consumable_capacity_without_the_gate() {
         let server = FakeApiServer::start().await.unwrap();
@@ -2044,15 +1992,7 @@ mod tests {
         let team: Api<ResourceClaim> = Api::namespaced(client.clone(), "team");
         server.put(claim("with-gate"));
         let got = team.get("with-gate").await.unwrap();
-        let result = &got
-            .status
-            .unwrap()
-            .allocation
-            .unwrap()
-            .devices
-            .unwrap()
-            .results
-            .unwrap()[0];
+        let result = first_result(&got);
         assert!(result.share_id.is_some() && result.consumed_capacity.is_some());
         let all: Api<ResourceClaim> = Api::all(client.clone());
         assert_eq!(
@@ -2074,26 +2014,9 @@ mod tests {
         server.drop_consumable_capacity(true);
         server.put(claim("without-gate"));
         let got = team.get("without-gate").await.unwrap();
-        let request = &got
-            .spec
-            .as_ref()
-            .unwrap()
-            .devices
-            .as_ref()
-            .unwrap()
-            .requests
-            .as_ref()
-            .unwrap()[0];
+        let request = first_request(&got);
         assert!(request.exactly.as_ref().unwrap().capacity.is_none());
-        let result = &got
-            .status
-            .unwrap()
-            .allocation
-            .unwrap()
-            .devices
-            .unwrap()
-            .results
-            .unwrap()[0];
+        let result = first_result(&got);
         assert!(result.share_id.is_none() && result.consumed_capacity.is_none());
         assert_eq!(result.device, "gpu-0");
         // A claim that already used the feature keeps it on update.
@@ -2106,16 +2029,7 @@ mod tests {
         let posted: ResourceClaim = serde_json::from_value(claim("posted")).unwrap();
         let created = team.create(&PostParams::default(), &posted).await.unwrap();
         assert!(created.status.is_none());
-        let request = &created
-            .spec
-            .as_ref()
-            .unwrap()
-            .devices
-            .as_ref()
-            .unwrap()
-            .requests
-            .as_ref()
-            .unwrap()[0];
+        let request = first_request(&created);
         assert!(request.exactly.as_ref().unwrap().capacity.is_none());
 
         // Watch from the start: every claim of the namespace as ADDED.

@@ -263,6 +263,8 @@ pub fn load(via: &str, ptsz: bool) -> Api {
     };
     let suffix = if ptsz { "_ptsz" } else { "" };
     let get = |base: &str, exported: &str| resolver.get(base, exported);
+    // A symbol no version renamed: dlsym finds it under the name asked for.
+    let plain = |name: &str| resolver.get(name, name);
     // SAFETY: each symbol is cast to its documented signature.
     unsafe {
         Api {
@@ -274,13 +276,13 @@ pub fn load(via: &str, ptsz: bool) -> Api {
                 &format!("cuMemAllocFromPoolAsync{suffix}"),
             )),
             free_async: cast(get("cuMemFreeAsync", &format!("cuMemFreeAsync{suffix}"))),
-            managed: cast(get("cuMemAllocManaged", "cuMemAllocManaged")),
+            managed: cast(plain("cuMemAllocManaged")),
             pitch: cast(get("cuMemAllocPitch", "cuMemAllocPitch_v2")),
-            create: cast(get("cuMemCreate", "cuMemCreate")),
-            release: cast(get("cuMemRelease", "cuMemRelease")),
+            create: cast(plain("cuMemCreate")),
+            release: cast(plain("cuMemRelease")),
             get_info: cast(get("cuMemGetInfo", "cuMemGetInfo_v2")),
             total_mem: cast(get("cuDeviceTotalMem", "cuDeviceTotalMem_v2")),
-            retain: cast(get("cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain")),
+            retain: cast(plain("cuDevicePrimaryCtxRetain")),
             set_current: cast(sym(cuda, "cuCtxSetCurrent")),
             // By its exact name, as code built against an old cuda.h links it.
             ctx_create: cast(sym(cuda, "cuCtxCreate_v2")),
@@ -290,43 +292,31 @@ pub fn load(via: &str, ptsz: bool) -> Api {
                 "cuDevicePrimaryCtxRelease_v2",
             )),
             primary_reset: cast(get("cuDevicePrimaryCtxReset", "cuDevicePrimaryCtxReset_v2")),
-            reserve: cast(get("cuMemAddressReserve", "cuMemAddressReserve")),
-            address_free: cast(get("cuMemAddressFree", "cuMemAddressFree")),
-            map: cast(get("cuMemMap", "cuMemMap")),
-            unmap: cast(get("cuMemUnmap", "cuMemUnmap")),
-            set_access: cast(get("cuMemSetAccess", "cuMemSetAccess")),
-            retain_handle: cast(get(
-                "cuMemRetainAllocationHandle",
-                "cuMemRetainAllocationHandle",
-            )),
-            export: cast(get(
-                "cuMemExportToShareableHandle",
-                "cuMemExportToShareableHandle",
-            )),
-            import: cast(get(
-                "cuMemImportFromShareableHandle",
-                "cuMemImportFromShareableHandle",
-            )),
+            reserve: cast(plain("cuMemAddressReserve")),
+            address_free: cast(plain("cuMemAddressFree")),
+            map: cast(plain("cuMemMap")),
+            unmap: cast(plain("cuMemUnmap")),
+            set_access: cast(plain("cuMemSetAccess")),
+            retain_handle: cast(plain("cuMemRetainAllocationHandle")),
+            export: cast(plain("cuMemExportToShareableHandle")),
+            import: cast(plain("cuMemImportFromShareableHandle")),
             array_create: cast(get("cuArrayCreate", "cuArrayCreate_v2")),
             array3d_create: cast(get("cuArray3DCreate", "cuArray3DCreate_v2")),
-            mipmap_create: cast(get("cuMipmappedArrayCreate", "cuMipmappedArrayCreate")),
-            array_destroy: cast(get("cuArrayDestroy", "cuArrayDestroy")),
-            mipmap_destroy: cast(get("cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy")),
-            default_pool: cast(get(
-                "cuDeviceGetDefaultMemPool",
-                "cuDeviceGetDefaultMemPool",
-            )),
-            pool_create: cast(get("cuMemPoolCreate", "cuMemPoolCreate")),
+            mipmap_create: cast(plain("cuMipmappedArrayCreate")),
+            array_destroy: cast(plain("cuArrayDestroy")),
+            mipmap_destroy: cast(plain("cuMipmappedArrayDestroy")),
+            default_pool: cast(plain("cuDeviceGetDefaultMemPool")),
+            pool_create: cast(plain("cuMemPoolCreate")),
             location_pool: cast(resolver.optional(
                 "cuMemGetDefaultMemPool",
                 "cuMemGetDefaultMemPool",
                 13000,
             )),
             current_pool: cast(resolver.optional("cuMemGetMemPool", "cuMemGetMemPool", 13000)),
-            stream_create: cast(get("cuStreamCreate", "cuStreamCreate")),
-            set_limit: cast(get("cuCtxSetLimit", "cuCtxSetLimit")),
-            get_limit: cast(get("cuCtxGetLimit", "cuCtxGetLimit")),
-            launch: cast(get("cuLaunchKernel", "cuLaunchKernel")),
+            stream_create: cast(plain("cuStreamCreate")),
+            set_limit: cast(plain("cuCtxSetLimit")),
+            get_limit: cast(plain("cuCtxGetLimit")),
+            launch: cast(plain("cuLaunchKernel")),
             alloc_v1: cast(resolver.optional("cuMemAlloc", "cuMemAlloc", LEGACY_VERSION)),
             pitch_v1: cast(resolver.optional("cuMemAllocPitch", "cuMemAllocPitch", LEGACY_VERSION)),
             free_v1: cast(resolver.optional("cuMemFree", "cuMemFree", LEGACY_VERSION)),

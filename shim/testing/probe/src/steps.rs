@@ -24,6 +24,14 @@ struct Made {
     size: u64,
 }
 
+impl Made {
+    /// What has no size to remember: a context, array, pool or stream, or
+    /// memory only ever freed whole.
+    fn of(value: u64) -> Made {
+        Made { value, size: 0 }
+    }
+}
+
 /// What the steps made, in order.
 #[derive(Default)]
 struct Index(Vec<Made>);
@@ -171,24 +179,14 @@ unsafe fn legacy<'a>(
             "v1alloc" => {
                 let bytes = (num(next()) * MIB) as c_uint;
                 let r = api.alloc_v1.unwrap_or_else(|| missing())(&mut p, bytes);
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: p.into(),
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(p.into()));
             }
             "v1pitch" => {
                 let (w, h) = (num(next()) as c_uint, num(next()) as c_uint);
                 let mut pitch: c_uint = 0;
                 let r = api.pitch_v1.unwrap_or_else(|| missing())(&mut p, &mut pitch, w, h, 4);
                 println!("{step} {r} #{} pitch={pitch}", made.0.len());
-                made.0.push(Made {
-                    value: if r == 0 { p.into() } else { 0 },
-                    size: 0,
-                });
+                made.0.push(Made::of(if r == 0 { p.into() } else { 0 }));
             }
             _ => {
                 let p = made.get(next()).value as c_uint;
@@ -232,7 +230,7 @@ unsafe fn cuda<'a>(
                     "managed" => (api.managed)(&mut p, bytes, 1),
                     _ => (api.mem_alloc)(&mut p, bytes),
                 };
-                made.push(step, r, Made { value: p, size: 0 });
+                made.push(step, r, Made::of(p));
             }
             "v1alloc" | "v1pitch" | "v1free" => legacy(api, made, step, kind, &mut next),
             "pitch" => {
@@ -241,10 +239,7 @@ unsafe fn cuda<'a>(
                 let mut pitch = 0usize;
                 let r = (api.pitch)(&mut p, &mut pitch, w, h, 4);
                 println!("{step} {r} #{} pitch={pitch}", made.0.len());
-                made.0.push(Made {
-                    value: if r == 0 { p } else { 0 },
-                    size: 0,
-                });
+                made.0.push(Made::of(if r == 0 { p } else { 0 }));
             }
             "create" | "createhost" => {
                 let bytes = num(next()) * MIB;
@@ -297,14 +292,7 @@ unsafe fn cuda<'a>(
                 if r != 0 && !ctx.is_null() {
                     println!("{step} failed but left a context");
                 }
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: ctx as u64,
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(ctx as u64));
             }
             "setctx" | "ctxdestroy" => {
                 let ctx = made.get(next()).value as *mut c_void;
@@ -388,14 +376,7 @@ unsafe fn cuda<'a>(
                 };
                 let mut a = null;
                 let r = (api.array_create)(&mut a, &desc);
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: a as u64,
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(a as u64));
             }
             "array3d" | "mipmap" => {
                 let desc = Array3dDesc {
@@ -415,14 +396,7 @@ unsafe fn cuda<'a>(
                     "array3d" => (api.array3d_create)(&mut a, &desc),
                     _ => (api.mipmap_create)(&mut a, &desc, num(next()) as u32),
                 };
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: a as u64,
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(a as u64));
             }
             "adestroy" | "mdestroy" => {
                 let a = made.get(next()).value as *mut c_void;
@@ -451,14 +425,7 @@ unsafe fn cuda<'a>(
                         (api.pool_create)(&mut pool, &props)
                     }
                 };
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: pool as u64,
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(pool as u64));
             }
             "poolof" | "defpoolof" | "curpoolof" => {
                 let (alloc_type, location_type) = (pool_type(next()), location_type(next()));
@@ -489,14 +456,7 @@ unsafe fn cuda<'a>(
                         getter(&mut pool, &Location { location_type, id }, alloc_type)
                     }
                 };
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: pool as u64,
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(pool as u64));
             }
             "limit" => {
                 let limit = num(next()) as c_int;
@@ -515,21 +475,14 @@ unsafe fn cuda<'a>(
             "stream" => {
                 let mut stream = null;
                 let r = (api.stream_create)(&mut stream, 0);
-                made.push(
-                    step,
-                    r,
-                    Made {
-                        value: stream as u64,
-                        size: 0,
-                    },
-                );
+                made.push(step, r, Made::of(stream as u64));
             }
             "asyncon" => {
                 let stream = made.get(next()).value as *mut c_void;
                 let bytes = (num(next()) * MIB) as usize;
                 let mut p = 0u64;
                 let r = (api.alloc_async)(&mut p, bytes, stream);
-                made.push(step, r, Made { value: p, size: 0 });
+                made.push(step, r, Made::of(p));
             }
             "poolalloc" => {
                 let pool = made.get(next()).value as *mut c_void;
@@ -537,7 +490,7 @@ unsafe fn cuda<'a>(
                 let stream = next().map_or(null, |s| made.get(Some(s)).value as *mut c_void);
                 let mut p = 0u64;
                 let r = (api.alloc_pool)(&mut p, bytes, pool, stream);
-                made.push(step, r, Made { value: p, size: 0 });
+                made.push(step, r, Made::of(p));
             }
             "forkalloc" => {
                 // A child allocates and exits without freeing; its charge
