@@ -42,7 +42,7 @@ use gpumem::isolation::cdi::{self, SpecDir};
 use gpumem::isolation::containers::ContainerName;
 use gpumem::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
 use gpumem::isolation::install::preload_line;
-use gpumem::isolation::statefs::{Bounding, StateFs};
+use gpumem::isolation::statefs::StateFs;
 use gpumem::node::gpu::{Gpu, NodeFacts};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::units::MemoryUnit;
@@ -213,18 +213,7 @@ impl Driver {
             facts: NodeFacts::default(),
             boot_id: BOOT_ID.to_owned(),
             pod_resources_socket: host.path("no-pod-resources.sock"),
-            common: Common {
-                state_dir: host.path("state"),
-                metrics: None,
-                status_socket: None,
-                // `gpumem dra`'s default.
-                state_grace: Duration::from_secs(300),
-                bound_state_dirs: Bounding::Off,
-                reconcile: None,
-                over_cap: None,
-                sensors: None,
-                hostname: "bench-node".to_owned(),
-            },
+            common: Common::quiet(host.path("state"), "bench-node"),
         };
         let socket = sockets.registration_socket();
         let shutdown = CancellationToken::new();

@@ -761,6 +761,34 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
     assert!(host.spec_file(&refs[1].uid).exists());
 }
 
+/// `gpumem dra` killing a claim's processes over its cap for a second, on
+/// a copy of the T4 (returned), pod-resources served by a simulated
+/// kubelet, and claim `notebook` (4Gi on gpu-0, UID `uid`, as `edit` leaves
+/// it) prepared by a 1.34 kubelet, kept registered while it lives.
+async fn killing_driver_with_notebook(
+    host: &Host,
+    api: &FakeApiServer,
+    uid: &str,
+    edit: impl FnOnce(&mut Value),
+) -> (Driver, PathBuf, KubeletSim, FakeDraKubelet) {
+    std::fs::create_dir_all(host.path("kubelet")).unwrap();
+    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
+    let socket = pod_resources.pod_resources_socket();
+    let (driver, gpus) = Driver::start_killing(host, api, &socket, "t4", "1").await;
+    let kubelet = kubelet_1_34(host).await;
+    let mut object = claim("notebook", uid, &[("gpu-0", Some("4Gi"), None)]);
+    edit(&mut object);
+    api.put(object);
+    let prepared = kubelet
+        .prepare(&[claim_ref("notebook", uid)])
+        .await
+        .unwrap();
+    prepared[uid]
+        .as_ref()
+        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    (driver, gpus, pod_resources, kubelet)
+}
+
 /// A claim's container takes more than the claim's cap through a process
 /// that does not load the shim (found by the claim's directory, mounted in
 /// it): the process is killed after the grace period, and the pod whose
@@ -778,20 +806,9 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
         "spec": {"nodeName": NODE, "containers": [{"name": "main"}]},
         "status": {"phase": "Running"},
     }));
-    std::fs::create_dir_all(host.path("kubelet")).unwrap();
-    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
-    let socket = pod_resources.pod_resources_socket();
-    let (driver, gpus) = Driver::start_killing(&host, &api, &socket, "t4", "1").await;
-    let kubelet = kubelet_1_34(&host).await;
     let uid = uid(7);
-    api.put(claim("notebook", &uid, &[("gpu-0", Some("4Gi"), None)]));
-    let prepared = kubelet
-        .prepare(&[claim_ref("notebook", &uid)])
-        .await
-        .unwrap();
-    prepared[&uid]
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    let (driver, gpus, pod_resources, _kubelet) =
+        killing_driver_with_notebook(&host, &api, &uid, |_| {}).await;
     // Two containers of the pod use the claim: one Event names both.
     for container in ["main", "sidecar"] {
         pod_resources.run_with_claim(
@@ -845,22 +862,12 @@ async fn a_claims_process_that_shed_its_mounts_is_held_by_its_cgroup() {
     const POD_UID: &str = "7d1f6a4b-2c3e-4d9f-8b80-4e6c2f3d5b71";
     let host = Host::new();
     let api = api().await;
-    std::fs::create_dir_all(host.path("kubelet")).unwrap();
-    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
-    let socket = pod_resources.pod_resources_socket();
-    let (driver, gpus) = Driver::start_killing(&host, &api, &socket, "t4", "1").await;
-    let kubelet = kubelet_1_34(&host).await;
-    let uid = uid(8);
-    let mut object = claim("notebook", &uid, &[("gpu-0", Some("4Gi"), None)]);
-    object["status"]["reservedFor"] = json!([{"resource": "pods", "name": "nb", "uid": POD_UID}]);
-    api.put(object);
-    let prepared = kubelet
-        .prepare(&[claim_ref("notebook", &uid)])
-        .await
-        .unwrap();
-    prepared[&uid]
-        .as_ref()
-        .unwrap_or_else(|e| panic!("{e}\n{}", driver.log()));
+    let reserved = |claim: &mut Value| {
+        claim["status"]["reservedFor"] =
+            json!([{"resource": "pods", "name": "nb", "uid": POD_UID}]);
+    };
+    let (driver, gpus, _pod_resources, _kubelet) =
+        killing_driver_with_notebook(&host, &api, &uid(8), reserved).await;
 
     // 5000 MiB of the claim's 4096, with no gpumem mount in sight.
     let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();

@@ -77,6 +77,26 @@ pub struct Common {
     pub over_cap: Option<(OverCapAction, Duration)>,
 }
 
+impl Common {
+    /// Settings that serve nothing beside kubelet's API (no metrics, no
+    /// status socket, no reconciliation or over-cap action, unbounded state
+    /// dirs, the default five-minute grace), for embedded front ends: the
+    /// demo, the benches and the tests, which turn on what they need.
+    pub fn quiet(state_dir: PathBuf, hostname: &str) -> Common {
+        Common {
+            state_dir,
+            metrics: None,
+            status_socket: None,
+            state_grace: Duration::from_secs(300),
+            bound_state_dirs: Bounding::Off,
+            reconcile: None,
+            over_cap: None,
+            sensors: None,
+            hostname: hostname.to_owned(),
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error(transparent)]

@@ -838,19 +838,7 @@ mod tests {
 
     fn reading(containers: Vec<ContainerStatus>) -> Reading {
         Reading {
-            status: NodeStatus {
-                version: "0.1.0".into(),
-                commit: "1a2b3c4d5e6f".into(),
-                resource: "aliyun.com/gpu-mem".into(),
-                unit: "GiB".into(),
-                registered: true,
-                gpus: vec![],
-                containers,
-                pod_resources_error: None,
-                claims: vec![],
-                dra: None,
-                api_server_error: None,
-            },
+            status: crate::ops::status::tests::node_status(containers),
             overheads: HashMap::new(),
             over_cap: None,
             registrations: 2,

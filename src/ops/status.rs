@@ -473,36 +473,41 @@ impl ContainerStatus {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    #[test]
-    fn the_detail_table_lines_up_usage_under_its_headings() {
-        let status = NodeStatus {
+    /// A registered T4 node's status with `containers` and nothing else.
+    pub(crate) fn node_status(containers: Vec<ContainerStatus>) -> NodeStatus {
+        NodeStatus {
             version: "0.1.0".into(),
             commit: "1a2b3c4d5e6f".into(),
             resource: "aliyun.com/gpu-mem".into(),
             unit: "GiB".into(),
             registered: true,
             gpus: vec![],
-            containers: vec![ContainerStatus {
-                namespace: Some("default".into()),
-                pod: Some("tf-notebook-1".into()),
-                container: Some("main".into()),
-                gpu: 0,
-                units: 4,
-                cap_mib: 4308,
-                accounting_dir: None,
-                used_mib: Some(1873),
-                untracked_mib: Some(412),
-                peak_mib: Some(4300),
-                refused_allocations: Some(3),
-            }],
+            containers,
             pod_resources_error: None,
             claims: vec![],
             dra: None,
             api_server_error: None,
-        };
+        }
+    }
+
+    #[test]
+    fn the_detail_table_lines_up_usage_under_its_headings() {
+        let status = node_status(vec![ContainerStatus {
+            namespace: Some("default".into()),
+            pod: Some("tf-notebook-1".into()),
+            container: Some("main".into()),
+            gpu: 0,
+            units: 4,
+            cap_mib: 4308,
+            accounting_dir: None,
+            used_mib: Some(1873),
+            untracked_mib: Some(412),
+            peak_mib: Some(4300),
+            refused_allocations: Some(3),
+        }]);
         let table = status.table(true);
         let lines: Vec<&str> = table.lines().collect();
         let heading = lines.iter().find(|l| l.starts_with("NAMESPACE")).unwrap();

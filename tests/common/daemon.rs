@@ -11,7 +11,7 @@ use super::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
-use gpumem::isolation::statefs::{Bounding, StateFs};
+use gpumem::isolation::statefs::StateFs;
 use gpumem::node::gpu::{FakeGpus, GpuSource};
 use gpumem::node::health::FakeHealth;
 use gpumem::node::inventory::Inventory;
@@ -402,15 +402,9 @@ pub fn spawn_daemon(
         },
         pod_resources_socket: dir.join("no-pod-resources.sock"),
         common: Common {
-            state_dir: dir.join("state"),
-            metrics: None,
-            status_socket: None,
-            state_grace: Duration::from_secs(300),
-            bound_state_dirs: Bounding::Off,
             reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
-            over_cap: None,
             sensors: Some(Sensors::Fake(node_file.to_owned())),
-            hostname: HOSTNAME.into(),
+            ..Common::quiet(dir.join("state"), HOSTNAME)
         },
         cluster: None,
     };

@@ -127,12 +127,9 @@ func (s *suite) draCapped() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if r.totalMiB != wantCap || r.allocs[0] != 0 || r.allocs[1] != cudaOutOfMemory {
-		return "", fmt.Errorf("NVML total %d MiB, allocations %v; want %d MiB, [0 %d]; log: %q", r.totalMiB, r.allocs, wantCap, cudaOutOfMemory, r.log)
-	}
-	var problems []string
-	if src, ro := r.spec.mount("/etc/ld.so.preload"); src != filepath.Join(s.c.shimDir, "ld.so.preload") || !ro {
-		problems = append(problems, fmt.Sprintf("/etc/ld.so.preload from %q read-only=%v", src, ro))
+	problems, err := s.heldToCap(r, wantCap)
+	if err != nil {
+		return "", err
 	}
 	if v, _ := r.spec.env("GPUMEM_LIMIT_MIB"); v != fmt.Sprint(wantCap) {
 		problems = append(problems, fmt.Sprintf("GPUMEM_LIMIT_MIB=%q", v))
@@ -328,13 +325,10 @@ func (s *suite) capped(name, strategy string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if r.totalMiB != wantCap || r.allocs[0] != 0 || r.allocs[1] != cudaOutOfMemory {
-		return "", fmt.Errorf("NVML total %d MiB, allocations %v; want %d MiB, [0 %d]; log: %q", r.totalMiB, r.allocs, wantCap, cudaOutOfMemory, r.log)
-	}
 	// The cap came through the preload list Allocate mounted, not the env.
-	var problems []string
-	if src, ro := r.spec.mount("/etc/ld.so.preload"); src != filepath.Join(s.c.shimDir, "ld.so.preload") || !ro {
-		problems = append(problems, fmt.Sprintf("/etc/ld.so.preload from %q read-only=%v", src, ro))
+	problems, err := s.heldToCap(r, wantCap)
+	if err != nil {
+		return "", err
 	}
 	if src, _ := r.spec.mount("/var/run/gpumem"); !strings.HasPrefix(src, s.c.stateDir+"/") {
 		problems = append(problems, fmt.Sprintf("/var/run/gpumem from %q", src))
@@ -451,4 +445,19 @@ func (s *suite) execShares() (string, error) {
 			code, total>>20, used>>20, alloc, wantCap, cudaOutOfMemory, stdout, stderr)
 	}
 	return fmt.Sprintf("beside a process holding 2000 MiB, an exec'd probe sees NVML total %d MiB, used %d MiB, and is refused 2000 MiB more (CUDA %d)", total>>20, used>>20, alloc), nil
+}
+
+// heldToCap checks a probe that asked for its cap's worth less its
+// context, then 100 MiB more: NVML showed the cap, the first was granted
+// and the second refused. What runc was told that is wrong comes back as
+// problems, starting with gpumem's preload list not mounted read-only.
+func (s *suite) heldToCap(r *probeResult, wantCap uint64) ([]string, error) {
+	if r.totalMiB != wantCap || r.allocs[0] != 0 || r.allocs[1] != cudaOutOfMemory {
+		return nil, fmt.Errorf("NVML total %d MiB, allocations %v; want %d MiB, [0 %d]; log: %q", r.totalMiB, r.allocs, wantCap, cudaOutOfMemory, r.log)
+	}
+	var problems []string
+	if src, ro := r.spec.mount("/etc/ld.so.preload"); src != filepath.Join(s.c.shimDir, "ld.so.preload") || !ro {
+		problems = append(problems, fmt.Sprintf("/etc/ld.so.preload from %q read-only=%v", src, ro))
+	}
+	return problems, nil
 }

@@ -19,7 +19,6 @@ use crate::dra::prepare::DriverConfig;
 use crate::dra::service::DraSockets;
 use crate::dra::DEFAULT_DRIVER_NAME;
 use crate::isolation::cdi::{self, SpecDir};
-use crate::isolation::statefs::Bounding;
 use crate::node::gpu::NodeFacts;
 use crate::node::inventory::Inventory;
 use crate::ops::daemon::{self, Common, DraDaemonConfig};
@@ -34,15 +33,17 @@ const CLAIMS: [&str; 3] = ["notebook-1", "notebook-2", "notebook-3"];
 const REQUEST_GIB: u64 = 4;
 const STARTUP: Duration = Duration::from_secs(10);
 
+/// A step of the scenario that failed, with its error's whole chain.
+fn fail(what: &str, err: &(dyn std::error::Error + 'static)) -> DemoError {
+    DemoError::Dra(format!("{what}: {}", chain(err)))
+}
+
 /// Runs the scenario on the demo's node and appends its report.
 pub async fn run(
     inventory: &Inventory,
     kit: Option<&TenantKit>,
     out: &mut String,
 ) -> Result<(), DemoError> {
-    let fail = |what: &str, err: &(dyn std::error::Error + 'static)| {
-        DemoError::Dra(format!("{what}: {}", chain(err)))
-    };
     let dir = tempfile::Builder::new()
         .prefix("gpumem-demo-dra-")
         .tempdir()?;
@@ -76,18 +77,7 @@ pub async fn run(
         facts: NodeFacts::default(),
         boot_id: current_boot_id().unwrap_or_else(|_| "demo".to_owned()),
         pod_resources_socket: dir.path().join("no-pod-resources.sock"),
-        common: Common {
-            state_dir: dir.path().join("state"),
-            metrics: None,
-            status_socket: None,
-            state_grace: Duration::from_secs(300),
-            bound_state_dirs: Bounding::Off,
-            reconcile: None,
-            over_cap: None,
-            // No metrics endpoint: nothing reads sensors.
-            sensors: None,
-            hostname: NODE.to_owned(),
-        },
+        common: Common::quiet(dir.path().join("state"), NODE),
     };
     let shutdown = CancellationToken::new();
     let driver = tokio::spawn(daemon::run_dra(
@@ -114,9 +104,6 @@ async fn scenario(
     kit: Option<&TenantKit>,
     out: &mut String,
 ) -> Result<(), DemoError> {
-    let fail = |what: &str, err: &(dyn std::error::Error + 'static)| {
-        DemoError::Dra(format!("{what}: {}", chain(err)))
-    };
     let socket = sockets.registration_socket();
     gpumem_testkit::simulator::dra::wait_for_socket(&socket, STARTUP)
         .await
