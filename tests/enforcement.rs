@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::daemon::{Admitted, Holding, POD_UID, RECONCILE};
+use common::daemon::{Admitted, Daemon, Holding, POD_UID, RECONCILE};
 use common::{shim_kit, WAIT};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem_testkit::fake_apiserver::Kind;
@@ -272,7 +272,6 @@ fn in_pod(uid: &str, id: char) -> String {
 /// container's cap, killed at 6300 MiB of its 4308.
 #[tokio::test]
 async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
-    use std::os::unix::process::ExitStatusExt;
     let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
     let mut rogue = common::Killed(
         std::process::Command::new("sleep")
@@ -286,20 +285,8 @@ async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
         6300,
         &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", pivoted)],
     );
+    killed_as_its_containers(&a.d, &mut rogue).await;
     let deadline = std::time::Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = rogue.try_wait().unwrap() {
-            break status;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not killed; status: {:?}",
-            a.d.status().await.gpus[0]
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    assert_eq!(status.signal(), Some(9));
-    assert_eq!(a.d.status().await.gpus[0].unmanaged_mib, Some(0));
     // The pod is told its container runs a process without gpumem's mounts.
     let api = a.d.api.as_ref().expect("started with an API server");
     let event = loop {
@@ -576,7 +563,6 @@ async fn a_container_whose_processes_never_load_the_shim_is_found_by_its_mounts(
 /// of the container `tamper`s with it (the shims then cap nothing), the
 /// same holds, against the cap Allocate gave.
 async fn a_rogue_is_found_by_its_mounts_and_killed(tamper: impl FnOnce(&Path)) {
-    use std::os::unix::process::ExitStatusExt;
     let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
     let (d, dir) = (&a.d, &a.dir);
     tamper(&dir.join(gpumem_layout::FILE_NAME));
@@ -586,6 +572,15 @@ async fn a_rogue_is_found_by_its_mounts_and_killed(tamper: impl FnOnce(&Path)) {
         .unwrap();
     let mountinfo = common::mountinfo_with_state_dir(dir);
     d.list_process(rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
+    killed_as_its_containers(d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// Waits until the daemon SIGKILLs `rogue` as a process of a container over
+/// its cap (killing it on a time-out), and checks that none of the GPU's
+/// memory was taken for unmanaged.
+async fn killed_as_its_containers(d: &Daemon, rogue: &mut std::process::Child) {
+    use std::os::unix::process::ExitStatusExt;
     let deadline = std::time::Instant::now() + WAIT;
     let status = loop {
         if let Some(status) = rogue.try_wait().unwrap() {
@@ -599,7 +594,6 @@ async fn a_rogue_is_found_by_its_mounts_and_killed(tamper: impl FnOnce(&Path)) {
     };
     assert_eq!(status.signal(), Some(9));
     assert_eq!(d.status().await.gpus[0].unmanaged_mib, Some(0));
-    a.d.stop().await;
 }
 
 #[tokio::test]
