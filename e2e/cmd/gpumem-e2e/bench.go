@@ -8,16 +8,13 @@ package main
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
-	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 )
 
@@ -206,19 +203,15 @@ func (s *suite) draBenchPod(i int) (*corev1.Pod, error) {
 	return pod, nil
 }
 
-// draExampleObjects decodes dra-example.yaml's template and first pod.
+// draExampleObjects is dra-example.yaml's template and first pod.
 func (s *suite) draExampleObjects() (*resourcev1.ResourceClaimTemplate, *corev1.Pod, error) {
-	data, err := os.ReadFile(filepath.Join(filepath.Dir(s.c.cfg.manifest), "dra-example.yaml"))
+	objects, err := s.draExampleDocs()
 	if err != nil {
 		return nil, nil, err
 	}
 	var template *resourcev1.ResourceClaimTemplate
 	var pod *corev1.Pod
-	for _, doc := range strings.Split(string(data), "\n---") {
-		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
-		if err != nil {
-			continue
-		}
+	for _, obj := range objects {
 		switch o := obj.(type) {
 		case *resourcev1.ResourceClaimTemplate:
 			if template == nil {

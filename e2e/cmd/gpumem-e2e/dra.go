@@ -19,6 +19,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/scheme"
 	"k8s.io/utils/ptr"
 )
@@ -76,19 +77,12 @@ func stepOf(p *resourcev1.CapacityRequestPolicy) string {
 // draExample creates daemonset/dra-example.yaml's objects in the default
 // namespace (pods without service-account tokens, as everywhere here).
 func (s *suite) draExample() ([]string, error) {
-	data, err := os.ReadFile(filepath.Join(filepath.Dir(s.c.cfg.manifest), "dra-example.yaml"))
+	objects, err := s.draExampleDocs()
 	if err != nil {
 		return nil, err
 	}
 	var pods []string
-	for _, doc := range strings.Split(string(data), "\n---") {
-		if strings.TrimSpace(doc) == "" {
-			continue
-		}
-		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
-		if err != nil {
-			return nil, err
-		}
+	for _, obj := range objects {
 		switch o := obj.(type) {
 		case *resourcev1.ResourceClaimTemplate:
 			_, err = s.c.admin.ResourceV1().ResourceClaimTemplates(namespace).Create(ctx, o, metav1.CreateOptions{})
@@ -107,6 +101,26 @@ func (s *suite) draExample() ([]string, error) {
 		}
 	}
 	return pods, nil
+}
+
+// draExampleDocs decodes daemonset/dra-example.yaml, beside the manifest.
+func (s *suite) draExampleDocs() ([]runtime.Object, error) {
+	data, err := os.ReadFile(filepath.Join(filepath.Dir(s.c.cfg.manifest), "dra-example.yaml"))
+	if err != nil {
+		return nil, err
+	}
+	var objects []runtime.Object
+	for _, doc := range strings.Split(string(data), "\n---") {
+		if strings.TrimSpace(doc) == "" {
+			continue
+		}
+		obj, _, err := scheme.Codecs.UniversalDeserializer().Decode([]byte(doc), nil, nil)
+		if err != nil {
+			return nil, fmt.Errorf("dra-example.yaml: %w", err)
+		}
+		objects = append(objects, obj)
+	}
+	return objects, nil
 }
 
 // podClaim returns the claim behind a pod's first resource claim.

@@ -116,10 +116,7 @@ func (s *suite) extenderPlaced(name string, units int64) (string, error) {
 	if len(created) != 1 {
 		return "", fmt.Errorf("%d CreateContainer requests for %s", len(created), name)
 	}
-	env := map[string]string{}
-	for _, kv := range created[0].GetConfig().GetEnvs() {
-		env[kv.GetKey()] = string(kv.GetValue())
-	}
+	env := envOf(created[0].GetConfig())
 	wantCap := fmt.Sprint(uint64(units) * memMiB / gpuUnits)
 	if env["NVIDIA_VISIBLE_DEVICES"] != uuid || env["ALIYUN_COM_GPU_MEM_IDX"] != idx || env["GPUMEM_LIMIT_MIB"] != wantCap {
 		return "", fmt.Errorf("extender chose GPU %s (%s, cap %s MiB); the container got NVIDIA_VISIBLE_DEVICES=%s ALIYUN_COM_GPU_MEM_IDX=%s GPUMEM_LIMIT_MIB=%s",

@@ -22,7 +22,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -562,10 +561,7 @@ func (s *suite) admitted() (string, error) {
 		return "", err
 	}
 	cfg := created[0].GetConfig()
-	env := map[string]string{}
-	for _, kv := range cfg.GetEnvs() {
-		env[kv.GetKey()] = string(kv.GetValue())
-	}
+	env := envOf(cfg)
 	want := map[string]string{
 		"GPUMEM_LIMIT_MIB":             fmt.Sprint(wantCap),
 		"NVIDIA_VISIBLE_DEVICES":       uuid,
@@ -746,13 +742,7 @@ func (s *suite) pluginRestart() (string, error) {
 }
 
 func (s *suite) deletion() (string, error) {
-	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, "gpu-4", metav1.DeleteOptions{}); err != nil {
-		return "", err
-	}
-	if err := waitFor(60*time.Second, "gpu-4 gone", func() (bool, error) {
-		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, "gpu-4", metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
-	}); err != nil {
+	if err := s.deletePod("gpu-4"); err != nil {
 		return "", err
 	}
 	if err := waitFor(30*time.Second, "gpumem frees gpu-4's units", func() (bool, error) {
@@ -788,13 +778,7 @@ func (s *suite) deletion() (string, error) {
 	if got != fmt.Sprint(wantCap) {
 		return "", fmt.Errorf("gpu-all GPUMEM_LIMIT_MIB=%q, want %d", got, wantCap)
 	}
-	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, "gpu-all", metav1.DeleteOptions{}); err != nil {
-		return "", err
-	}
-	if err := waitFor(60*time.Second, "gpu-all gone", func() (bool, error) {
-		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, "gpu-all", metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
-	}); err != nil {
+	if err := s.deletePod("gpu-all"); err != nil {
 		return "", err
 	}
 	return fmt.Sprintf("gone from the API, gpumem shows 0 units held; then a %d-unit pod admitted with GPUMEM_LIMIT_MIB=%s", s.units, got), nil

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -248,13 +247,7 @@ func (s *suite) runProbe(p *corev1.Pod) (*probeResult, error) {
 	if err := json.Unmarshal([]byte(out), &r.spec); err != nil {
 		return nil, fmt.Errorf("spec of container %s: %w: %q", id, err, out)
 	}
-	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		return nil, err
-	}
-	if err := waitFor(60*time.Second, name+" gone", func() (bool, error) {
-		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
-	}); err != nil {
+	if err := s.deletePod(name); err != nil {
 		return nil, err
 	}
 	for _, line := range strings.Split(r.log, "\n") {
@@ -418,13 +411,7 @@ func (s *suite) execShares() (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("ExecSync: %w", err)
 	}
-	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, "real-exec", metav1.DeleteOptions{}); err != nil {
-		return "", err
-	}
-	if err := waitFor(60*time.Second, "real-exec gone", func() (bool, error) {
-		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, "real-exec", metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
-	}); err != nil {
+	if err := s.deletePod("real-exec"); err != nil {
 		return "", err
 	}
 	var total, used uint64

@@ -33,13 +33,7 @@ func (s *suite) withStrategy(strategy, pod string) (*runtimeapi.ContainerConfig,
 	if len(created) != 1 {
 		return nil, fmt.Errorf("%d CreateContainer requests for %s", len(created), pod)
 	}
-	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, pod, metav1.DeleteOptions{}); err != nil {
-		return nil, err
-	}
-	if err := waitFor(60*time.Second, pod+" gone", func() (bool, error) {
-		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, pod, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
-	}); err != nil {
+	if err := s.deletePod(pod); err != nil {
 		return nil, err
 	}
 	return created[0].GetConfig(), nil
@@ -69,6 +63,19 @@ func (s *suite) restartWithStrategy(strategy string) error {
 	return err
 }
 
+// deletePod deletes pod name and waits until the API server no longer has
+// it: kubelet has stopped its containers and released what it held.
+func (s *suite) deletePod(name string) error {
+	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		return err
+	}
+	return waitFor(60*time.Second, name+" gone", func() (bool, error) {
+		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), err
+	})
+}
+
+// envOf is a container request's env as a map.
 func envOf(cfg *runtimeapi.ContainerConfig) map[string]string {
 	env := map[string]string{}
 	for _, kv := range cfg.GetEnvs() {
