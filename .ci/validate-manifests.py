@@ -29,6 +29,8 @@ import helm_python as helm
 import kubernetes_validate
 import yaml
 
+import operator_scrape
+
 ROOT = Path(__file__).resolve().parent.parent
 # The oldest Kubernetes release the manifests target and the newest one
 # the validator knows: a field missing from either fails.
@@ -744,6 +746,13 @@ def main():
             if message not in str(err):
                 failures.append(f"chart[{variant}]: refused {values}, but not saying {message!r}: {err}")
         checked += 1
+
+    # tests/monitoring.rs scrapes with what prometheus-operator makes of the
+    # chart's monitors: the file must be what the chart renders today.
+    stale = operator_scrape.stale()
+    if stale:
+        failures.append(f"chart: {stale}")
+    checked += 1
 
     for failure in failures:
         print(f"invalid: {failure}", file=sys.stderr)

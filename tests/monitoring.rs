@@ -144,6 +144,49 @@ fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
+/// A real Prometheus in a directory of its own on a port of its own,
+/// scraping and evaluating every second with the chart's rules loaded.
+struct Prometheus {
+    port: u16,
+    log: PathBuf,
+    _process: Killed,
+}
+
+impl Prometheus {
+    /// With `scrape` (the config's `scrape_configs:` section) in `dir`.
+    fn start(dir: &Path, scrape: &str) -> Prometheus {
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 rule_files:\n  - {rules:?}\n{scrape}",
+                rules = repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let log = dir.join("prometheus.log");
+        let process = Command::new(prometheus_tool("prometheus"))
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Prometheus {
+            port,
+            log,
+            _process: Killed(process),
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
 /// GET over HTTP/1.0 (no chunked answer to decode): the status and body,
 /// or `None` while nothing listens.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
@@ -242,7 +285,6 @@ fn node_file(holder: u32) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_its_series() {
-    let prometheus = prometheus_tool("prometheus");
     let queries = dashboard_queries();
     let dir = tempfile::tempdir().unwrap();
     let gpus = dir.path().join("node.toml");
@@ -267,41 +309,15 @@ async fn every_dashboard_query_returns_its_series() {
     common::wait_for_line(&mut holder, "holding");
     common::rewrite_fake_gpus(&gpus, node_file(holder.id()));
 
-    // Prometheus, in a directory of its own on a port of its own, scraping
-    // the plugin every second with the chart's rules loaded.
-    let config = dir.path().join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n  - {rules:?}\n\
-             scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n",
-            rules = repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")
-        ),
-    )
-    .unwrap();
-    let prometheus_port = free_port();
-    let prometheus_log = dir.path().join("prometheus.log");
-    let _prometheus = Killed(
-        Command::new(prometheus)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("tsdb").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prometheus_port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&prometheus_log).unwrap())
-            .spawn()
-            .unwrap(),
+    // Prometheus scraping the plugin every second with the chart's rules
+    // loaded.
+    let targets = format!("static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']");
+    let prometheus = Prometheus::start(
+        dir.path(),
+        &format!("scrape_configs:\n  - job_name: gpumem\n    {targets}\n"),
     );
-    let logs = || {
-        format!(
-            "plugin:\n{}\nprometheus:\n{}",
-            plugin.log(),
-            std::fs::read_to_string(&prometheus_log).unwrap_or_default()
-        )
-    };
+    let prometheus_port = prometheus.port;
+    let logs = || format!("plugin:\n{}\nprometheus:\n{}", plugin.log(), prometheus.log());
 
     // Each query, until it answers with what it should (the pod's processes
     // are attributed at the plugin's next reconciliation, and a rate needs
@@ -359,6 +375,112 @@ async fn every_dashboard_query_returns_its_series() {
     )
     .await;
     assert_eq!(pending.len(), 1, "{pending:?}\n{}", logs());
+}
+
+/// gpumem's own pod as Kubernetes service discovery describes it, for the
+/// chart's ServiceMonitor (`endpoints` role, through the metrics Service) or
+/// PodMonitor (`pod` role): the labels prometheus-operator's relabelings
+/// read, as the chart (release gpumem in kube-system) sets them.
+fn discovered_gpumem_pod(kind: &str) -> Value {
+    let mut labels = serde_json::Map::new();
+    let mut put = |name: &str, value: &str| {
+        labels.insert(format!("__meta_kubernetes_{name}"), Value::from(value));
+    };
+    put("namespace", "kube-system");
+    put("pod_name", "gpumem-x7k2p");
+    put("pod_container_name", "gpumem");
+    put("pod_container_port_name", "metrics");
+    put("pod_node_name", NODE);
+    put("pod_phase", "Running");
+    let mut object_labels = vec![
+        ("app_kubernetes_io_name", "gpumem"),
+        ("app_kubernetes_io_instance", "gpumem"),
+    ];
+    if kind == "ServiceMonitor" {
+        put("service_name", "gpumem-metrics");
+        put("endpoint_port_name", "metrics");
+        put("endpoint_address_target_kind", "Pod");
+        put("endpoint_address_target_name", "gpumem-x7k2p");
+        object_labels.push(("app_kubernetes_io_component", "metrics"));
+    }
+    let object = if kind == "ServiceMonitor" { "service" } else { "pod" };
+    for (name, value) in object_labels {
+        put(&format!("{object}_label_{name}"), value);
+        put(&format!("{object}_labelpresent_{name}"), "true");
+    }
+    Value::Object(labels)
+}
+
+/// The chart's ServiceMonitor and PodMonitor as prometheus-operator turns
+/// them into scrape configs (tests/fixtures/prometheus/, which
+/// .ci/validate-manifests.py keeps equal to what the chart renders): its
+/// target labels name gpumem's own pod, and a per-pod series must still
+/// name the tenant's namespace, pod and container, not exported_* ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.arg("--fake-gpus").arg(common::fixture("t4"))
+    })
+    .await;
+    plugin.kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let fixture = repo("tests/fixtures/prometheus/operator-scrape-configs.json");
+    let configs: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let mut scrape = String::from("scrape_configs:\n");
+    for kind in ["ServiceMonitor", "PodMonitor"] {
+        let kind_configs = configs[kind].as_array().unwrap();
+        assert!(!kind_configs.is_empty(), "no {kind} scrape config");
+        for config in kind_configs {
+            let mut config = config.clone();
+            config["scrape_interval"] = "1s".into();
+            config["static_configs"] = serde_json::json!([{
+                "targets": [format!("127.0.0.1:{}", plugin.metrics_port)],
+                "labels": discovered_gpumem_pod(kind),
+            }]);
+            // JSON is YAML's flow style.
+            scrape += &format!("  - {config}\n");
+        }
+    }
+    let prometheus = Prometheus::start(dir.path(), &scrape);
+    let logs = || format!("plugin:\n{}\nprometheus:\n{}", plugin.log(), prometheus.log());
+
+    // The `job` label each monitor's targets get: the Service's name, or
+    // the PodMonitor's namespace/name.
+    let started = Instant::now();
+    for (kind, job) in [
+        ("ServiceMonitor", "gpumem-metrics"),
+        ("PodMonitor", "kube-system/gpumem"),
+    ] {
+        let expr = format!("gpumem_container_cap_bytes{{job={job:?}}}");
+        let series = loop {
+            let series = query(prometheus.port, &expr).await;
+            if !series.is_empty() || started.elapsed() > PROMETHEUS_WAIT {
+                break series;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        assert_eq!(series.len(), 1, "{kind}: {expr}: {series:?}\n{}", logs());
+        let s = &series[0];
+        let label = |name: &str| s.get(name).map(String::as_str);
+        assert_eq!(
+            (label("namespace"), label("pod"), label("container")),
+            (Some("default"), Some("nb"), Some("main")),
+            "{kind}: the tenant's labels were replaced: {s:?}"
+        );
+        for renamed in ["exported_namespace", "exported_pod", "exported_container"] {
+            assert_eq!(label(renamed), None, "{kind}: {s:?}");
+        }
+        // Where the series has none, the target's labels still say where
+        // it was scraped.
+        assert_eq!((label("node"), label("endpoint")), (Some(NODE), Some("metrics")), "{kind}: {s:?}");
+        let up = query(prometheus.port, &format!("up{{job={job:?}}}")).await;
+        assert_eq!(up.len(), 1, "{kind}: {up:?}");
+        assert_eq!(
+            (up[0]["namespace"].as_str(), up[0]["pod"].as_str(), up[0]["@value"].as_str()),
+            ("kube-system", "gpumem-x7k2p", "1"),
+            "{kind}"
+        );
+    }
 }
 
 /// The value of the one sample of `name` in a scrape whose labels include
