@@ -643,11 +643,22 @@ def check_pod_settings(name, values, docs, failures):
     for arg in values.get("extraArgs", []) + [f"--log-format={values.get('logFormat', 'text')}"]:
         if arg not in args:
             failures.append(f"{name}: the agent's args lack {arg}")
-    wants_hook = values.get("apiServer", True) and values.get("uninstall", {}).get("unpublish", True)
+    wants_hook = (values.get("apiServer", True) and values.get("uninstall", {}).get("unpublish", True)
+                  and values.get("frontEnd", "devicePlugin") == "devicePlugin")
     hooks = [d for d in docs if d.get("kind") == "Job"
              and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "post-delete"]
     if bool(hooks) != bool(wants_hook):
         failures.append(f"{name}: the uninstall hook Job should {'' if wants_hook else 'not '}render")
+    # The hook cleans the Nodes this release serves only: its nodeSelector.
+    selector = spec.get("nodeSelector") or {}
+    for hook in hooks:
+        hook_args = hook["spec"]["template"]["spec"]["containers"][0].get("args") or []
+        rendered = {a.split("=", 1)[1] for a in hook_args if a.startswith("--selector=")}
+        wanted = set(",".join(f"{k}={v}" for k, v in sorted(selector.items())).split(",")) - {""}
+        got = {term for r in rendered for term in r.split(",")}
+        if got != wanted:
+            failures.append(f"{name}: the uninstall hook selects Nodes by {sorted(got)}, "
+                            f"not the release's nodeSelector {sorted(wanted)}")
 
 
 def main():

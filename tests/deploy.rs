@@ -254,12 +254,14 @@ fn the_helm_charts_dra_front_end_passes_only_flags_the_driver_accepts() {
 fn the_uninstall_hook_runs_a_command_gpumem_accepts() {
     let hook = read("deploy/helm/gpumem/templates/uninstall.yaml");
     assert!(hook.contains(r#"command: ["/opt/gpumem/gpumem", "unpublish"]"#));
-    assert!(hook.contains(r#"args: ["--log-format={{ .Values.logFormat }}"]"#));
+    assert!(hook.contains("- --log-format={{ .Values.logFormat }}"));
+    assert!(hook.contains(r#"- --selector={{ join "," . }}"#));
     assert!(hook.contains("helm.sh/hook: post-delete"));
     // With no API server to reach, it gets as far as the kubeconfig.
     let (ok, text) = gpumem(&[
         "unpublish",
         "--log-format=text",
+        "--selector=gpushare=true,example.com/pool=notebooks",
         "--kubeconfig",
         "/nonexistent/gpumem-deploy-test",
     ]);

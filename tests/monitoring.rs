@@ -169,7 +169,10 @@ impl Prometheus {
         let log = dir.join("prometheus.log");
         let process = Command::new(prometheus_tool("prometheus"))
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -317,7 +320,13 @@ async fn every_dashboard_query_returns_its_series() {
         &format!("scrape_configs:\n  - job_name: gpumem\n    {targets}\n"),
     );
     let prometheus_port = prometheus.port;
-    let logs = || format!("plugin:\n{}\nprometheus:\n{}", plugin.log(), prometheus.log());
+    let logs = || {
+        format!(
+            "plugin:\n{}\nprometheus:\n{}",
+            plugin.log(),
+            prometheus.log()
+        )
+    };
 
     // Each query, until it answers with what it should (the pod's processes
     // are attributed at the plugin's next reconciliation, and a rate needs
@@ -403,7 +412,11 @@ fn discovered_gpumem_pod(kind: &str) -> Value {
         put("endpoint_address_target_name", "gpumem-x7k2p");
         object_labels.push(("app_kubernetes_io_component", "metrics"));
     }
-    let object = if kind == "ServiceMonitor" { "service" } else { "pod" };
+    let object = if kind == "ServiceMonitor" {
+        "service"
+    } else {
+        "pod"
+    };
     for (name, value) in object_labels {
         put(&format!("{object}_label_{name}"), value);
         put(&format!("{object}_labelpresent_{name}"), "true");
@@ -423,7 +436,11 @@ async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
         cmd.arg("--fake-gpus").arg(common::fixture("t4"))
     })
     .await;
-    plugin.kubelet.admit("nb", "main", RESOURCE, 4).await.unwrap();
+    plugin
+        .kubelet
+        .admit("nb", "main", RESOURCE, 4)
+        .await
+        .unwrap();
     let fixture = repo("tests/fixtures/prometheus/operator-scrape-configs.json");
     let configs: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
     let mut scrape = String::from("scrape_configs:\n");
@@ -442,7 +459,13 @@ async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
         }
     }
     let prometheus = Prometheus::start(dir.path(), &scrape);
-    let logs = || format!("plugin:\n{}\nprometheus:\n{}", plugin.log(), prometheus.log());
+    let logs = || {
+        format!(
+            "plugin:\n{}\nprometheus:\n{}",
+            plugin.log(),
+            prometheus.log()
+        )
+    };
 
     // The `job` label each monitor's targets get: the Service's name, or
     // the PodMonitor's namespace/name.
@@ -472,11 +495,19 @@ async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
         }
         // Where the series has none, the target's labels still say where
         // it was scraped.
-        assert_eq!((label("node"), label("endpoint")), (Some(NODE), Some("metrics")), "{kind}: {s:?}");
+        assert_eq!(
+            (label("node"), label("endpoint")),
+            (Some(NODE), Some("metrics")),
+            "{kind}: {s:?}"
+        );
         let up = query(prometheus.port, &format!("up{{job={job:?}}}")).await;
         assert_eq!(up.len(), 1, "{kind}: {up:?}");
         assert_eq!(
-            (up[0]["namespace"].as_str(), up[0]["pod"].as_str(), up[0]["@value"].as_str()),
+            (
+                up[0]["namespace"].as_str(),
+                up[0]["pod"].as_str(),
+                up[0]["@value"].as_str()
+            ),
             ("kube-system", "gpumem-x7k2p", "1"),
             "{kind}"
         );
