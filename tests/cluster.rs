@@ -765,3 +765,46 @@ fn the_extender_mode_without_a_node_name_or_kubeconfig_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// A kubeconfig found through KUBECONFIG or ~/.kube/config that does not
+/// parse is named with why, not reported as no kubeconfig at all.
+#[test]
+fn a_malformed_kubeconfig_is_named_not_called_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("kubeconfig");
+    std::fs::write(&bad, "apiVersion: v1\nclusters: [oops\n").unwrap();
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(home.join(".kube")).unwrap();
+    std::fs::copy(&bad, home.join(".kube/config")).unwrap();
+    let unpublish = |env: (&str, &Path)| {
+        let output = common::gpumem_cmd()
+            .arg("unpublish")
+            .env_remove("KUBECONFIG")
+            .env_remove("GPUMEM_KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env(env.0, env.1)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    for (env, path, via) in [
+        ("KUBECONFIG", bad.clone(), "KUBECONFIG"),
+        ("HOME", home.clone(), "~/.kube/config"),
+    ] {
+        let err = unpublish((env, &path));
+        let named = match env {
+            "HOME" => home.join(".kube/config"),
+            _ => bad.clone(),
+        };
+        assert!(
+            err.contains(&format!(
+                "cannot read the kubeconfig {} ({via})",
+                named.display()
+            )),
+            "{err}"
+        );
+        assert!(err.contains("unclosed bracket"), "{err}");
+        assert!(!err.contains("no kubeconfig"), "{err}");
+    }
+}
