@@ -261,6 +261,31 @@ async fn query(port: u16, query: &str) -> Vec<BTreeMap<String, String>> {
         .collect()
 }
 
+/// What `query` answers once `done` holds, or PROMETHEUS_WAIT after
+/// `started` (Prometheus scrapes and evaluates every second).
+async fn query_until(
+    port: u16,
+    expr: &str,
+    started: Instant,
+    done: impl Fn(&[BTreeMap<String, String>]) -> bool,
+) -> Vec<BTreeMap<String, String>> {
+    loop {
+        let series = query(port, expr).await;
+        if done(&series) || started.elapsed() > PROMETHEUS_WAIT {
+            return series;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn both_logs(plugin: &ChartPlugin, prometheus: &Prometheus) -> String {
+    format!(
+        "plugin:\n{}\nprometheus:\n{}",
+        plugin.log(),
+        prometheus.log()
+    )
+}
+
 /// Each query of the dashboard with its panel's title and legend, the
 /// template variables as "All" selects them (`.*`) and Grafana's interval
 /// as a minute.
@@ -342,26 +367,17 @@ async fn every_dashboard_query_returns_its_series() {
         &format!("scrape_configs:\n  - job_name: gpumem\n    {targets}\n"),
     );
     let prometheus_port = prometheus.port;
-    let logs = || {
-        format!(
-            "plugin:\n{}\nprometheus:\n{}",
-            plugin.log(),
-            prometheus.log()
-        )
-    };
+    let logs = || both_logs(&plugin, &prometheus);
 
     // Each query, until it answers with what it should (the pod's processes
     // are attributed at the plugin's next reconciliation, and a rate needs
     // two scrapes).
     let started = Instant::now();
     for (panel, expr, legend) in &queries {
-        let series = loop {
-            let series = query(prometheus_port, expr).await;
-            if answers(&series, legend).is_ok() || started.elapsed() > PROMETHEUS_WAIT {
-                break series;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        };
+        let series = query_until(prometheus_port, expr, started, |s| {
+            answers(s, legend).is_ok()
+        })
+        .await;
         if let Err(why) = answers(&series, legend) {
             panic!("panel {panel:?}: {expr}: {why}: {series:?}\n{}", logs());
         }
@@ -481,13 +497,7 @@ async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
         }
     }
     let prometheus = Prometheus::start(dir.path(), &scrape);
-    let logs = || {
-        format!(
-            "plugin:\n{}\nprometheus:\n{}",
-            plugin.log(),
-            prometheus.log()
-        )
-    };
+    let logs = || both_logs(&plugin, &prometheus);
 
     // The `job` label each monitor's targets get: the Service's name, or
     // the PodMonitor's namespace/name.
@@ -497,13 +507,7 @@ async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
         ("PodMonitor", "kube-system/gpumem"),
     ] {
         let expr = format!("gpumem_container_cap_bytes{{job={job:?}}}");
-        let series = loop {
-            let series = query(prometheus.port, &expr).await;
-            if !series.is_empty() || started.elapsed() > PROMETHEUS_WAIT {
-                break series;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        };
+        let series = query_until(prometheus.port, &expr, started, |s| !s.is_empty()).await;
         assert_eq!(series.len(), 1, "{kind}: {expr}: {series:?}\n{}", logs());
         let s = &series[0];
         let label = |name: &str| s.get(name).map(String::as_str);
