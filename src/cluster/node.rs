@@ -64,6 +64,14 @@ pub fn published(inv: &Inventory) -> Vec<PublishedGpu> {
 /// Publishes once.
 pub async fn publish(client: &Client, node: &str, inv: &Inventory) -> Result<(), kube::Error> {
     let nodes: Api<Node> = Api::all(client.clone());
+    // The annotation first: it is what changes with GPU health, and the
+    // Node between the two patches then already shows it (the count rarely
+    // changes), so `run`'s watch does not take that moment for a loss.
+    let gpus = serde_json::to_string(&published(inv)).unwrap_or_default();
+    let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: gpus}}});
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&meta))
+        .await?;
     let count = inv.gpus().len().to_string();
     // Capacity goes through the status subresource (a status sent to the
     // node itself is ignored); allocatable too, which gpushare's tools read.
@@ -73,11 +81,6 @@ pub async fn publish(client: &Client, node: &str, inv: &Inventory) -> Result<(),
     }});
     nodes
         .patch_status(node, &PatchParams::default(), &Patch::Merge(&status))
-        .await?;
-    let gpus = serde_json::to_string(&published(inv)).unwrap_or_default();
-    let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: gpus}}});
-    nodes
-        .patch(node, &PatchParams::default(), &Patch::Merge(&meta))
         .await?;
     Ok(())
 }
