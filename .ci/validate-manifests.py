@@ -117,6 +117,7 @@ REFUSED = {
     "reconcile-negative": ({"reconcileSecs": -1}, "/reconcileSecs"),
     "reconcile-string": ({"reconcileSecs": "2s"}, "/reconcileSecs"),
     "nested-typo": ({"metrics": {"serviceMonitor": {"enable": True}}}, "'enable' not allowed"),
+    "ignore-xids-not-numbers": ({"ignoreXids": "13;x"}, "/ignoreXids"),
 }
 
 # prometheus-operator's kinds: their CRDs are not in Kubernetes' schemas, so
