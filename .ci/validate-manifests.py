@@ -29,6 +29,8 @@ import helm_python as helm
 import kubernetes_validate
 import yaml
 
+import operator_scrape
+
 ROOT = Path(__file__).resolve().parent.parent
 # The oldest Kubernetes release the manifests target and the newest one
 # the validator knows: a field missing from either fails.
@@ -63,6 +65,15 @@ VARIANTS = {
         "extraArgs": ["--status-socket=/var/lib/gpumem/status.sock"],
         "uninstall": {"unpublish": False},
     },
+    # extraArgs replacing flags the chart sets (clap refuses a flag given
+    # twice), metrics on loopback only (no liveness probe then), and the
+    # NVIDIA runtime by RuntimeClass.
+    "overrides": {
+        "extraArgs": ["--placement=spread", "--reconcile-secs", "5"],
+        "metricsAddress": "127.0.0.1",
+        "runtimeClassName": "nvidia",
+        "nodeSelector": {"gpushare": "true", "example.com/pool": "notebooks"},
+    },
     "monitoring": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
                                "prometheusRule": {"enabled": True},
                                "dashboard": {"namespace": "monitoring"}}},
@@ -88,7 +99,7 @@ VARIANTS = {
 
 # Values the chart must refuse, and a word of the message it refuses them with.
 REFUSED = {
-    "front-end-typo": ({"frontEnd": "DRA"}, "frontEnd must be"),
+    "front-end-typo": ({"frontEnd": "DRA"}, "/frontEnd"),
     "dra-without-api-server": ({"frontEnd": "dra", "apiServer": False}, "needs apiServer"),
     "dra-with-gpushare-extender": ({"frontEnd": "dra", "scheduler": "gpushare-extender"}, "frontEnd: devicePlugin"),
     "dra-bad-driver-name": ({"frontEnd": "dra", "dra": {"driverName": "GPUmem_io"}}, "DNS subdomain"),
@@ -96,6 +107,17 @@ REFUSED = {
                      "enable one, not both"),
     "service-monitor-without-service": ({"metrics": {"serviceMonitor": {"enabled": True},
                                                      "service": {"enabled": False}}}, "needs metrics.service"),
+    "monitor-of-loopback-metrics": ({"metricsAddress": "127.0.0.1", "metrics": {"podMonitor": {"enabled": True}}},
+                                    "loopback-only"),
+    # values.schema.json: a misspelt key, and values gpumem would refuse at
+    # start (a crash loop on every node).
+    "over-cap-action-key-typo": ({"overCapaction": "report"}, "additional properties 'overCapaction' not allowed"),
+    "over-cap-action-value-typo": ({"overCapAction": "reprot"}, "/overCapAction"),
+    "memory-unit-kib": ({"memoryUnit": "KiB"}, "/memoryUnit"),
+    "reconcile-negative": ({"reconcileSecs": -1}, "/reconcileSecs"),
+    "reconcile-string": ({"reconcileSecs": "2s"}, "/reconcileSecs"),
+    "nested-typo": ({"metrics": {"serviceMonitor": {"enable": True}}}, "'enable' not allowed"),
+    "ignore-xids-not-numbers": ({"ignoreXids": "13;x"}, "/ignoreXids"),
 }
 
 # prometheus-operator's kinds: their CRDs are not in Kubernetes' schemas, so
@@ -637,15 +659,45 @@ def check_pod_settings(name, values, docs, failures):
     for key, (rendered, wanted) in expected.items():
         if rendered != (wanted or None):
             failures.append(f"{name}: {key} rendered as {rendered!r}, values say {wanted!r}")
-    args = next(c for c in spec["containers"] if c["name"] == "gpumem").get("args") or []
-    for arg in values.get("extraArgs", []) + [f"--log-format={values.get('logFormat', 'text')}"]:
-        if arg not in args:
-            failures.append(f"{name}: the agent's args lack {arg}")
-    wants_hook = values.get("apiServer", True) and values.get("uninstall", {}).get("unpublish", True)
+    if spec.get("runtimeClassName") != (values.get("runtimeClassName") or None):
+        failures.append(f"{name}: runtimeClassName rendered as {spec.get('runtimeClassName')!r}, "
+                        f"values say {values.get('runtimeClassName')!r}")
+    container = next(c for c in spec["containers"] if c["name"] == "gpumem")
+    args = container.get("args") or []
+    extra = values.get("extraArgs", [])
+    if args[len(args) - len(extra):] != extra:
+        failures.append(f"{name}: the agent's args do not end with extraArgs {extra}: {args}")
+    if extra == [] and f"--log-format={values.get('logFormat', 'text')}" not in args:
+        failures.append(f"{name}: the agent's args lack --log-format")
+    # clap refuses a flag given twice: extraArgs must replace the chart's.
+    given = [a.split("=", 1)[0] for a in args if a.startswith("--")]
+    twice = sorted({f for f in given if given.count(f) > 1})
+    if twice:
+        failures.append(f"{name}: the agent's args give {twice} twice, which gpumem refuses")
+    address = values.get("metricsAddress", "")
+    if f"--metrics-addr={address}:{values.get('metricsPort', 9400)}" not in args and not any(
+            a.startswith("--metrics-addr") for a in extra):
+        failures.append(f"{name}: --metrics-addr is not {address}:{values.get('metricsPort', 9400)}")
+    loopback = address in ("127.0.0.1", "localhost", "[::1]")
+    if bool(container.get("livenessProbe")) == loopback:
+        failures.append(f"{name}: a liveness probe on /healthz {'at' if loopback else 'missing for'} "
+                        f"metrics address {address!r} (kubelet cannot reach the pod's loopback)")
+    wants_hook = (values.get("apiServer", True) and values.get("uninstall", {}).get("unpublish", True)
+                  and values.get("frontEnd", "devicePlugin") == "devicePlugin")
     hooks = [d for d in docs if d.get("kind") == "Job"
              and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "post-delete"]
     if bool(hooks) != bool(wants_hook):
         failures.append(f"{name}: the uninstall hook Job should {'' if wants_hook else 'not '}render")
+    # The hook cleans the Nodes this release serves only: its nodeSelector.
+    selector = spec.get("nodeSelector") or {}
+    for hook in hooks:
+        hook_args = hook["spec"]["template"]["spec"]["containers"][0].get("args") or []
+        rendered = {a.split("=", 1)[1] for a in hook_args if a.startswith("--selector=")}
+        wanted = set(",".join(f"{k}={v}" for k, v in sorted(selector.items())).split(",")) - {""}
+        got = {term for r in rendered for term in r.split(",")}
+        if got != wanted:
+            failures.append(f"{name}: the uninstall hook selects Nodes by {sorted(got)}, "
+                            f"not the release's nodeSelector {sorted(wanted)}")
 
 
 def main():
@@ -740,10 +792,17 @@ def main():
         try:
             chart.render(values, name="gpumem", namespace="kube-system", is_install=True)
             failures.append(f"chart[{variant}]: rendered {values}, which it should refuse")
-        except helm.HelmRenderError as err:
+        except (helm.HelmRenderError, helm.HelmValuesError) as err:
             if message not in str(err):
                 failures.append(f"chart[{variant}]: refused {values}, but not saying {message!r}: {err}")
         checked += 1
+
+    # tests/monitoring.rs scrapes with what prometheus-operator makes of the
+    # chart's monitors: the file must be what the chart renders today.
+    stale = operator_scrape.stale()
+    if stale:
+        failures.append(f"chart: {stale}")
+    checked += 1
 
     for failure in failures:
         print(f"invalid: {failure}", file=sys.stderr)

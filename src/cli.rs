@@ -133,6 +133,12 @@ pub struct UnpublishArgs {
     #[arg(long = "node", value_name = "NAME")]
     pub nodes: Vec<String>,
 
+    /// Only Nodes with these labels (a label selector, e.g.
+    /// `gpushare=true`): the chart's hook passes its release's nodeSelector,
+    /// so that another release's Nodes keep what their agents published.
+    #[arg(long, env = "GPUMEM_UNPUBLISH_SELECTOR", value_name = "SELECTOR")]
+    pub selector: Option<String>,
+
     #[command(flatten)]
     pub kubeconfig: KubeconfigArgs,
 }

@@ -215,9 +215,13 @@ async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {
 
 async fn unpublish(args: UnpublishArgs) -> anyhow::Result<()> {
     let client = gpumem::cluster::client::connect(args.kubeconfig.path()).await?;
-    let changed = gpumem::cluster::node::unpublish(&client, &args.nodes).await?;
+    let selector = args.selector.as_deref().unwrap_or_default();
+    let changed = gpumem::cluster::node::unpublish(&client, &args.nodes, selector).await?;
     if changed.is_empty() {
-        println!("no Node carries gpumem's annotation: nothing to remove");
+        match selector {
+            "" => println!("no Node carries gpumem's annotation: nothing to remove"),
+            s => println!("no Node labelled {s} carries gpumem's annotation: nothing to remove"),
+        }
     }
     for node in changed {
         println!("removed gpumem's GPU count and annotation from Node {node}");

@@ -1442,3 +1442,60 @@ async fn who_holds_what_is_told_on_the_owner_only_socket_not_the_network_port() 
     assert_eq!(status["containers"][0]["pod"], "tf-notebook-1", "{status}");
     kubelet.stop().await;
 }
+
+/// `--state-dir` naming a file: both front ends say which flag and that it
+/// is not a directory, not the OS's "File exists" on a path under it.
+#[test]
+fn a_state_dir_that_is_a_file_is_named_as_not_a_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("state");
+    std::fs::write(&file, b"").unwrap();
+    let t4 = common::fixture("t4");
+    let mut plugin = gpumem();
+    plugin
+        .args(["plugin", "--metrics-addr", "", "--status-socket", ""])
+        .arg("--kubelet-dir")
+        .arg(dir.path())
+        .arg("--shim-host-dir")
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(&t4)
+        .arg("--state-dir")
+        .arg(&file);
+    // A server nothing answers at: the client connects lazily, so the
+    // driver gets as far as its state directory.
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        "apiVersion: v1\nkind: Config\ncurrent-context: x\n\
+         clusters: [{name: c, cluster: {server: \"https://127.0.0.1:1\"}}]\n\
+         users: [{name: u, user: {token: t}}]\n\
+         contexts: [{name: x, context: {cluster: c, user: u}}]\n",
+    )
+    .unwrap();
+    let mut dra = gpumem();
+    dra.args(["dra", "--node-name", "n1", "--metrics-addr", ""])
+        .args(["--status-socket", ""])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("--kubelet-plugins-dir")
+        .arg(dir.path())
+        .arg("--kubelet-registry-dir")
+        .arg(dir.path())
+        .arg("--fake-gpus")
+        .arg(&t4)
+        .arg("--state-dir")
+        .arg(&file);
+    for mut cmd in [plugin, dra] {
+        let (status, text) = run_within(&mut cmd, Duration::from_secs(20));
+        assert!(!status.success());
+        assert!(
+            text.contains(&format!(
+                "--state-dir {} is not a directory",
+                file.display()
+            )),
+            "{text}"
+        );
+        assert!(!text.contains("File exists"), "{text}");
+    }
+}

@@ -588,20 +588,7 @@ async fn unpublish_removes_what_the_plugin_wrote_on_its_node_only() {
     });
     c.api.put(gpushares);
     let kubeconfig = c._dir.path().join("kubeconfig");
-    let unpublish = |extra: &[&str]| {
-        let output = common::gpumem_cmd()
-            .arg("unpublish")
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args(extra)
-            .output()
-            .unwrap();
-        (
-            output.status.success(),
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-            String::from_utf8_lossy(&output.stderr).into_owned(),
-        )
-    };
+    let unpublish = |extra: &[&str]| run_unpublish(&kubeconfig, extra);
 
     let (ok, out, err) = unpublish(&[]);
     assert!(ok, "{err}");
@@ -638,6 +625,115 @@ async fn unpublish_removes_what_the_plugin_wrote_on_its_node_only() {
     );
 }
 
+/// `gpumem unpublish` with `extra`, against the fake API server: success,
+/// stdout, stderr.
+fn run_unpublish(kubeconfig: &Path, extra: &[&str]) -> (bool, String, String) {
+    let output = common::gpumem_cmd()
+        .arg("unpublish")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Whether the Node shows the plugin's two V100s: annotation, capacity and
+/// allocatable.
+fn shows_two_gpus(api: &FakeApiServer) -> bool {
+    let Some(node) = api.get(Kind::Node, "", NODE) else {
+        return false;
+    };
+    let gpus = node
+        .pointer("/metadata/annotations/gpumem.io~1gpus")
+        .and_then(Value::as_str)
+        .and_then(|a| serde_json::from_str::<Value>(a).ok());
+    gpus.is_some_and(|g| g.as_array().map(Vec::len) == Some(2))
+        && node.pointer("/status/capacity/aliyun.com~1gpu-count") == Some(&json!("2"))
+        && node.pointer("/status/allocatable/aliyun.com~1gpu-count") == Some(&json!("2"))
+}
+
+/// Another release's uninstall hook (or anyone) takes the plugin's GPUs
+/// off its Node, and kubelet zeroes unknown extended resources when it
+/// restarts: the running plugin puts them back, or the extender filters
+/// the node out and `kubectl inspect gpushare` loses its GPU count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plugin_publishes_again_what_its_node_lost() {
+    let c = Cluster::start(&[]).await;
+    c.wait_for("the node's GPUs", || shows_two_gpus(&c.api).then_some(()))
+        .await;
+    let kubeconfig = c._dir.path().join("kubeconfig");
+    let (ok, out, err) = run_unpublish(&kubeconfig, &[]);
+    assert!(ok, "{err}");
+    assert!(out.contains(NODE), "{out}");
+    c.wait_for("the GPUs back after unpublish", || {
+        shows_two_gpus(&c.api).then_some(())
+    })
+    .await;
+
+    // As kubelet leaves the Node after a restart: its count at 0.
+    let mut node = c.api.get(Kind::Node, "", NODE).unwrap();
+    node["status"]["capacity"]["aliyun.com/gpu-count"] = json!("0");
+    node["status"]["allocatable"]["aliyun.com/gpu-count"] = json!("0");
+    c.api.put(node);
+    c.wait_for("the GPU count back after a kubelet restart", || {
+        shows_two_gpus(&c.api).then_some(())
+    })
+    .await;
+}
+
+/// The chart's hook passes its release's nodeSelector: Nodes another
+/// release serves keep what their agents published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpublish_with_a_selector_leaves_other_nodes_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = FakeApiServer::start().await.unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    for (name, label) in [("ours", "true"), ("theirs", "team-b")] {
+        api.put(json!({
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "labels": {"gpushare": label},
+                "annotations": {"gpumem.io/gpus": "[]"},
+            },
+            "status": {
+                "capacity": {"aliyun.com/gpu-count": "1"},
+                "allocatable": {"aliyun.com/gpu-count": "1"},
+            },
+        }));
+    }
+    let (ok, out, err) = run_unpublish(&kubeconfig, &["--selector", "gpushare=true"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out,
+        "removed gpumem's GPU count and annotation from Node ours\n"
+    );
+    let ours = api.get(Kind::Node, "", "ours").unwrap();
+    assert_eq!(ours.pointer("/metadata/annotations/gpumem.io~1gpus"), None);
+    assert_eq!(ours.pointer("/status/capacity/aliyun.com~1gpu-count"), None);
+    let theirs = api.get(Kind::Node, "", "theirs").unwrap();
+    assert_eq!(
+        theirs.pointer("/metadata/annotations/gpumem.io~1gpus"),
+        Some(&json!("[]"))
+    );
+    assert_eq!(
+        theirs.pointer("/status/capacity/aliyun.com~1gpu-count"),
+        Some(&json!("1"))
+    );
+    let (ok, out, err) = run_unpublish(&kubeconfig, &["--selector", "gpushare=true"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out,
+        "no Node labelled gpushare=true carries gpumem's annotation: nothing to remove\n"
+    );
+}
+
 fn plugin_error(args: &[&str], kubeconfig: Option<&Path>) -> String {
     let dir = tempfile::tempdir().unwrap();
     let mut command = common::bare_plugin(dir.path());
@@ -668,4 +764,47 @@ fn the_extender_mode_without_a_node_name_or_kubeconfig_is_refused_by_name() {
         err.contains("cannot read the kubeconfig /nonexistent/kubeconfig (--kubeconfig)"),
         "{err}"
     );
+}
+
+/// A kubeconfig found through KUBECONFIG or ~/.kube/config that does not
+/// parse is named with why, not reported as no kubeconfig at all.
+#[test]
+fn a_malformed_kubeconfig_is_named_not_called_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("kubeconfig");
+    std::fs::write(&bad, "apiVersion: v1\nclusters: [oops\n").unwrap();
+    let home = dir.path().join("home");
+    std::fs::create_dir_all(home.join(".kube")).unwrap();
+    std::fs::copy(&bad, home.join(".kube/config")).unwrap();
+    let unpublish = |env: (&str, &Path)| {
+        let output = common::gpumem_cmd()
+            .arg("unpublish")
+            .env_remove("KUBECONFIG")
+            .env_remove("GPUMEM_KUBECONFIG")
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env(env.0, env.1)
+            .output()
+            .unwrap();
+        assert!(!output.status.success());
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    for (env, path, via) in [
+        ("KUBECONFIG", bad.clone(), "KUBECONFIG"),
+        ("HOME", home.clone(), "~/.kube/config"),
+    ] {
+        let err = unpublish((env, &path));
+        let named = match env {
+            "HOME" => home.join(".kube/config"),
+            _ => bad.clone(),
+        };
+        assert!(
+            err.contains(&format!(
+                "cannot read the kubeconfig {} ({via})",
+                named.display()
+            )),
+            "{err}"
+        );
+        assert!(err.contains("unclosed bracket"), "{err}");
+        assert!(!err.contains("no kubeconfig"), "{err}");
+    }
 }

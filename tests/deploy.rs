@@ -55,10 +55,12 @@ fn the_daemonset_passes_only_flags_and_values_the_plugin_accepts() {
 }
 
 /// The chart's template for a DaemonSet with the flags it includes from
-/// `_helpers.tpl` (`gpumem.agentArgs`, shared by both front ends).
+/// `_helpers.tpl` (`gpumem.agentArgs`, shared by both front ends, and
+/// `gpumem.args`, which adds extraArgs).
 fn chart_daemonset(template: &str) -> String {
     let text = read(template);
-    assert!(text.contains(r#"{{- include "gpumem.agentArgs" . | nindent 12 }}"#));
+    assert!(text.contains(r#"{{ include "gpumem.agentArgs" . }}"#));
+    assert!(text.contains(r#"{{- include "gpumem.args" (dict "root" . "own""#));
     text + &read("deploy/helm/gpumem/templates/_helpers.tpl")
 }
 
@@ -90,6 +92,9 @@ fn the_helm_chart_passes_only_flags_the_plugin_accepts() {
         "healthRecoverySecs",
         "stateGraceSecs",
         "extraArgs",
+        "metricsAddress",
+        "metricsPort",
+        "runtimeClassName",
     ] {
         assert!(
             values.contains(&format!("{key}:")),
@@ -254,12 +259,14 @@ fn the_helm_charts_dra_front_end_passes_only_flags_the_driver_accepts() {
 fn the_uninstall_hook_runs_a_command_gpumem_accepts() {
     let hook = read("deploy/helm/gpumem/templates/uninstall.yaml");
     assert!(hook.contains(r#"command: ["/opt/gpumem/gpumem", "unpublish"]"#));
-    assert!(hook.contains(r#"args: ["--log-format={{ .Values.logFormat }}"]"#));
+    assert!(hook.contains("- --log-format={{ .Values.logFormat }}"));
+    assert!(hook.contains(r#"- --selector={{ join "," . }}"#));
     assert!(hook.contains("helm.sh/hook: post-delete"));
     // With no API server to reach, it gets as far as the kubeconfig.
     let (ok, text) = gpumem(&[
         "unpublish",
         "--log-format=text",
+        "--selector=gpushare=true,example.com/pool=notebooks",
         "--kubeconfig",
         "/nonexistent/gpumem-deploy-test",
     ]);

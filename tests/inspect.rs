@@ -29,6 +29,7 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
         socket.clone(),
     ]);
     assert!(from_plugin.contains("12/14"), "{from_plugin}");
+    assert!(!from_plugin.contains("not registered"), "{from_plugin}");
     assert!(
         from_plugin.contains("Allocated/Total aliyun.com/gpu-mem (GiB): 12/14 (85%)"),
         "{from_plugin}"
@@ -68,6 +69,8 @@ async fn inspect_reads_the_plugin_or_else_the_node() {
         direct.contains("12/14") && direct.contains("tf-notebook-2"),
         "{direct}"
     );
+    // Read without a plugin, nothing is known of its registration.
+    assert!(!direct.contains("not registered"), "{direct}");
     d.stop().await;
 }
 
@@ -171,4 +174,39 @@ async fn without_pod_resources_the_state_dir_still_shows_each_container() {
     holder.kill().unwrap();
     holder.wait().unwrap();
     d.stop().await;
+}
+
+/// A plugin no kubelet has registered (kubelet not running, or its socket
+/// elsewhere): the table says so, for it is why the node advertises nothing.
+#[test]
+fn inspect_says_when_the_plugin_is_not_registered_with_kubelet() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("status.sock");
+    // No kubelet.sock in its kubelet directory: it waits for one.
+    let _plugin = common::Killed(
+        common::gpumem_cmd()
+            .args(["plugin", "--isolation", "none", "--metrics-addr", ""])
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--fake-gpus")
+            .arg(common::fixture("t4"))
+            .arg("--status-socket")
+            .arg(&socket)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + common::WAIT;
+    while !socket.exists() {
+        assert!(std::time::Instant::now() < deadline, "no status socket");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let table = gpumem_stdout(&["inspect", "--status-socket", socket.to_str().unwrap()]);
+    assert!(
+        table.contains(
+            "warning: not registered with kubelet: the node advertises no aliyun.com/gpu-mem"
+        ),
+        "{table}"
+    );
 }

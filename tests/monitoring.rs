@@ -144,6 +144,52 @@ fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
+/// A real Prometheus in a directory of its own on a port of its own,
+/// scraping and evaluating every second with the chart's rules loaded.
+struct Prometheus {
+    port: u16,
+    log: PathBuf,
+    _process: Killed,
+}
+
+impl Prometheus {
+    /// With `scrape` (the config's `scrape_configs:` section) in `dir`.
+    fn start(dir: &Path, scrape: &str) -> Prometheus {
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 rule_files:\n  - {rules:?}\n{scrape}",
+                rules = repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let log = dir.join("prometheus.log");
+        let process = Command::new(prometheus_tool("prometheus"))
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("tsdb").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Prometheus {
+            port,
+            log,
+            _process: Killed(process),
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
 /// GET over HTTP/1.0 (no chunked answer to decode): the status and body,
 /// or `None` while nothing listens.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
@@ -158,6 +204,28 @@ async fn get(port: u16, path: &str) -> Option<(u16, String)> {
     let code = response.get(9..12)?.parse().ok()?;
     let (_, body) = response.split_once("\r\n\r\n")?;
     Some((code, body.to_owned()))
+}
+
+/// GET `path` asking for `accept`: the Content-Type and the body.
+async fn get_accepting(port: u16, path: &str, accept: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nAccept: {accept}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    let content_type = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-type")
+                .then(|| value.trim().to_owned())
+        })
+        .unwrap_or_default();
+    (content_type, body.to_owned())
 }
 
 /// Percent-encodes a query parameter.
@@ -191,6 +259,31 @@ async fn query(port: u16, query: &str) -> Vec<BTreeMap<String, String>> {
             labels
         })
         .collect()
+}
+
+/// What `query` answers once `done` holds, or PROMETHEUS_WAIT after
+/// `started` (Prometheus scrapes and evaluates every second).
+async fn query_until(
+    port: u16,
+    expr: &str,
+    started: Instant,
+    done: impl Fn(&[BTreeMap<String, String>]) -> bool,
+) -> Vec<BTreeMap<String, String>> {
+    loop {
+        let series = query(port, expr).await;
+        if done(&series) || started.elapsed() > PROMETHEUS_WAIT {
+            return series;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+fn both_logs(plugin: &ChartPlugin, prometheus: &Prometheus) -> String {
+    format!(
+        "plugin:\n{}\nprometheus:\n{}",
+        plugin.log(),
+        prometheus.log()
+    )
 }
 
 /// Each query of the dashboard with its panel's title and legend, the
@@ -242,7 +335,6 @@ fn node_file(holder: u32) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_its_series() {
-    let prometheus = prometheus_tool("prometheus");
     let queries = dashboard_queries();
     let dir = tempfile::tempdir().unwrap();
     let gpus = dir.path().join("node.toml");
@@ -267,54 +359,25 @@ async fn every_dashboard_query_returns_its_series() {
     common::wait_for_line(&mut holder, "holding");
     common::rewrite_fake_gpus(&gpus, node_file(holder.id()));
 
-    // Prometheus, in a directory of its own on a port of its own, scraping
-    // the plugin every second with the chart's rules loaded.
-    let config = dir.path().join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n  - {rules:?}\n\
-             scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n",
-            rules = repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")
-        ),
-    )
-    .unwrap();
-    let prometheus_port = free_port();
-    let prometheus_log = dir.path().join("prometheus.log");
-    let _prometheus = Killed(
-        Command::new(prometheus)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("tsdb").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prometheus_port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&prometheus_log).unwrap())
-            .spawn()
-            .unwrap(),
+    // Prometheus scraping the plugin every second with the chart's rules
+    // loaded.
+    let targets = format!("static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']");
+    let prometheus = Prometheus::start(
+        dir.path(),
+        &format!("scrape_configs:\n  - job_name: gpumem\n    {targets}\n"),
     );
-    let logs = || {
-        format!(
-            "plugin:\n{}\nprometheus:\n{}",
-            plugin.log(),
-            std::fs::read_to_string(&prometheus_log).unwrap_or_default()
-        )
-    };
+    let prometheus_port = prometheus.port;
+    let logs = || both_logs(&plugin, &prometheus);
 
     // Each query, until it answers with what it should (the pod's processes
     // are attributed at the plugin's next reconciliation, and a rate needs
     // two scrapes).
     let started = Instant::now();
     for (panel, expr, legend) in &queries {
-        let series = loop {
-            let series = query(prometheus_port, expr).await;
-            if answers(&series, legend).is_ok() || started.elapsed() > PROMETHEUS_WAIT {
-                break series;
-            }
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        };
+        let series = query_until(prometheus_port, expr, started, |s| {
+            answers(s, legend).is_ok()
+        })
+        .await;
         if let Err(why) = answers(&series, legend) {
             panic!("panel {panel:?}: {expr}: {why}: {series:?}\n{}", logs());
         }
@@ -359,6 +422,200 @@ async fn every_dashboard_query_returns_its_series() {
     )
     .await;
     assert_eq!(pending.len(), 1, "{pending:?}\n{}", logs());
+}
+
+/// gpumem's own pod as Kubernetes service discovery describes it, for the
+/// chart's ServiceMonitor (`endpoints` role, through the metrics Service) or
+/// PodMonitor (`pod` role): the labels prometheus-operator's relabelings
+/// read, as the chart (release gpumem in kube-system) sets them.
+fn discovered_gpumem_pod(kind: &str) -> Value {
+    let mut labels = serde_json::Map::new();
+    let mut put = |name: &str, value: &str| {
+        labels.insert(format!("__meta_kubernetes_{name}"), Value::from(value));
+    };
+    put("namespace", "kube-system");
+    put("pod_name", "gpumem-x7k2p");
+    put("pod_container_name", "gpumem");
+    put("pod_container_port_name", "metrics");
+    put("pod_node_name", NODE);
+    put("pod_phase", "Running");
+    let mut object_labels = vec![
+        ("app_kubernetes_io_name", "gpumem"),
+        ("app_kubernetes_io_instance", "gpumem"),
+    ];
+    if kind == "ServiceMonitor" {
+        put("service_name", "gpumem-metrics");
+        put("endpoint_port_name", "metrics");
+        put("endpoint_address_target_kind", "Pod");
+        put("endpoint_address_target_name", "gpumem-x7k2p");
+        object_labels.push(("app_kubernetes_io_component", "metrics"));
+    }
+    let object = if kind == "ServiceMonitor" {
+        "service"
+    } else {
+        "pod"
+    };
+    for (name, value) in object_labels {
+        put(&format!("{object}_label_{name}"), value);
+        put(&format!("{object}_labelpresent_{name}"), "true");
+    }
+    Value::Object(labels)
+}
+
+/// The chart's ServiceMonitor and PodMonitor as prometheus-operator turns
+/// them into scrape configs (tests/fixtures/prometheus/, which
+/// .ci/validate-manifests.py keeps equal to what the chart renders): its
+/// target labels name gpumem's own pod, and a per-pod series must still
+/// name the tenant's namespace, pod and container, not exported_* ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.arg("--fake-gpus").arg(common::fixture("t4"))
+    })
+    .await;
+    plugin
+        .kubelet
+        .admit("nb", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    let fixture = repo("tests/fixtures/prometheus/operator-scrape-configs.json");
+    let configs: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let mut scrape = String::from("scrape_configs:\n");
+    for kind in ["ServiceMonitor", "PodMonitor"] {
+        let kind_configs = configs[kind].as_array().unwrap();
+        assert!(!kind_configs.is_empty(), "no {kind} scrape config");
+        for config in kind_configs {
+            let mut config = config.clone();
+            config["scrape_interval"] = "1s".into();
+            config["static_configs"] = serde_json::json!([{
+                "targets": [format!("127.0.0.1:{}", plugin.metrics_port)],
+                "labels": discovered_gpumem_pod(kind),
+            }]);
+            // JSON is YAML's flow style.
+            scrape += &format!("  - {config}\n");
+        }
+    }
+    let prometheus = Prometheus::start(dir.path(), &scrape);
+    let logs = || both_logs(&plugin, &prometheus);
+
+    // The `job` label each monitor's targets get: the Service's name, or
+    // the PodMonitor's namespace/name.
+    let started = Instant::now();
+    for (kind, job) in [
+        ("ServiceMonitor", "gpumem-metrics"),
+        ("PodMonitor", "kube-system/gpumem"),
+    ] {
+        let expr = format!("gpumem_container_cap_bytes{{job={job:?}}}");
+        let series = query_until(prometheus.port, &expr, started, |s| !s.is_empty()).await;
+        assert_eq!(series.len(), 1, "{kind}: {expr}: {series:?}\n{}", logs());
+        let s = &series[0];
+        let label = |name: &str| s.get(name).map(String::as_str);
+        assert_eq!(
+            (label("namespace"), label("pod"), label("container")),
+            (Some("default"), Some("nb"), Some("main")),
+            "{kind}: the tenant's labels were replaced: {s:?}"
+        );
+        for renamed in ["exported_namespace", "exported_pod", "exported_container"] {
+            assert_eq!(label(renamed), None, "{kind}: {s:?}");
+        }
+        // Where the series has none, the target's labels still say where
+        // it was scraped.
+        assert_eq!(
+            (label("node"), label("endpoint")),
+            (Some(NODE), Some("metrics")),
+            "{kind}: {s:?}"
+        );
+        let up = query(prometheus.port, &format!("up{{job={job:?}}}")).await;
+        assert_eq!(up.len(), 1, "{kind}: {up:?}");
+        assert_eq!(
+            (
+                up[0]["namespace"].as_str(),
+                up[0]["pod"].as_str(),
+                up[0]["@value"].as_str()
+            ),
+            ("kube-system", "gpumem-x7k2p", "1"),
+            "{kind}"
+        );
+    }
+}
+
+/// A scraper that takes only Prometheus' classic text format (0.0.4: many
+/// agents and older scrapers) gets it, which promtool's text
+/// parser reads; one that asks for OpenMetrics (Prometheus itself) gets
+/// OpenMetrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_come_in_the_format_the_scraper_accepts() {
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.arg("--fake-gpus").arg(common::fixture("t4"))
+    })
+    .await;
+    let port = plugin.metrics_port;
+    plugin
+        .kubelet
+        .admit("nb", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+
+    let (content_type, text) = get_accepting(port, "/metrics", "text/plain;version=0.0.4").await;
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
+    assert!(!text.contains("# EOF"), "{text}");
+    // Counters' and the build's metadata name their samples.
+    assert!(
+        text.contains("# TYPE gpumem_allocate_calls_total counter\n"),
+        "{text}"
+    );
+    assert!(text.contains("# TYPE gpumem_build_info gauge\n"), "{text}");
+    assert!(text.contains("gpumem_container_cap_bytes{"), "{text}");
+    let mut check = Command::new(prometheus_tool("promtool"))
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        check
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    let checked = check.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&checked.stdout),
+        String::from_utf8_lossy(&checked.stderr)
+    );
+    // It parses (exit 1 and "error while linting" is a parse error); the
+    // lint findings left (exit 3) are dcgm-exporter's label names, kept on
+    // purpose: UUID, modelName, Hostname.
+    let lint_only = said
+        .lines()
+        .all(|l| l.contains("label names should be written in 'snake_case'"));
+    assert!(
+        checked.status.success() || (checked.status.code() == Some(3) && lint_only),
+        "promtool check metrics: {said}\n{text}"
+    );
+
+    // What Prometheus sends.
+    let (content_type, text) = get_accepting(
+        port,
+        "/metrics",
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    )
+    .await;
+    assert!(
+        content_type.starts_with("application/openmetrics-text; version=1.0.0"),
+        "{content_type}"
+    );
+    assert!(text.ends_with("# EOF\n"), "{text}");
 }
 
 /// The value of the one sample of `name` in a scrape whose labels include

@@ -26,9 +26,12 @@ pub const ADMISSION_CALL_BOUND: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("cannot read the kubeconfig {path} (--kubeconfig)")]
+    /// `via`: how it was named (`--kubeconfig`, `KUBECONFIG`,
+    /// `~/.kube/config`).
+    #[error("cannot read the kubeconfig {} ({via})", path.display())]
     Kubeconfig {
         path: PathBuf,
+        via: &'static str,
         source: kube::config::KubeconfigError,
     },
     #[error(
@@ -51,17 +54,23 @@ pub async fn connect_watched(
     kubeconfig: Option<&Path>,
 ) -> Result<(Client, ApiHealth), ClientError> {
     let mut config = match kubeconfig {
-        Some(path) => {
-            let bad = |source| ClientError::Kubeconfig {
-                path: path.to_owned(),
-                source,
-            };
-            let file = Kubeconfig::read_from(path).map_err(bad)?;
-            Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
-                .await
-                .map_err(bad)?
-        }
-        None => Config::infer().await?,
+        Some(path) => load(path).await.map_err(|source| ClientError::Kubeconfig {
+            path: path.to_owned(),
+            via: "--kubeconfig",
+            source,
+        })?,
+        None => match Config::infer().await {
+            Ok(config) => config,
+            // A kubeconfig that is there but does not load is the likelier
+            // cause than the missing in-cluster environment: name it.
+            Err(err) => match inferred_kubeconfig() {
+                Some((path, via)) => match load(&path).await {
+                    Err(source) => return Err(ClientError::Kubeconfig { path, via, source }),
+                    Ok(_) => return Err(err.into()),
+                },
+                None => return Err(err.into()),
+            },
+        },
     };
     config.connect_timeout = Some(CONNECT_TIMEOUT);
     let health = ApiHealth::new(config.cluster_url.to_string());
@@ -75,6 +84,25 @@ pub async fn connect_watched(
     });
     let client = ClientBuilder::try_from(config)?.with_layer(&layer).build();
     Ok((client, health))
+}
+
+async fn load(path: &Path) -> Result<Config, kube::config::KubeconfigError> {
+    let file = Kubeconfig::read_from(path)?;
+    Config::from_custom_kubeconfig(file, &KubeConfigOptions::default()).await
+}
+
+/// The kubeconfig file `Config::infer` reads, where one exists, and how it
+/// was found: the first of KUBECONFIG's paths, else ~/.kube/config.
+fn inferred_kubeconfig() -> Option<(PathBuf, &'static str)> {
+    match std::env::var_os("KUBECONFIG").filter(|v| !v.is_empty()) {
+        Some(paths) => std::env::split_paths(&paths)
+            .find(|p| p.exists())
+            .map(|p| (p, "KUBECONFIG")),
+        None => std::env::var_os("HOME")
+            .map(|home| PathBuf::from(home).join(".kube/config"))
+            .filter(|p| p.exists())
+            .map(|p| (p, "~/.kube/config")),
+    }
 }
 
 /// Whether the API server answers, as this process last found: any HTTP

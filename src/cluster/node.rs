@@ -1,14 +1,20 @@
 //! What gpumem publishes on its Node: gpushare's GPU count in the node's
 //! capacity (its tools divide the node's units by it), and each GPU's own
 //! size, health and UUID in an annotation, for a scheduler extender that
-//! must not assume equal GPUs. `unpublish` takes both away again, when
-//! gpumem is uninstalled.
+//! must not assume equal GPUs. The agent puts both back whenever its Node
+//! loses them (kubelet zeroes unknown extended resources when it restarts;
+//! an uninstall hook or a person may remove them). `unpublish` takes both
+//! away again, when gpumem is uninstalled.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{ListParams, Patch, PatchParams};
+use kube::runtime::watcher::{self, watcher, Event};
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -16,7 +22,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::cluster::client::describe;
+use crate::cluster::backoff::backed_off;
+use crate::cluster::client::{describe, describe_watch};
 use crate::cluster::gpushare::GPU_COUNT;
 use crate::node::inventory::Inventory;
 
@@ -57,6 +64,14 @@ pub fn published(inv: &Inventory) -> Vec<PublishedGpu> {
 /// Publishes once.
 pub async fn publish(client: &Client, node: &str, inv: &Inventory) -> Result<(), kube::Error> {
     let nodes: Api<Node> = Api::all(client.clone());
+    // The annotation first: it is what changes with GPU health, and the
+    // Node between the two patches then already shows it (the count rarely
+    // changes), so `run`'s watch does not take that moment for a loss.
+    let gpus = serde_json::to_string(&published(inv)).unwrap_or_default();
+    let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: gpus}}});
+    nodes
+        .patch(node, &PatchParams::default(), &Patch::Merge(&meta))
+        .await?;
     let count = inv.gpus().len().to_string();
     // Capacity goes through the status subresource (a status sent to the
     // node itself is ignored); allocatable too, which gpushare's tools read.
@@ -67,22 +82,43 @@ pub async fn publish(client: &Client, node: &str, inv: &Inventory) -> Result<(),
     nodes
         .patch_status(node, &PatchParams::default(), &Patch::Merge(&status))
         .await?;
-    let gpus = serde_json::to_string(&published(inv)).unwrap_or_default();
-    let meta = json!({"metadata": {"annotations": {GPUS_ANNOTATION: gpus}}});
-    nodes
-        .patch(node, &PatchParams::default(), &Patch::Merge(&meta))
-        .await?;
     Ok(())
 }
 
+/// Whether `node` still shows what `publish` writes for `inv`.
+fn shows(node: &Node, inv: &Inventory) -> bool {
+    let count = inv.gpus().len().to_string();
+    let gpus = serde_json::to_string(&published(inv)).unwrap_or_default();
+    let annotated = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(GPUS_ANNOTATION))
+        .is_some_and(|a| *a == gpus);
+    let counted = |resources: Option<&BTreeMap<String, Quantity>>| {
+        resources
+            .and_then(|r| r.get(GPU_COUNT))
+            .is_some_and(|q| q.0 == count)
+    };
+    let status = node.status.as_ref();
+    annotated
+        && counted(status.and_then(|s| s.capacity.as_ref()))
+        && counted(status.and_then(|s| s.allocatable.as_ref()))
+}
+
 /// Removes what `publish` wrote from each Node named in `only` (every Node,
-/// if empty) that carries gpumem's annotation; the names of those changed.
-/// A node without the annotation keeps its GPU count: gpushare's own
-/// device plugin writes it too.
-pub async fn unpublish(client: &Client, only: &[String]) -> Result<Vec<String>, UnpublishError> {
+/// if empty) that matches the label selector `labels` (all, if empty) and
+/// carries gpumem's annotation; the names of those changed. A node without
+/// the annotation keeps its GPU count: gpushare's own device plugin writes
+/// it too.
+pub async fn unpublish(
+    client: &Client,
+    only: &[String],
+    labels: &str,
+) -> Result<Vec<String>, UnpublishError> {
     let nodes: Api<Node> = Api::all(client.clone());
     let listed = nodes
-        .list(&ListParams::default())
+        .list(&ListParams::default().labels(labels))
         .await
         .map_err(UnpublishError::List)?;
     let mut changed = Vec::new();
@@ -139,7 +175,8 @@ pub enum UnpublishError {
     NotOurs { node: String, done: Vec<String> },
 }
 
-/// Publishes now and after every inventory change (GPU health), retrying
+/// Publishes now, after every inventory change (GPU health) and whenever
+/// its Node, as watched, no longer shows what was published; retries
 /// failures, until `stop`.
 pub async fn run(
     client: Client,
@@ -147,23 +184,47 @@ pub async fn run(
     mut inventory: watch::Receiver<Arc<Inventory>>,
     stop: CancellationToken,
 ) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
+    let mut seen = std::pin::pin!(backed_off(watcher(nodes, config)));
+    // `stale`: the Node may not show the inventory; `due`: try now (a
+    // failure waits RETRY).
+    let (mut stale, mut due) = (true, true);
     loop {
         let inv = inventory.borrow_and_update().clone();
-        match publish(&client, &node, &inv).await {
-            Ok(()) => {
-                info!(node, gpus = inv.gpus().len(), "published GPUs on the Node");
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    changed = inventory.changed() => if changed.is_err() { return },
+        if stale && due {
+            match publish(&client, &node, &inv).await {
+                Ok(()) => {
+                    info!(node, gpus = inv.gpus().len(), "published GPUs on the Node");
+                    stale = false;
+                }
+                Err(err) => {
+                    warn!(node, err = %describe(&err), "cannot publish GPUs on the Node; retrying");
+                    due = false;
                 }
             }
-            Err(err) => {
-                warn!(node, err = %describe(&err), "cannot publish GPUs on the Node; retrying");
-                tokio::select! {
-                    () = stop.cancelled() => return,
-                    () = tokio::time::sleep(RETRY) => {}
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            changed = inventory.changed() => {
+                if changed.is_err() {
+                    return;
                 }
+                (stale, due) = (true, true);
             }
+            item = seen.next() => match item {
+                Some((Ok(Event::Apply(n) | Event::InitApply(n)), _)) if !stale && !shows(&n, &inv) => {
+                    info!(node, "the Node lost the GPUs gpumem published; publishing them again");
+                    (stale, due) = (true, true);
+                }
+                Some((Err(err), _)) => {
+                    // The watcher relists and rewatches by itself.
+                    warn!(node, err = %describe_watch(&err), "watching this Node");
+                }
+                Some(_) => {}
+                None => return,
+            },
+            () = tokio::time::sleep(RETRY), if stale && !due => due = true,
         }
     }
 }

@@ -110,6 +110,13 @@ pub enum DaemonError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("--state-dir {} is not a directory", path.display())]
+    StateDirNotADirectory { path: PathBuf },
+    #[error("cannot create --state-dir {}", path.display())]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error(
         "another gpumem front end (the device plugin or the DRA driver) runs on this node with \
          --state-dir {state_dir}: a node runs one, so no GPU is handed out by both; remove the \
@@ -130,7 +137,18 @@ fn lock_front_end(
         path: path.clone(),
         source,
     };
-    std::fs::create_dir_all(state_dir).map_err(err)?;
+    // A file there (or above it) fails below with the OS's word for a path
+    // under it, "File exists" or "Not a directory", naming neither flag nor
+    // what is wrong.
+    if state_dir.exists() && !state_dir.is_dir() {
+        return Err(DaemonError::StateDirNotADirectory {
+            path: state_dir.to_owned(),
+        });
+    }
+    std::fs::create_dir_all(state_dir).map_err(|source| DaemonError::StateDir {
+        path: state_dir.to_owned(),
+        source,
+    })?;
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)

@@ -144,13 +144,10 @@ pub async fn status(
             let holdings = PodResources::new(node.pod_resources_socket, &resource)
                 .holdings()
                 .await;
-            Ok(NodeStatus::build(
-                &inventory,
-                &resource,
-                false,
-                holdings,
-                node.isolation,
-            ))
+            let mut status =
+                NodeStatus::build(&inventory, &resource, false, holdings, node.isolation);
+            status.read_directly = true;
+            Ok(status)
         }
     }
 }

@@ -28,6 +28,10 @@ pub struct NodeStatus {
     pub unit: String,
     /// Registered with the running kubelet (false when read without a plugin).
     pub registered: bool,
+    /// Read by `inspect` itself, no plugin answering: `registered` says
+    /// nothing then.
+    #[serde(skip)]
+    pub read_directly: bool,
     pub gpus: Vec<GpuStatus>,
     pub containers: Vec<ContainerStatus>,
     /// Set when kubelet's pod-resources API could not be read: allocations
@@ -200,6 +204,7 @@ impl NodeStatus {
             resource: resource.to_owned(),
             unit: inv.unit().to_string(),
             registered,
+            read_directly: false,
             gpus,
             containers,
             pod_resources_error,
@@ -289,6 +294,15 @@ impl NodeStatus {
             "Allocated/Total {} ({}): {held}/{total} ({percent}%)",
             self.resource, self.unit
         );
+        // The DRA driver's registration has its own line below.
+        if !self.registered && !self.read_directly && self.dra.is_none() {
+            let _ = writeln!(
+                out,
+                "warning: not registered with kubelet: the node advertises no {} from this \
+                 plugin (its log says why)",
+                self.resource
+            );
+        }
         if let Some(err) = &self.pod_resources_error {
             let _ = writeln!(out, "warning: allocations unknown: {err}");
         }
@@ -484,6 +498,7 @@ pub(crate) mod tests {
             resource: "aliyun.com/gpu-mem".into(),
             unit: "GiB".into(),
             registered: true,
+            read_directly: false,
             gpus: vec![],
             containers,
             pod_resources_error: None,

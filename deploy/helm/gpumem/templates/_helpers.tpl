@@ -38,6 +38,9 @@ capabilities:
 
 {{/* Pod-level settings every gpumem pod takes from the values. */}}
 {{- define "gpumem.podSettings" -}}
+{{- with .Values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -48,13 +51,43 @@ affinity:
 {{- end }}
 {{- end -}}
 
-{{/* The node agent's flags shared by both front ends, then extraArgs. */}}
+{{/* The node agent's flags shared by both front ends. */}}
 {{- define "gpumem.agentArgs" -}}
 - --log-format={{ .Values.logFormat }}
 - --state-grace-secs={{ .Values.stateGraceSecs }}
 - --ignore-xids={{ .Values.ignoreXids }}
 - --health-recovery-secs={{ .Values.healthRecoverySecs }}
-{{- with .Values.extraArgs }}
+- --metrics-addr={{ .Values.metricsAddress }}:{{ .Values.metricsPort }}
+{{- end -}}
+
+{{/* A container's args: the chart's own flags (.own, a YAML list), less
+each flag extraArgs sets itself, then extraArgs. clap refuses a flag given
+twice, so this is how extraArgs overrides what the chart sets. */}}
+{{- define "gpumem.args" -}}
+{{- $overridden := dict }}
+{{- range .root.Values.extraArgs }}
+{{- $_ := set $overridden (regexReplaceAll "=.*" (toString .) "") true }}
+{{- end }}
+{{- range fromYamlArray .own }}
+{{- if not (hasKey $overridden (regexReplaceAll "=.*" . "")) }}
+- {{ . }}
+{{- end }}
+{{- end }}
+{{- with .root.Values.extraArgs }}
 {{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The liveness probe, where kubelet can reach /healthz: not on a
+loopback-only metrics address, nor with none. */}}
+{{- define "gpumem.livenessProbe" -}}
+{{- if not (has .Values.metricsAddress (list "127.0.0.1" "localhost" "[::1]")) }}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: metrics
+  initialDelaySeconds: 10
+  periodSeconds: 10
+  failureThreshold: 6
 {{- end }}
 {{- end -}}
