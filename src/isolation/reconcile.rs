@@ -7,7 +7,7 @@
 //! shows, so a container is held to its whole footprint, not only to its
 //! allocations.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,13 +35,22 @@ fn listed<'a>(
     elsewhere: &'a HashSet<u32>,
 ) -> Option<impl Iterator<Item = (u32, u64, u64)> + 'a> {
     let on_gpu = memory.get(&processes.devices.get(dev)?.uuid)?;
-    Some(processes.live.iter().filter_map(move |p| {
-        let pid = p.pid.filter(|pid| !elsewhere.contains(pid))?;
+    // A process is listed once, with what all its slots charged: one that
+    // took two slots (not through the shim, which takes one) is still one
+    // process of the container, and NVML's figure is its whole.
+    let mut slots: BTreeMap<u32, (u64, bool)> = BTreeMap::new();
+    for p in &processes.live {
+        let Some(pid) = p.pid.filter(|pid| !elsewhere.contains(pid)) else {
+            continue;
+        };
+        let slot = slots.entry(pid).or_default();
+        slot.0 = slot.0.saturating_add(p.used.get(dev).copied().unwrap_or(0));
+        slot.1 |= p.creating & (1 << dev) != 0;
+    }
+    Some(slots.into_iter().filter_map(move |(pid, (charged, making))| {
         let actual = *on_gpu.get(&pid)?;
-        let charged = p.used.get(dev).copied().unwrap_or(0);
         // Making a context, which the driver took and the shim is about to
         // charge: nothing of it is untracked.
-        let making = p.creating & (1 << dev) != 0;
         Some((
             pid,
             actual,
@@ -295,12 +304,16 @@ fn position(processes: &Processes, uuid: &str) -> Option<usize> {
     processes.devices.iter().position(|d| d.uuid == uuid)
 }
 
-/// The files each live slot holder has a slot in.
+/// The files each live slot holder has a slot in, each once: a process
+/// holding two slots of one file is in that file, not in another one.
 fn holders(loaded: &[(PathBuf, Processes)]) -> HashMap<u32, Vec<usize>> {
     let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
     for (index, (_, processes)) in loaded.iter().enumerate() {
         for pid in processes.live.iter().filter_map(|p| p.pid) {
-            held.entry(pid).or_default().push(index);
+            let files = held.entry(pid).or_default();
+            if files.last() != Some(&index) {
+                files.push(index);
+            }
         }
     }
     held
