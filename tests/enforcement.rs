@@ -713,7 +713,9 @@ async fn a_process_holding_two_slots_of_its_containers_file_is_held_to_its_cap()
             .unwrap(),
     );
     common::wait_for_line(&mut rogue, "holding");
-    let live = gpumem::isolation::accounting::processes(&file).unwrap().live;
+    let live = gpumem::isolation::accounting::processes(&file)
+        .unwrap()
+        .live;
     assert_eq!(live.len(), 2, "{live:?}");
     a.d.list_process(rogue.id(), 5000, &[]);
     killed_as_its_containers(&a.d, &mut rogue).await;
@@ -750,11 +752,17 @@ async fn a_slot_that_outlives_its_pod_is_not_the_next_pods() {
         .await;
 
     d.k().remove_pod("nb");
-    let next = d.k().admit("nc", "main", common::RESOURCE, 4).await.unwrap();
+    let next = d
+        .k()
+        .admit("nc", "main", common::RESOURCE, 4)
+        .await
+        .unwrap();
     let next_dir = Path::new(&next.response.mounts[2].host_path);
     assert_eq!(next_dir, dir, "the same units, so the same directory");
     let file = next_dir.join(gpumem_layout::FILE_NAME);
-    let live = gpumem::isolation::accounting::processes(&file).unwrap().live;
+    let live = gpumem::isolation::accounting::processes(&file)
+        .unwrap()
+        .live;
     assert!(live.is_empty(), "the neighbour's file has slots: {live:?}");
     let lines = common::probe(next_dir, &["alloc:3000"]);
     assert_eq!(common::line(&lines, "alloc:3000"), "alloc:3000 0 #0");
@@ -782,7 +790,11 @@ async fn a_checkpoint_rewritten_within_one_clock_tick_is_read_again() {
     let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
     let checkpoint = a.d.dir.path().join(gpumem_testkit::simulator::CHECKPOINT);
     let without = std::fs::read(&checkpoint).unwrap();
-    let second = a.d.k().admit("second", "main", common::RESOURCE, 4).await.unwrap();
+    let second =
+        a.d.k()
+            .admit("second", "main", common::RESOURCE, 4)
+            .await
+            .unwrap();
     let with = std::fs::read(&checkpoint).unwrap();
     let tick = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
     // As kubelet writes it: a whole file renamed into place.
@@ -816,6 +828,52 @@ async fn a_checkpoint_rewritten_within_one_clock_tick_is_read_again() {
         tokio::time::sleep(RECONCILE).await;
     }
     put(&with);
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// A tenant in a user namespace of its own mounts a tmpfs named as the
+/// bounded state directory of a pod that ended (`gpumem-state:<name>`),
+/// which clean-up keeps for its grace period: a released grant vouches for
+/// no process. The tenant's process is its own container's, found by its
+/// cgroup, and is killed at 5000 MiB over that container's 4308, under the
+/// ended pod's 8616.
+#[tokio::test]
+async fn a_mount_named_after_a_finished_pods_directory_is_not_believed() {
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let ended =
+        a.d.k()
+            .admit("ended", "main", common::RESOURCE, 8)
+            .await
+            .unwrap();
+    let ended_dir = Path::new(&ended.response.mounts[2].host_path);
+    a.d.k().remove_pod("ended");
+    // kubelet writes its checkpoint without the ended pod at its next
+    // allocation.
+    a.d.k()
+        .admit("later", "main", common::RESOURCE, 1)
+        .await
+        .unwrap();
+    assert!(ended_dir.is_dir(), "kept for the grace period");
+    let name = ended_dir.file_name().unwrap().to_str().unwrap();
+    let mountinfo = format!(
+        "1 0 0:40 / / rw - tmpfs tmpfs rw\n\
+         2 1 0:61 / /var/run/gpumem rw,nosuid - tmpfs gpumem-state:{name} rw,size=104k\n"
+    );
+    let mut rogue = common::Killed(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    );
+    a.d.list_process(
+        rogue.id(),
+        5000,
+        &[
+            ("cgroup", &in_pod(&a.pod_uid, 'e')),
+            ("mountinfo", &mountinfo),
+        ],
+    );
     killed_as_its_containers(&a.d, &mut rogue).await;
     a.d.stop().await;
 }

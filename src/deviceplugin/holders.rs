@@ -18,7 +18,7 @@ use crate::deviceplugin::checkpoint;
 use crate::error_text::{chain, one_line};
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
-use crate::isolation::reconcile::PodDirs;
+use crate::isolation::reconcile::{PodDirs, PodGrants};
 use crate::kubelet::podresources::PodResources;
 use crate::sync::LockExt;
 
@@ -164,16 +164,16 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
         device_plugins.join(checkpoint::FILE_NAME),
         resource.to_owned(),
     );
-    let last: Mutex<Option<(FileKey, HashMap<String, Vec<String>>)>> = Mutex::new(None);
+    let last: Mutex<Option<(FileKey, PodGrants)>> = Mutex::new(None);
     Box::new(move || {
         // A node with MiB units has a large file, and a shim-less process
         // makes the reconciler ask at every tick: parsed again only when
         // the file may have changed.
         let key = FileKey::of(&path);
         let mut last = last.lock_unpoisoned();
-        if let (Some((seen, by_pod)), Some(key)) = (last.as_ref(), key.as_ref()) {
+        if let (Some((seen, grants)), Some(key)) = (last.as_ref(), key.as_ref()) {
             if seen.settled && seen.same_file(key) {
-                return Some(by_pod.clone());
+                return Some(grants.clone());
             }
         }
         let entries = checkpoint::read(&path, &resource)
@@ -189,8 +189,12 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
                 .or_default()
                 .extend(names.into_iter().map(|n| n.as_str().to_owned()));
         }
-        *last = key.map(|key| (key, by_pod.clone()));
-        Some(by_pod)
+        let grants = PodGrants {
+            by_pod,
+            ..PodGrants::default()
+        };
+        *last = key.map(|key| (key, grants.clone()));
+        Some(grants)
     })
 }
 

@@ -544,7 +544,10 @@ impl Checkpoint {
         if old.state != State::Completed || recorded == pods {
             return Ok(false);
         }
-        let entry = ClaimEntry { pods, ..old.clone() };
+        let entry = ClaimEntry {
+            pods,
+            ..old.clone()
+        };
         self.set(uid, Some(entry)).map(|_| true)
     }
 
@@ -778,11 +781,20 @@ mod tests {
         let mut cp = open(&path, BOOT).checkpoint;
         cp.start("uid-1", started("uid-1")).unwrap();
         let pods = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
-        assert!(!cp.set_pods("uid-1", pods(&["a"])).unwrap(), "still Started");
-        assert!(!cp.set_pods("uid-2", pods(&["a"])).unwrap(), "no such claim");
+        assert!(
+            !cp.set_pods("uid-1", pods(&["a"])).unwrap(),
+            "still Started"
+        );
+        assert!(
+            !cp.set_pods("uid-2", pods(&["a"])).unwrap(),
+            "no such claim"
+        );
         cp.complete("uid-1", vec![device(1)]).unwrap();
         assert!(cp.set_pods("uid-1", pods(&["b", "a", "a"])).unwrap());
-        assert!(!cp.set_pods("uid-1", pods(&["a", "b"])).unwrap(), "the same");
+        assert!(
+            !cp.set_pods("uid-1", pods(&["a", "b"])).unwrap(),
+            "the same"
+        );
         let again = open(&path, BOOT).checkpoint;
         assert_eq!(again.get("uid-1").unwrap().pods, ["a", "b"]);
     }

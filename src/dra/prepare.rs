@@ -23,6 +23,7 @@ use crate::isolation::accounting::{self, Cap, Durability};
 use crate::isolation::cdi::{self, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName};
 use crate::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
+use crate::isolation::reconcile::PodGrants;
 use crate::node::inventory::Inventory;
 use crate::node::quantity;
 use crate::sync::LockExt;
@@ -337,18 +338,29 @@ impl PreparedClaims {
     }
 
     /// Each pod's claim directories by pod UID, as the checkpoint recorded
-    /// the pods each claim is reserved for.
-    pub fn pod_dirs(&self) -> HashMap<String, Vec<String>> {
-        let mut by_pod: HashMap<String, Vec<String>> = HashMap::new();
-        for (_, entry) in self.checkpoint().claims() {
+    /// the pods each claim is reserved for; a claim recorded without them
+    /// (prepared by a version that did not record them), or whose entry
+    /// does not read, is any pod's.
+    pub fn pod_dirs(&self) -> PodGrants {
+        let mut grants = PodGrants::default();
+        let checkpoint = self.checkpoint();
+        let unread = checkpoint.unreadable().filter_map(ContainerName::of_claim);
+        grants
+            .any_pod
+            .extend(unread.map(|name| name.as_str().to_owned()));
+        for (_, entry) in checkpoint.claims() {
+            if entry.pods.is_empty() {
+                grants.any_pod.insert(entry.dir.clone());
+            }
             for pod in &entry.pods {
-                by_pod
+                grants
+                    .by_pod
                     .entry(pod.clone())
                     .or_default()
                     .push(entry.dir.clone());
             }
         }
-        by_pod
+        grants
     }
 
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {

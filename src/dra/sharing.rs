@@ -26,7 +26,10 @@ const RETRY_AFTER: Duration = Duration::from_secs(10);
 /// The names of the claims `pod` references: by name in its spec, and as
 /// made from a template, in its status.
 fn claim_names(pod: &Pod) -> Vec<String> {
-    let spec = pod.spec.iter().flat_map(|s| s.resource_claims.iter().flatten());
+    let spec = pod
+        .spec
+        .iter()
+        .flat_map(|s| s.resource_claims.iter().flatten());
     let status = pod
         .status
         .iter()

@@ -47,16 +47,20 @@ fn listed<'a>(
         slot.0 = slot.0.saturating_add(p.used.get(dev).copied().unwrap_or(0));
         slot.1 |= p.creating & (1 << dev) != 0;
     }
-    Some(slots.into_iter().filter_map(move |(pid, (charged, making))| {
-        let actual = *on_gpu.get(&pid)?;
-        // Making a context, which the driver took and the shim is about to
-        // charge: nothing of it is untracked.
-        Some((
-            pid,
-            actual,
-            if making { charged.max(actual) } else { charged },
-        ))
-    }))
+    Some(
+        slots
+            .into_iter()
+            .filter_map(move |(pid, (charged, making))| {
+                let actual = *on_gpu.get(&pid)?;
+                // Making a context, which the driver took and the shim is about to
+                // charge: nothing of it is untracked.
+                Some((
+                    pid,
+                    actual,
+                    if making { charged.max(actual) } else { charged },
+                ))
+            }),
+    )
 }
 
 /// Untracked bytes per device of one accounting file: for every live
@@ -137,37 +141,54 @@ struct Attributed {
     unmounted: Vec<(usize, String, u32, u64)>,
 }
 
-/// The gpumem containers of each pod on the node, by pod UID: the names of
-/// their accounting directories, as kubelet's device checkpoint says, which
-/// no container can write. `None` where it cannot be read.
-pub type PodDirs = Box<dyn Fn() -> Option<HashMap<String, Vec<String>>> + Send>;
+/// Which pods the accounting directories now granted on the node belong
+/// to, as a record no container can write says: kubelet's device
+/// checkpoint, or the DRA driver's. A directory it does not name was
+/// granted to no pod now (its pod ended): it vouches for no process.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodGrants {
+    /// By pod UID, the names of its gpumem containers' directories.
+    pub by_pod: HashMap<String, Vec<String>>,
+    /// Directories granted to pods the record does not name (a claim
+    /// prepared by a version that did not record them): any pod's.
+    pub any_pod: HashSet<String>,
+}
+
+impl PodGrants {
+    /// Whether directory `name` is granted to pod `pod` (a DRA claim may
+    /// be several pods').
+    fn vouches(&self, name: &str, pod: &str) -> bool {
+        let has = |dirs: &Vec<String>| dirs.iter().any(|d| d == name);
+        self.by_pod.get(pod).is_some_and(has) || self.any_pod.contains(name)
+    }
+}
+
+/// The [`PodGrants`] of the node now; `None` where they cannot be read.
+pub type PodDirs = Box<dyn Fn() -> Option<PodGrants> + Send>;
 
 /// [`PodDirs`], read at most once per tick and only where a process needs
 /// it: most ticks find every process in a slot.
 struct Pods<'a> {
     read: Option<&'a PodDirs>,
-    by_pod: Option<Option<HashMap<String, Vec<String>>>>,
+    grants: Option<Option<PodGrants>>,
 }
 
 impl<'a> Pods<'a> {
     fn new(read: Option<&'a PodDirs>) -> Self {
-        Pods { read, by_pod: None }
+        Pods { read, grants: None }
     }
 
-    fn get(&mut self) -> Option<&HashMap<String, Vec<String>>> {
+    fn get(&mut self) -> Option<&PodGrants> {
         let read = self.read;
-        self.by_pod
+        self.grants
             .get_or_insert_with(|| read.and_then(|read| read()))
             .as_ref()
     }
 
-    /// Whether directory `name` is known to be other pods' and not `pod`'s
-    /// (a DRA claim may be several pods').
-    fn anothers(&mut self, name: &str, pod: &str) -> bool {
-        self.get().is_some_and(|by_pod| {
-            let has = |dirs: &Vec<String>| dirs.iter().any(|d| d == name);
-            by_pod.values().any(has) && !by_pod.get(pod).is_some_and(has)
-        })
+    /// Whether directory `name` is known not to be `pod`'s: another pod's,
+    /// or no pod's now.
+    fn not_pods(&mut self, name: &str, pod: &str) -> bool {
+        self.get().is_some_and(|grants| !grants.vouches(name, pod))
     }
 }
 
@@ -244,7 +265,7 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
             for &index in &mounted {
                 let mut foreign = || {
                     owner.as_ref().is_some_and(|owner| {
-                        dir_name(index).is_some_and(|name| pods.anothers(name, &owner.pod_uid))
+                        dir_name(index).is_some_and(|name| pods.not_pods(name, &owner.pod_uid))
                     })
                 };
                 home = capping(index).filter(|_| !foreign());
@@ -265,7 +286,7 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
                     // The pod's one container that caps this GPU, less
                     // those whose slot holders run in another container.
                     let owner = owner.as_ref()?;
-                    let dirs = pods.get()?.get(&owner.pod_uid)?;
+                    let dirs = pods.get()?.by_pod.get(&owner.pod_uid)?;
                     let holders = containers.get_or_insert_with(|| holder_containers(loaded, who));
                     let others = |index: usize| {
                         holders.iter().any(|(id, files)| {
@@ -1471,8 +1492,12 @@ mod tests {
             (30, "cgroup") => Some(cgroup('e')),
             _ => None,
         };
-        let pod_dirs: PodDirs =
-            Box::new(|| Some([(POD.to_owned(), vec!["aa".to_owned(), "bb".to_owned()])].into()));
+        let pod_dirs: PodDirs = Box::new(|| {
+            Some(PodGrants {
+                by_pod: [(POD.to_owned(), vec!["aa".to_owned(), "bb".to_owned()])].into(),
+                ..PodGrants::default()
+            })
+        });
         let memory: ProcessMemory = [(T4.to_owned(), [(30, 700 * MIB)].into())].into();
         let attribute_with = |loaded: &[(PathBuf, Processes)]| {
             attribute(
