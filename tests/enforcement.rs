@@ -176,12 +176,7 @@ async fn a_context_being_made_is_not_untracked_usage() {
     d.list_process(maker.0.id(), 300, &[]);
     // A process of the container without the shim, listed after: once its
     // 50 MiB are published, a sample has seen the context being made.
-    let shimless = common::Killed(
-        std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap(),
-    );
+    let shimless = rogue();
     let mountinfo = common::mountinfo_with_state_dir(dir);
     d.list_process(shimless.0.id(), 50, &[("mountinfo", &mountinfo)]);
     let c = d
@@ -249,6 +244,20 @@ async fn a_holder_on_its_way_out_is_not_taken_for_a_stranger() {
     h.d.stop().await;
 }
 
+/// The mount table of a process that pivoted into a root of its own.
+const PIVOTED: &str = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+
+/// A real process (so that a kill is real) that stands for a GPU process
+/// without the shim, killed when the test lets go of it.
+fn rogue() -> common::Killed {
+    common::Killed(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// A container's cgroup in pod `POD`, for container ID `id` × 64.
 fn in_container(id: char) -> String {
     in_pod(POD_UID, id)
@@ -273,17 +282,11 @@ fn in_pod(uid: &str, id: char) -> String {
 #[tokio::test]
 async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
     let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
-    let mut rogue = common::Killed(
-        std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap(),
-    );
-    let pivoted = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+    let mut rogue = rogue();
     a.d.list_process(
         rogue.id(),
         6300,
-        &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", pivoted)],
+        &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", PIVOTED)],
     );
     killed_as_its_containers(&a.d, &mut rogue).await;
     let deadline = std::time::Instant::now() + WAIT;
@@ -806,19 +809,13 @@ async fn a_checkpoint_rewritten_within_one_clock_tick_is_read_again() {
         std::fs::rename(&staging, &checkpoint).unwrap();
     };
     put(&without);
-    let mut rogue = common::Killed(
-        std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap(),
-    );
-    let pivoted = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+    let mut rogue = rogue();
     a.d.list_process(
         rogue.id(),
         6300,
         &[
             ("cgroup", &in_pod(&second.pod_uid(), 'e')),
-            ("mountinfo", pivoted),
+            ("mountinfo", PIVOTED),
         ],
     );
     // Read while it did not name the pod: the process is no container's.
@@ -860,12 +857,7 @@ async fn a_mount_named_after_a_finished_pods_directory_is_not_believed() {
         "1 0 0:40 / / rw - tmpfs tmpfs rw\n\
          2 1 0:61 / /var/run/gpumem rw,nosuid - tmpfs gpumem-state:{name} rw,size=104k\n"
     );
-    let mut rogue = common::Killed(
-        std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap(),
-    );
+    let mut rogue = rogue();
     a.d.list_process(
         rogue.id(),
         5000,
