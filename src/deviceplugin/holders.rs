@@ -169,10 +169,12 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
         // A node with MiB units has a large file, and a shim-less process
         // makes the reconciler ask at every tick: parsed again only when
         // the file may have changed.
-        let key = FileKey::of(&path);
+        // No file (or none to look at) tells nothing: kubelet writes it at
+        // its first device list, before any container of ours can run.
+        let key = FileKey::of(&path)?;
         let mut last = last.lock_unpoisoned();
-        if let (Some((seen, grants)), Some(key)) = (last.as_ref(), key.as_ref()) {
-            if seen.settled && seen.same_file(key) {
+        if let Some((seen, grants)) = last.as_ref() {
+            if seen.settled && seen.same_file(&key) {
                 return Some(grants.clone());
             }
         }
@@ -193,7 +195,7 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
             by_pod,
             ..PodGrants::default()
         };
-        *last = key.map(|key| (key, grants.clone()));
+        *last = Some((key, grants.clone()));
         Some(grants)
     })
 }
