@@ -1234,6 +1234,23 @@ mod tests {
         );
     }
 
+    /// A process holding two slots of one file is one process: NVML's
+    /// figure once, less what both slots charged.
+    #[test]
+    fn a_process_in_two_slots_counts_once() {
+        let processes = Processes {
+            devices: vec![usage(T4, 4308, 1500)],
+            live: vec![live(Some(10), 1000), live(Some(10), 500)],
+        };
+        let memory: ProcessMemory = [(T4.to_owned(), [(10, 2000 * MIB)].into())].into();
+        let none = [HashSet::new()];
+        assert_eq!(untracked(&processes, &memory, &none), [Some(500 * MIB)]);
+        let listed: Vec<_> = listed(&processes, &memory, 0, &none[0]).unwrap().collect();
+        assert_eq!(listed, [(10, 2000 * MIB, 1500 * MIB)]);
+        let loaded = [(PathBuf::from("/s/containers/a/accounting"), processes)];
+        assert_eq!(holders(&loaded)[&10], [0], "in this file, once");
+    }
+
     /// Attribution across sweeps whose `/proc` reads are kept: the same
     /// answers as reading everything every sweep, for a process listed on
     /// two GPUs, a PID taken by a new process, and one that is gone.
