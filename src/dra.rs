@@ -12,6 +12,7 @@ pub mod health;
 pub mod prepare;
 pub mod registration;
 pub mod service;
+pub mod sharing;
 pub mod slice;
 
 /// The driver's default name: in ResourceSlices, DeviceClasses, and the

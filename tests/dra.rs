@@ -883,6 +883,62 @@ async fn a_claims_process_that_shed_its_mounts_is_held_by_its_cgroup() {
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
 }
 
+/// A pod that comes to share a claim already prepared for another: kubelet
+/// does not prepare the claim again for it, so the driver learns it from
+/// the claim's `reservedFor` once the pod is on the node. Its process
+/// without the shim, with the claim's directory mounted where the claim's
+/// CDI spec put it, is the claim's, and is killed over the claim's cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_that_joins_a_prepared_claim_is_held_to_its_cap() {
+    use std::os::unix::process::ExitStatusExt;
+    const FIRST: &str = "8e2a7b5c-3d4f-4e0a-9c91-5f7d3a4e6c82";
+    const JOINER: &str = "9f3b8c6d-4e5a-4f1b-8da2-6a8e4b5f7d93";
+    let reserved_for = |pods: &[(&str, &str)]| {
+        let refs: Vec<Value> = pods
+            .iter()
+            .map(|(name, uid)| json!({"resource": "pods", "name": name, "uid": uid}))
+            .collect();
+        json!(refs)
+    };
+    let host = Host::new();
+    let api = api().await;
+    let uid = uid(9);
+    let (driver, gpus, _pod_resources, _kubelet) =
+        killing_driver_with_notebook(&host, &api, &uid, |claim| {
+            claim["status"]["reservedFor"] = reserved_for(&[("nb", FIRST)]);
+        })
+        .await;
+    // The scheduler reserves the claim for a second pod and binds it here.
+    let mut object = api.get(Kind::ResourceClaim, "default", "notebook").unwrap();
+    object["status"]["reservedFor"] = reserved_for(&[("nb", FIRST), ("nb2", JOINER)]);
+    api.put(object);
+    api.put(json!({
+        "kind": "Pod",
+        "metadata": {"name": "nb2", "namespace": "default", "uid": JOINER},
+        "spec": {
+            "nodeName": NODE,
+            "containers": [{"name": "main"}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "notebook"}],
+        },
+        "status": {"phase": "Running"},
+    }));
+
+    let mut rogue = Command::new("sleep").arg("60").spawn().unwrap();
+    let dir = host.path("state/containers").join(format!("claim-{uid}"));
+    let cgroup = format!("0::/kubepods/burstable/pod{JOINER}/{}\n", "e".repeat(64));
+    common::list_fake_process(
+        &gpus,
+        rogue.id(),
+        5000,
+        &[
+            ("cgroup", &cgroup),
+            ("mountinfo", &common::mountinfo_with_claims(&[&dir])),
+        ],
+    );
+    let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
+    assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
+}
+
 /// A container that references two claims, one per GPU, is given both
 /// claims' accounting directories (each spec mounts its own at its own
 /// path), and the shim in it holds each GPU to its own claim's cap.

@@ -176,12 +176,7 @@ async fn a_context_being_made_is_not_untracked_usage() {
     d.list_process(maker.0.id(), 300, &[]);
     // A process of the container without the shim, listed after: once its
     // 50 MiB are published, a sample has seen the context being made.
-    let shimless = common::Killed(
-        std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap(),
-    );
+    let shimless = rogue();
     let mountinfo = common::mountinfo_with_state_dir(dir);
     d.list_process(shimless.0.id(), 50, &[("mountinfo", &mountinfo)]);
     let c = d
@@ -249,6 +244,20 @@ async fn a_holder_on_its_way_out_is_not_taken_for_a_stranger() {
     h.d.stop().await;
 }
 
+/// The mount table of a process that pivoted into a root of its own.
+const PIVOTED: &str = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+
+/// A real process (so that a kill is real) that stands for a GPU process
+/// without the shim, killed when the test lets go of it.
+fn rogue() -> common::Killed {
+    common::Killed(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// A container's cgroup in pod `POD`, for container ID `id` × 64.
 fn in_container(id: char) -> String {
     in_pod(POD_UID, id)
@@ -273,17 +282,11 @@ fn in_pod(uid: &str, id: char) -> String {
 #[tokio::test]
 async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
     let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
-    let mut rogue = common::Killed(
-        std::process::Command::new("sleep")
-            .arg("60")
-            .spawn()
-            .unwrap(),
-    );
-    let pivoted = "1 0 0:40 / / rw - tmpfs tmpfs rw\n";
+    let mut rogue = rogue();
     a.d.list_process(
         rogue.id(),
         6300,
-        &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", pivoted)],
+        &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", PIVOTED)],
     );
     killed_as_its_containers(&a.d, &mut rogue).await;
     let deadline = std::time::Instant::now() + WAIT;
@@ -676,4 +679,193 @@ fn untracked_usage_rises_at_once_and_falls_only_when_two_samples_agree() {
     }
     holder.kill().unwrap();
     holder.wait().unwrap();
+}
+
+/// A process of the container that did not load the shim opens the
+/// accounting file itself and takes two slots, each locked and `ALIVE`
+/// under its PID, charging nothing. It is one process with two entries in
+/// its own container's file, not a process charged in another file: it
+/// counts once, against its container's cap, and is killed at 5000 MiB of
+/// the 4308.
+#[tokio::test]
+async fn a_process_holding_two_slots_of_its_containers_file_is_held_to_its_cap() {
+    use gpumem_layout::{header, slot, slot_offset, state, FILE_NAME};
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let file = a.dir.join(FILE_NAME);
+    let alive = (1u64 << 8) | state::ALIVE;
+    let mut script = format!(
+        "import fcntl, os, struct, time\nf = open({file:?}, 'r+b')\n\
+         f.seek({hwm}); f.write(struct.pack('<I', 2)); f.flush()\n",
+        hwm = header::SLOT_HWM
+    );
+    for index in 0..2 {
+        let at = slot_offset(1, index);
+        script += &format!(
+            "fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, {at}, 0)\n\
+             f.seek({pid}); f.write(struct.pack('<Q', os.getpid())); f.flush()\n\
+             f.seek({at}); f.write(struct.pack('<Q', {alive})); f.flush()\n",
+            pid = at + slot::PID
+        );
+    }
+    script += "print('holding', flush=True)\ntime.sleep(60)\n";
+    let mut rogue = common::Killed(
+        std::process::Command::new("python3")
+            .args(["-c", &script])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut rogue, "holding");
+    let live = gpumem::isolation::accounting::processes(&file)
+        .unwrap()
+        .live;
+    assert_eq!(live.len(), 2, "{live:?}");
+    a.d.list_process(rogue.id(), 5000, &[]);
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// A tenant's process keeps a slot in its pod's accounting file after the
+/// pod ended (it was handed the file's descriptor from another of the
+/// tenant's pods, which the cgroup here names). kubelet gives the same
+/// units to a neighbour, whose directory has the same name: the neighbour
+/// gets a file of its own, in which it makes a context and allocates up to
+/// its cap, and the tenant's 4300 MiB are held outside every gpumem
+/// container, never charged to the neighbour.
+#[tokio::test]
+async fn a_slot_that_outlives_its_pod_is_not_the_next_pods() {
+    const TENANTS_OTHER_POD: &str = "5e6f7a8b-9c0d-4e1f-8a2b-3c4d5e6f7a8b";
+    let a = Admitted::start(None).await;
+    let (d, dir) = (&a.d, &a.dir);
+    let mut kept = common::Killed(
+        shim_kit()
+            .probe(Some(dir))
+            .args(["alloc:4000", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut kept, "holding");
+    d.list_process(
+        kept.id(),
+        4300,
+        &[("cgroup", &in_pod(TENANTS_OTHER_POD, 'x'))],
+    );
+    d.wait_for_container("the tenant's slot", |c| c.used_mib == Some(4300))
+        .await;
+
+    d.k().remove_pod("nb");
+    let next = d
+        .k()
+        .admit("nc", "main", common::RESOURCE, 4)
+        .await
+        .unwrap();
+    let next_dir = Path::new(&next.response.mounts[2].host_path);
+    assert_eq!(next_dir, dir, "the same units, so the same directory");
+    let file = next_dir.join(gpumem_layout::FILE_NAME);
+    let live = gpumem::isolation::accounting::processes(&file)
+        .unwrap()
+        .live;
+    assert!(live.is_empty(), "the neighbour's file has slots: {live:?}");
+    let lines = common::probe(next_dir, &["alloc:3000"]);
+    assert_eq!(common::line(&lines, "alloc:3000"), "alloc:3000 0 #0");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let status = loop {
+        let status = d.status().await;
+        if status.gpus[0].unmanaged_mib == Some(4300) {
+            break status;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(RECONCILE).await;
+    };
+    let c = &status.containers[0];
+    assert_eq!((c.used_mib, c.untracked_mib), (Some(0), Some(0)), "{c:?}");
+    a.d.stop().await;
+}
+
+/// kubelet rewrites its device checkpoint twice within one tick of the
+/// file system's clock: the second file has the modification time of the
+/// first. A pod admitted by the second (here: the first put back, then the
+/// second, each with the same time) is known all the same: its process that
+/// shed its mounts is its container's, and is killed over the cap.
+#[tokio::test]
+async fn a_checkpoint_rewritten_within_one_clock_tick_is_read_again() {
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let checkpoint = a.d.dir.path().join(gpumem_testkit::simulator::CHECKPOINT);
+    let without = std::fs::read(&checkpoint).unwrap();
+    let second =
+        a.d.k()
+            .admit("second", "main", common::RESOURCE, 4)
+            .await
+            .unwrap();
+    let with = std::fs::read(&checkpoint).unwrap();
+    let tick = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+    // As kubelet writes it: a whole file renamed into place.
+    let put = |text: &[u8]| {
+        let staging = checkpoint.with_extension("tmp");
+        std::fs::write(&staging, text).unwrap();
+        let file = std::fs::File::options().write(true).open(&staging).unwrap();
+        file.set_modified(tick).unwrap();
+        std::fs::rename(&staging, &checkpoint).unwrap();
+    };
+    put(&without);
+    let mut rogue = rogue();
+    a.d.list_process(
+        rogue.id(),
+        6300,
+        &[
+            ("cgroup", &in_pod(&second.pod_uid(), 'e')),
+            ("mountinfo", PIVOTED),
+        ],
+    );
+    // Read while it did not name the pod: the process is no container's.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while a.d.status().await.gpus[0].unmanaged_mib != Some(6300) {
+        assert!(tokio::time::Instant::now() < deadline, "never unmanaged");
+        tokio::time::sleep(RECONCILE).await;
+    }
+    put(&with);
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// A tenant in a user namespace of its own mounts a tmpfs named as the
+/// bounded state directory of a pod that ended (`gpumem-state:<name>`),
+/// which clean-up keeps for its grace period: a released grant vouches for
+/// no process. The tenant's process is its own container's, found by its
+/// cgroup, and is killed at 5000 MiB over that container's 4308, under the
+/// ended pod's 8616.
+#[tokio::test]
+async fn a_mount_named_after_a_finished_pods_directory_is_not_believed() {
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let ended =
+        a.d.k()
+            .admit("ended", "main", common::RESOURCE, 8)
+            .await
+            .unwrap();
+    let ended_dir = Path::new(&ended.response.mounts[2].host_path);
+    a.d.k().remove_pod("ended");
+    // kubelet writes its checkpoint without the ended pod at its next
+    // allocation.
+    a.d.k()
+        .admit("later", "main", common::RESOURCE, 1)
+        .await
+        .unwrap();
+    assert!(ended_dir.is_dir(), "kept for the grace period");
+    let name = ended_dir.file_name().unwrap().to_str().unwrap();
+    let mountinfo = format!(
+        "1 0 0:40 / / rw - tmpfs tmpfs rw\n\
+         2 1 0:61 / /var/run/gpumem rw,nosuid - tmpfs gpumem-state:{name} rw,size=104k\n"
+    );
+    let mut rogue = rogue();
+    a.d.list_process(
+        rogue.id(),
+        5000,
+        &[
+            ("cgroup", &in_pod(&a.pod_uid, 'e')),
+            ("mountinfo", &mountinfo),
+        ],
+    );
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
 }

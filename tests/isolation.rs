@@ -320,3 +320,68 @@ async fn bounded_state_dirs_are_refused_or_said_where_mounts_would_not_reach_the
         logs()
     );
 }
+
+/// A process that still holds a slot in a container's accounting file
+/// when kubelet gives the same units to the next pod (its own pod ended;
+/// it was handed the file's descriptor) leaves the next pod nothing of it:
+/// with bounded state directories, Allocate mounts a new tmpfs with a new
+/// file whatever the old one holds, and the next pod's process allocates
+/// up to its cap. The real `gpumem plugin`, as root, as above.
+#[tokio::test]
+async fn a_live_slot_in_a_bounded_directory_is_not_the_next_pods() {
+    let Some(m) = Mounting::new() else { return };
+    let (kubelet, state) = (&m.kubelet, m.state.path());
+    let plugin = m.spawn(&mut common::with_bounded_state(&m.plugin, state));
+    let pid = plugin.id();
+    m.registered().await;
+
+    let first = kubelet.admit("nb-1", "main", RESOURCE, 4).await.unwrap();
+    let marker = m.kubelet_dir.path().join("holding");
+    let (ok, out, err) = common::in_container(
+        pid,
+        &first.response.mounts[2].host_path,
+        &format!(
+            "setsid env -i LD_LIBRARY_PATH=\"$FAKE\" LD_PRELOAD=\"$SHIM\" \
+             GPUMEM_STATE_DIR=/run/gpumem \"$PROBE\" alloc:4000 hold \
+             > {marker} 2>&1 < /dev/null &
+             until grep -q holding {marker}; do sleep 0.05; done
+             echo $!",
+            marker = marker.display()
+        ),
+    );
+    assert!(ok, "{out}{err}");
+    let holder: i32 = out.trim().parse().unwrap();
+    let kill = || {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(holder),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    };
+
+    kubelet.remove_pod("nb-1");
+    let second = kubelet.admit("nb-2", "main", RESOURCE, 4).await.unwrap();
+    let dir = &second.response.mounts[2].host_path;
+    let same = dir == &first.response.mounts[2].host_path;
+    let (ok, out, err) = common::in_container(
+        pid,
+        dir,
+        "env -i LD_LIBRARY_PATH=\"$FAKE\" LD_PRELOAD=\"$SHIM\" \
+         GPUMEM_STATE_DIR=/run/gpumem \"$PROBE\" alloc:4000",
+    );
+    kill();
+    assert!(same, "the same units, so the same directory");
+    assert!(ok, "{out}{err}");
+    assert_eq!(
+        out.lines().last(),
+        Some("alloc:4000 0 #0"),
+        "{out}{err}\n{}",
+        m.logs()
+    );
+    assert!(
+        m.logs()
+            .contains("a process outside this container still holds a slot"),
+        "{}",
+        m.logs()
+    );
+    drop(plugin);
+}

@@ -124,6 +124,11 @@ impl NodePods {
         })
     }
 
+    /// Every pod bound to the node, as last seen.
+    pub fn all(&self) -> Vec<Arc<Pod>> {
+        self.store.state()
+    }
+
     /// The pods bound to the node, listed now (the watch may lag a bind by
     /// a moment), within `bound`.
     pub async fn list_now(&self, bound: Duration) -> Result<Vec<Pod>, PodsError> {

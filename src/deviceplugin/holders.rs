@@ -18,7 +18,7 @@ use crate::deviceplugin::checkpoint;
 use crate::error_text::{chain, one_line};
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
-use crate::isolation::reconcile::PodDirs;
+use crate::isolation::reconcile::{PodDirs, PodGrants};
 use crate::kubelet::podresources::PodResources;
 use crate::sync::LockExt;
 
@@ -164,17 +164,18 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
         device_plugins.join(checkpoint::FILE_NAME),
         resource.to_owned(),
     );
-    // kubelet replaces the file whole: while its modification time stays,
-    // what was read stands (a node with MiB units has a large file, and a
-    // shim-less process makes the reconciler ask at every tick).
-    type Read = (std::time::SystemTime, HashMap<String, Vec<String>>);
-    let last: Mutex<Option<Read>> = Mutex::new(None);
+    let last: Mutex<Option<(FileKey, PodGrants)>> = Mutex::new(None);
     Box::new(move || {
-        let modified = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
+        // A node with MiB units has a large file, and a shim-less process
+        // makes the reconciler ask at every tick: parsed again only when
+        // the file may have changed.
+        // No file (or none to look at) tells nothing: kubelet writes it at
+        // its first device list, before any container of ours can run.
+        let key = FileKey::of(&path)?;
         let mut last = last.lock_unpoisoned();
-        if let (Some((at, by_pod)), Some(modified)) = (last.as_ref(), modified) {
-            if *at == modified {
-                return Some(by_pod.clone());
+        if let Some((seen, grants)) = last.as_ref() {
+            if seen.settled && seen.same_file(&key) {
+                return Some(grants.clone());
             }
         }
         let entries = checkpoint::read(&path, &resource)
@@ -190,7 +191,67 @@ pub fn pod_dirs(device_plugins: &Path, resource: &str) -> PodDirs {
                 .or_default()
                 .extend(names.into_iter().map(|n| n.as_str().to_owned()));
         }
-        *last = modified.map(|at| (at, by_pod.clone()));
-        Some(by_pod)
+        let grants = PodGrants {
+            by_pod,
+            ..PodGrants::default()
+        };
+        *last = Some((key, grants.clone()));
+        Some(grants)
     })
+}
+
+/// What tells one version of kubelet's checkpoint from the next without
+/// reading it. kubelet writes each version to a new file renamed into
+/// place, and two can come within one tick of the file system's clock
+/// (a few milliseconds): the same modification time, maybe the same size,
+/// and the inode number of a file freed a moment before. Any change made
+/// after the file was looked at gets a change time at or after that look,
+/// so a file whose change time was already well past then is the same
+/// file as long as its key is; a younger one is read again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileKey {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    modified: (i64, i64),
+    changed: (i64, i64),
+    /// Its change time was before the look by more than the clock's tick:
+    /// no later change can give it the same key.
+    settled: bool,
+}
+
+/// Far more than any file system's timestamp tick (a jiffy, or a second
+/// on old ones) and than the clock's steps: a file changed within it of
+/// being looked at is read again at the next look.
+const SETTLED_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl FileKey {
+    /// The key of the file at `path` now; `None` if it cannot be looked at.
+    fn of(path: &Path) -> Option<FileKey> {
+        use std::os::unix::fs::MetadataExt;
+        let now = std::time::SystemTime::now();
+        let meta = std::fs::metadata(path).ok()?;
+        let changed = std::time::UNIX_EPOCH
+            + std::time::Duration::new(
+                u64::try_from(meta.ctime()).ok()?,
+                u32::try_from(meta.ctime_nsec()).ok()?,
+            );
+        let settled = now
+            .duration_since(changed)
+            .is_ok_and(|age| age > SETTLED_AFTER);
+        Some(FileKey {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            modified: (meta.mtime(), meta.mtime_nsec()),
+            changed: (meta.ctime(), meta.ctime_nsec()),
+            settled,
+        })
+    }
+
+    /// The same version of the file, as far as its metadata tells.
+    fn same_file(&self, now: &FileKey) -> bool {
+        (self.dev, self.ino, self.len, self.modified, self.changed)
+            == (now.dev, now.ino, now.len, now.modified, now.changed)
+    }
 }

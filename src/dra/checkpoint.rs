@@ -189,9 +189,10 @@ pub struct ClaimEntry {
     /// Empty until `Completed`, unless the caller knew them at start.
     #[serde(default)]
     pub devices: Vec<DeviceEntry>,
-    /// The UIDs of the pods the claim was reserved for when it was
-    /// prepared (`status.reservedFor`): whose cgroups name the claim's
-    /// processes, whatever mounts they shed.
+    /// The UIDs of the pods the claim is reserved for (`status.reservedFor`),
+    /// as read when it was prepared and whenever a pod on the node came to
+    /// share it since: whose cgroups name the claim's processes, whatever
+    /// mounts they shed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<String>,
     /// Fields of a newer version, written back unchanged.
@@ -529,6 +530,27 @@ impl Checkpoint {
         self.set(uid, Some(entry)).map(drop)
     }
 
+    /// Records `pods` as the pods claim `uid` is reserved for now, where
+    /// its entry reads and is `Completed`. `false`, and nothing written,
+    /// where there is no such entry or it says so already.
+    pub fn set_pods(&mut self, uid: &str, mut pods: Vec<String>) -> Result<bool, CheckpointError> {
+        pods.sort_unstable();
+        pods.dedup();
+        let Some(old) = self.doc.claims.read.get(uid) else {
+            return Ok(false);
+        };
+        let mut recorded = old.pods.clone();
+        recorded.sort_unstable();
+        if old.state != State::Completed || recorded == pods {
+            return Ok(false);
+        }
+        let entry = ClaimEntry {
+            pods,
+            ..old.clone()
+        };
+        self.set(uid, Some(entry)).map(|_| true)
+    }
+
     /// Forgets claim `uid`, once the files it names are removed, whether
     /// its entry reads or not. `None`, and nothing written, if there is no
     /// such entry: Unprepare is idempotent.
@@ -748,6 +770,33 @@ mod tests {
         assert_eq!(file["bootId"], BOOT);
         assert_eq!(file["claims"]["uid-1"]["state"], "Completed");
         assert_eq!(file["claims"]["uid-1"]["devices"][1]["capMib"], 4096);
+    }
+
+    /// A completed claim's pods are replaced by those it is reserved for
+    /// now, and written; a claim being prepared or unknown is left alone.
+    #[test]
+    fn the_pods_of_a_completed_claim_are_recorded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("checkpoint.json");
+        let mut cp = open(&path, BOOT).checkpoint;
+        cp.start("uid-1", started("uid-1")).unwrap();
+        let pods = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        assert!(
+            !cp.set_pods("uid-1", pods(&["a"])).unwrap(),
+            "still Started"
+        );
+        assert!(
+            !cp.set_pods("uid-2", pods(&["a"])).unwrap(),
+            "no such claim"
+        );
+        cp.complete("uid-1", vec![device(1)]).unwrap();
+        assert!(cp.set_pods("uid-1", pods(&["b", "a", "a"])).unwrap());
+        assert!(
+            !cp.set_pods("uid-1", pods(&["a", "b"])).unwrap(),
+            "the same"
+        );
+        let again = open(&path, BOOT).checkpoint;
+        assert_eq!(again.get("uid-1").unwrap().pods, ["a", "b"]);
     }
 
     #[test]

@@ -23,6 +23,7 @@ use crate::isolation::accounting::{self, Cap, Durability};
 use crate::isolation::cdi::{self, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName};
 use crate::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
+use crate::isolation::reconcile::PodGrants;
 use crate::node::inventory::Inventory;
 use crate::node::quantity;
 use crate::sync::LockExt;
@@ -298,19 +299,68 @@ impl PreparedClaims {
         caps_by_gpu(&entry.devices).remove(uuid)
     }
 
+    /// The prepared claims of namespace `namespace` named in `names` (those
+    /// a pod references) whose record does not name pod `pod`.
+    pub fn unrecorded(&self, namespace: &str, names: &[String], pod: &str) -> Vec<ClaimRef> {
+        self.checkpoint()
+            .claims()
+            .filter(|(_, e)| e.state == State::Completed && e.namespace == namespace)
+            .filter(|(_, e)| names.contains(&e.name) && !e.pods.iter().any(|p| p == pod))
+            .map(|(uid, e)| ClaimRef {
+                namespace: e.namespace.clone(),
+                uid: uid.to_owned(),
+                name: e.name.clone(),
+            })
+            .collect()
+    }
+
+    /// Reads `claim` and records the pods it is reserved for now: kubelet
+    /// prepares a claim once, whichever pods come to share it later, and
+    /// the scheduler reserves it for each of them before it binds them.
+    /// The pods recorded, `None` where the record did not change.
+    pub async fn record_reserved(
+        &self,
+        claim: &ClaimRef,
+    ) -> Result<Option<Vec<String>>, PrepareError> {
+        let object = self.read(claim).await?;
+        let pods = reserved_pods(&object);
+        if pods.is_empty() {
+            return Ok(None);
+        }
+        let this = self.clone();
+        let uid = claim.uid.clone();
+        tokio::task::spawn_blocking(move || {
+            let changed = this.checkpoint().set_pods(&uid, pods.clone())?;
+            Ok(changed.then_some(pods))
+        })
+        .await
+        .unwrap_or_else(|err| Err(PrepareError::Internal(one_line(&err))))
+    }
+
     /// Each pod's claim directories by pod UID, as the checkpoint recorded
-    /// the pods each claim was reserved for when it was prepared.
-    pub fn pod_dirs(&self) -> HashMap<String, Vec<String>> {
-        let mut by_pod: HashMap<String, Vec<String>> = HashMap::new();
-        for (_, entry) in self.checkpoint().claims() {
+    /// the pods each claim is reserved for; a claim recorded without them
+    /// (prepared by a version that did not record them), or whose entry
+    /// does not read, is any pod's.
+    pub fn pod_dirs(&self) -> PodGrants {
+        let mut grants = PodGrants::default();
+        let checkpoint = self.checkpoint();
+        let unread = checkpoint.unreadable().filter_map(ContainerName::of_claim);
+        grants
+            .any_pod
+            .extend(unread.map(|name| name.as_str().to_owned()));
+        for (_, entry) in checkpoint.claims() {
+            if entry.pods.is_empty() {
+                grants.any_pod.insert(entry.dir.clone());
+            }
             for pod in &entry.pods {
-                by_pod
+                grants
+                    .by_pod
                     .entry(pod.clone())
                     .or_default()
                     .push(entry.dir.clone());
             }
         }
-        by_pod
+        grants
     }
 
     async fn prepare_one(&self, claim: &ClaimRef) -> Result<Vec<PreparedDevice>, PrepareError> {
@@ -1007,8 +1057,8 @@ impl crate::isolation::cleanup::Holders for PreparedClaims {
 }
 
 /// The UIDs of the pods `claim` is reserved for. The scheduler reserves it
-/// for a pod before kubelet can prepare it for that pod; a pod that comes
-/// to share it later is not recorded (docs/SECURITY.md).
+/// for a pod before kubelet can prepare it for that pod, or run that pod
+/// with it once prepared (see `sharing`).
 fn reserved_pods(claim: &ResourceClaim) -> Vec<String> {
     let reserved = claim.status.as_ref().and_then(|s| s.reserved_for.as_ref());
     reserved

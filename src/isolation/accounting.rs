@@ -107,30 +107,35 @@ fn mount_fresh(dir: &Path, caps: &[Cap]) -> Result<(), AccountingError> {
     statefs::mount_bounded(dir, statefs::size_for(len)).map_err(err)
 }
 
-/// What [`prepare_afresh`] did with the file it found.
+/// What [`prepare_afresh`] found in the place of the file it made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Found {
-    /// No file: a new one was made.
+    /// No file.
     Nothing,
-    /// A file a live process holds a slot in: kept if its caps are the same.
+    /// A file a live process holds a slot in: never a process of the
+    /// container being started (kubelet calls Allocate before it creates
+    /// the container, and never again while it runs), so a slot that
+    /// outlived its container's pod.
     InUse,
-    /// A file no live process holds a slot in: replaced by a new one.
+    /// A file no live process holds a slot in.
     LeftOver,
 }
 
-/// `prepare` for a container the device plugin's Allocate names by its
-/// devices alone, so the directory may be one left by a container that
-/// ended with the same devices (clean-up waits out its grace period). The
-/// file is kept only while a live process holds a slot in it: kubelet
-/// calling Allocate again for a container that runs. Anything else is
-/// replaced, so a new container starts with no slots, usage, peak or
-/// refusals of the last one's. A process that had the old file open keeps
-/// that inode; one that starts later maps the new file.
+/// Makes a new accounting file for a container the device plugin's
+/// Allocate names by its devices alone, so the directory may be one left
+/// by a container that ended with the same units. Whatever is there is
+/// replaced: a new grant starts with no slots, usage, peak or refusals of
+/// the last one's, and inherits no process that still holds a slot in the
+/// old file (a tenant can hand the file's descriptor to another of its
+/// pods, which outlives the container). Such a process keeps the old inode
+/// (and, with `StateFs::Tmpfs`, the old tmpfs), which the daemon no longer
+/// reads: it is held by its own mounts and cgroup, never as the new
+/// container's. A process that starts later maps the new file.
 ///
-/// With `StateFs::Tmpfs` a file made afresh is written twice: synced on
-/// the state dir's file system, where a container kubelet restarts from
-/// its cached answer after a reboot finds it before gpumem is back, and on
-/// a new tmpfs mounted over it, which is what containers get meanwhile.
+/// With `StateFs::Tmpfs` the file is written twice: synced on the state
+/// dir's file system, where a container kubelet restarts from its cached
+/// answer after a reboot finds it before gpumem is back, and on a new
+/// tmpfs mounted over it, which is what containers get meanwhile.
 pub fn prepare_afresh(
     dir: &Path,
     caps: &[Cap],
@@ -144,7 +149,7 @@ pub fn prepare_afresh(
         // unused: nothing of it is worth keeping.
         _ => Found::LeftOver,
     };
-    if fs == StateFs::Tmpfs && found != Found::InUse {
+    if fs == StateFs::Tmpfs {
         let err = |source| AccountingError::Mount {
             path: dir.to_owned(),
             source,
@@ -155,7 +160,7 @@ pub fn prepare_afresh(
         let path = write(dir, caps, Durability::Unsynced, false)?;
         return Ok((path, found));
     }
-    let path = write(dir, caps, Durability::Synced, found == Found::InUse)?;
+    let path = write(dir, caps, Durability::Synced, false)?;
     Ok((path, found))
 }
 
@@ -525,11 +530,11 @@ mod tests {
         );
     }
 
-    /// The device plugin's Allocate keeps a file only while a process of
-    /// the container holds a slot in it; a file left by a container that
-    /// ended is replaced, whatever it records.
+    /// The device plugin's Allocate makes a new file whatever it finds: a
+    /// file left by a container that ended, and one a live process still
+    /// holds a slot in (which keeps the old inode), alike.
     #[test]
-    fn afresh_keeps_only_a_file_in_use() {
+    fn afresh_replaces_every_file() {
         let dir = tempfile::tempdir().unwrap();
         let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&fs::metadata(p).unwrap());
         let (path, found) = prepare_afresh(dir.path(), &t4(4308), StateFs::Shared).unwrap();
@@ -561,8 +566,8 @@ mod tests {
         holder.wait().unwrap();
         let (path, found) = again.unwrap();
         assert_eq!(found, Found::InUse);
-        assert_eq!(inode(&path), running, "a file in use is kept");
-        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 600 * MIB);
+        assert_ne!(inode(&path), running, "a file in use is replaced too");
+        assert_eq!(usage(&path).unwrap()[0].untracked_bytes, 0);
     }
 
     #[test]

@@ -93,9 +93,9 @@ impl Containers {
 /// `<gpu key>-<units>u-<hash of the device IDs>`. kubelet never gives the
 /// same units to two live containers, and the name is the same if kubelet
 /// calls Allocate again for the same container. A later container given the
-/// same units gets the same name, so Allocate starts its file afresh unless
-/// a live process uses it, and only containers kubelet holds get their CDI
-/// spec written again (see `cleanup`).
+/// same units gets the same name, so Allocate starts its file afresh, and
+/// only containers kubelet holds get their CDI spec written again (see
+/// `cleanup`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ContainerName(String);
 
@@ -250,9 +250,8 @@ impl ContainerDir {
         self.path.join(gpumem_layout::FILE_NAME)
     }
 
-    /// Creates the directory (on `fs`) and its accounting file for `caps` at
-    /// Allocate, replacing a file no live process uses (see
-    /// `accounting::prepare_afresh`).
+    /// Creates the directory (on `fs`) and a new accounting file for `caps`
+    /// at Allocate, whatever was there (see `accounting::prepare_afresh`).
     pub fn prepare_afresh(
         &self,
         caps: &[Cap],

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::isolation::accounting::{self, AccountingError, Cap};
 use crate::isolation::cdi::{self, CdiError, ContainerEdits, SpecDir};
@@ -234,8 +234,14 @@ pub fn container_grant(
                 }],
                 shim.state_fs,
             )?;
-            if found == accounting::Found::LeftOver {
-                info!(dir = %dir.path.display(), "a new accounting file replaced the one a container that ended left with the same units");
+            match found {
+                accounting::Found::LeftOver => {
+                    info!(dir = %dir.path.display(), "a new accounting file replaced the one a container that ended left with the same units")
+                }
+                accounting::Found::InUse => {
+                    warn!(dir = %dir.path.display(), "a new accounting file replaced one in which a process outside this container still holds a slot (its pod ended, or it was handed the file): that process keeps the old file, and is not counted as this container's")
+                }
+                accounting::Found::Nothing => {}
             }
             (Grant::with_shim(inv, assignment, shim, &dir), Some(dir))
         }

@@ -7,7 +7,7 @@
 //! shows, so a container is held to its whole footprint, not only to its
 //! allocations.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,19 +35,32 @@ fn listed<'a>(
     elsewhere: &'a HashSet<u32>,
 ) -> Option<impl Iterator<Item = (u32, u64, u64)> + 'a> {
     let on_gpu = memory.get(&processes.devices.get(dev)?.uuid)?;
-    Some(processes.live.iter().filter_map(move |p| {
-        let pid = p.pid.filter(|pid| !elsewhere.contains(pid))?;
-        let actual = *on_gpu.get(&pid)?;
-        let charged = p.used.get(dev).copied().unwrap_or(0);
-        // Making a context, which the driver took and the shim is about to
-        // charge: nothing of it is untracked.
-        let making = p.creating & (1 << dev) != 0;
-        Some((
-            pid,
-            actual,
-            if making { charged.max(actual) } else { charged },
-        ))
-    }))
+    // A process is listed once, with what all its slots charged: one that
+    // took two slots (not through the shim, which takes one) is still one
+    // process of the container, and NVML's figure is its whole.
+    let mut slots: BTreeMap<u32, (u64, bool)> = BTreeMap::new();
+    for p in &processes.live {
+        let Some(pid) = p.pid.filter(|pid| !elsewhere.contains(pid)) else {
+            continue;
+        };
+        let slot = slots.entry(pid).or_default();
+        slot.0 = slot.0.saturating_add(p.used.get(dev).copied().unwrap_or(0));
+        slot.1 |= p.creating & (1 << dev) != 0;
+    }
+    Some(
+        slots
+            .into_iter()
+            .filter_map(move |(pid, (charged, making))| {
+                let actual = *on_gpu.get(&pid)?;
+                // Making a context, which the driver took and the shim is about to
+                // charge: nothing of it is untracked.
+                Some((
+                    pid,
+                    actual,
+                    if making { charged.max(actual) } else { charged },
+                ))
+            }),
+    )
 }
 
 /// Untracked bytes per device of one accounting file: for every live
@@ -128,37 +141,54 @@ struct Attributed {
     unmounted: Vec<(usize, String, u32, u64)>,
 }
 
-/// The gpumem containers of each pod on the node, by pod UID: the names of
-/// their accounting directories, as kubelet's device checkpoint says, which
-/// no container can write. `None` where it cannot be read.
-pub type PodDirs = Box<dyn Fn() -> Option<HashMap<String, Vec<String>>> + Send>;
+/// Which pods the accounting directories now granted on the node belong
+/// to, as a record no container can write says: kubelet's device
+/// checkpoint, or the DRA driver's. A directory it does not name was
+/// granted to no pod now (its pod ended): it vouches for no process.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodGrants {
+    /// By pod UID, the names of its gpumem containers' directories.
+    pub by_pod: HashMap<String, Vec<String>>,
+    /// Directories granted to pods the record does not name (a claim
+    /// prepared by a version that did not record them): any pod's.
+    pub any_pod: HashSet<String>,
+}
+
+impl PodGrants {
+    /// Whether directory `name` is granted to pod `pod` (a DRA claim may
+    /// be several pods').
+    fn vouches(&self, name: &str, pod: &str) -> bool {
+        let has = |dirs: &Vec<String>| dirs.iter().any(|d| d == name);
+        self.by_pod.get(pod).is_some_and(has) || self.any_pod.contains(name)
+    }
+}
+
+/// The [`PodGrants`] of the node now; `None` where they cannot be read.
+pub type PodDirs = Box<dyn Fn() -> Option<PodGrants> + Send>;
 
 /// [`PodDirs`], read at most once per tick and only where a process needs
 /// it: most ticks find every process in a slot.
 struct Pods<'a> {
     read: Option<&'a PodDirs>,
-    by_pod: Option<Option<HashMap<String, Vec<String>>>>,
+    grants: Option<Option<PodGrants>>,
 }
 
 impl<'a> Pods<'a> {
     fn new(read: Option<&'a PodDirs>) -> Self {
-        Pods { read, by_pod: None }
+        Pods { read, grants: None }
     }
 
-    fn get(&mut self) -> Option<&HashMap<String, Vec<String>>> {
+    fn get(&mut self) -> Option<&PodGrants> {
         let read = self.read;
-        self.by_pod
+        self.grants
             .get_or_insert_with(|| read.and_then(|read| read()))
             .as_ref()
     }
 
-    /// Whether directory `name` is known to be other pods' and not `pod`'s
-    /// (a DRA claim may be several pods').
-    fn anothers(&mut self, name: &str, pod: &str) -> bool {
-        self.get().is_some_and(|by_pod| {
-            let has = |dirs: &Vec<String>| dirs.iter().any(|d| d == name);
-            by_pod.values().any(has) && !by_pod.get(pod).is_some_and(has)
-        })
+    /// Whether directory `name` is known not to be `pod`'s: another pod's,
+    /// or no pod's now.
+    fn not_pods(&mut self, name: &str, pod: &str) -> bool {
+        self.get().is_some_and(|grants| !grants.vouches(name, pod))
     }
 }
 
@@ -235,7 +265,7 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
             for &index in &mounted {
                 let mut foreign = || {
                     owner.as_ref().is_some_and(|owner| {
-                        dir_name(index).is_some_and(|name| pods.anothers(name, &owner.pod_uid))
+                        dir_name(index).is_some_and(|name| pods.not_pods(name, &owner.pod_uid))
                     })
                 };
                 home = capping(index).filter(|_| !foreign());
@@ -256,7 +286,7 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
                     // The pod's one container that caps this GPU, less
                     // those whose slot holders run in another container.
                     let owner = owner.as_ref()?;
-                    let dirs = pods.get()?.get(&owner.pod_uid)?;
+                    let dirs = pods.get()?.by_pod.get(&owner.pod_uid)?;
                     let holders = containers.get_or_insert_with(|| holder_containers(loaded, who));
                     let others = |index: usize| {
                         holders.iter().any(|(id, files)| {
@@ -295,12 +325,16 @@ fn position(processes: &Processes, uuid: &str) -> Option<usize> {
     processes.devices.iter().position(|d| d.uuid == uuid)
 }
 
-/// The files each live slot holder has a slot in.
+/// The files each live slot holder has a slot in, each once: a process
+/// holding two slots of one file is in that file, not in another one.
 fn holders(loaded: &[(PathBuf, Processes)]) -> HashMap<u32, Vec<usize>> {
     let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
     for (index, (_, processes)) in loaded.iter().enumerate() {
         for pid in processes.live.iter().filter_map(|p| p.pid) {
-            held.entry(pid).or_default().push(index);
+            let files = held.entry(pid).or_default();
+            if files.last() != Some(&index) {
+                files.push(index);
+            }
         }
     }
     held
@@ -1200,6 +1234,23 @@ mod tests {
         );
     }
 
+    /// A process holding two slots of one file is one process: NVML's
+    /// figure once, less what both slots charged.
+    #[test]
+    fn a_process_in_two_slots_counts_once() {
+        let processes = Processes {
+            devices: vec![usage(T4, 4308, 1500)],
+            live: vec![live(Some(10), 1000), live(Some(10), 500)],
+        };
+        let memory: ProcessMemory = [(T4.to_owned(), [(10, 2000 * MIB)].into())].into();
+        let none = [HashSet::new()];
+        assert_eq!(untracked(&processes, &memory, &none), [Some(500 * MIB)]);
+        let listed: Vec<_> = listed(&processes, &memory, 0, &none[0]).unwrap().collect();
+        assert_eq!(listed, [(10, 2000 * MIB, 1500 * MIB)]);
+        let loaded = [(PathBuf::from("/s/containers/a/accounting"), processes)];
+        assert_eq!(holders(&loaded)[&10], [0], "in this file, once");
+    }
+
     /// Attribution across sweeps whose `/proc` reads are kept: the same
     /// answers as reading everything every sweep, for a process listed on
     /// two GPUs, a PID taken by a new process, and one that is gone.
@@ -1458,8 +1509,12 @@ mod tests {
             (30, "cgroup") => Some(cgroup('e')),
             _ => None,
         };
-        let pod_dirs: PodDirs =
-            Box::new(|| Some([(POD.to_owned(), vec!["aa".to_owned(), "bb".to_owned()])].into()));
+        let pod_dirs: PodDirs = Box::new(|| {
+            Some(PodGrants {
+                by_pod: [(POD.to_owned(), vec!["aa".to_owned(), "bb".to_owned()])].into(),
+                ..PodGrants::default()
+            })
+        });
         let memory: ProcessMemory = [(T4.to_owned(), [(30, 700 * MIB)].into())].into();
         let attribute_with = |loaded: &[(PathBuf, Processes)]| {
             attribute(

@@ -866,11 +866,18 @@ pub async fn run_dra(
         slice_tx,
         stop.clone(),
     ));
+    let node_pods = NodePods::watch(config.client.clone(), &config.driver.node, stop.clone());
+    // A pod that comes to share a prepared claim is not prepared for again.
+    tasks.spawn(crate::dra::sharing::follow(
+        claims.clone(),
+        node_pods.clone(),
+        stop.clone(),
+    ));
     if let Some(notices) = notices {
         tasks.spawn(post_events(
             notices,
             PodEvents::new(config.client.clone(), &config.driver.node),
-            NodePods::watch(config.client.clone(), &config.driver.node, stop.clone()),
+            node_pods,
             claim_users(claims.clone()),
             PodResources::new(&config.pod_resources_socket, &config.sockets.driver_name),
             stop.clone(),
