@@ -132,7 +132,10 @@ fn args(units: u64, names: &[String], whole: Option<&[Value]>) -> ExtenderArgs {
         pod: Some(pod("incoming", units, None, None)),
         nodes: whole.map(|items| NodeList {
             metadata: Some(json!({})),
-            items: items.to_vec(),
+            items: items
+                .iter()
+                .map(|n| serde_json::value::to_raw_value(n).expect("a node serialises"))
+                .collect(),
         }),
         node_names: whole.is_none().then(|| names.to_vec()),
     }

@@ -73,9 +73,7 @@ pub async fn run(
         assume_timeout = ?config.assume_timeout,
         "serving /filter, /prioritize, /bind and /healthz"
     );
-    let served = axum::serve(listener, server::router(binder))
-        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-        .await;
+    let served = server::serve(listener, server::router(binder), shutdown.clone()).await;
     shutdown.cancel();
     for watch in watches {
         let _ = watch.await;

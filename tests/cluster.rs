@@ -316,6 +316,63 @@ async fn preferred_allocation_and_allocate_agree_while_the_watch_lags_a_bind() {
     assert_eq!(c.annotations("b-second")[annotation::ASSIGNED], "false");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_assumed_earlier_but_bound_late_does_not_turn_away_kubelets_ids() {
+    let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
+    c.assumed_by_extender("b-second", 4, 1, 200);
+    let available: Vec<String> = c
+        .kubelet
+        .devices(RESOURCE)
+        .unwrap()
+        .into_iter()
+        .map(|d| d.id)
+        .collect();
+    let mut client = DevicePluginClient::new(unix::connect(&c.socket()).await.unwrap());
+    let preferred = client
+        .get_preferred_allocation(PreferredAllocationRequest {
+            container_requests: vec![ContainerPreferredAllocationRequest {
+                available_device_i_ds: available,
+                must_include_device_i_ds: Vec::new(),
+                allocation_size: 4,
+            }],
+        })
+        .await
+        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()))
+        .into_inner()
+        .container_responses
+        .remove(0)
+        .device_i_ds;
+    // Pod A was assumed first, on GPU 0, but its bind reaches the API
+    // server only now, between the two calls for B's container.
+    c.assumed_by_extender("a-first", 4, 0, 100);
+    let allocated = client
+        .allocate(AllocateRequest {
+            container_requests: vec![ContainerAllocateRequest {
+                devices_ids: preferred,
+            }],
+        })
+        .await
+        .unwrap_or_else(|err| {
+            panic!(
+                "Allocate refused the preferred IDs: {err}; log:\n{}",
+                c.log()
+            )
+        })
+        .into_inner();
+    assert_eq!(allocated.container_responses[0].envs[env::ALIYUN_IDX], "1");
+    assert_eq!(c.annotations("b-second")[annotation::ASSIGNED], "true");
+    assert_eq!(c.annotations("a-first")[annotation::ASSIGNED], "false");
+
+    // A is still placed where the extender put it.
+    let placed = c
+        .kubelet
+        .admit("a-first", "main", RESOURCE, 4)
+        .await
+        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()));
+    assert_eq!(gpu_of(&placed), "0");
+    assert_eq!(c.annotations("a-first")[annotation::ASSIGNED], "true");
+}
+
 /// PATCHes of pod `name` the fake API server has seen.
 fn pod_patches(c: &Cluster, name: &str) -> usize {
     let path = format!("PATCH /api/v1/namespaces/default/pods/{name}");

@@ -249,6 +249,45 @@ impl Extender {
     }
 }
 
+impl Extender {
+    /// The extender's peak resident memory so far (`VmHWM`), in bytes.
+    fn peak_rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kib = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().strip_suffix("kB"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no VmHWM in {status}"));
+        kib << 10
+    }
+
+    /// A raw connection to the extender, reads bounded by `WAIT`.
+    fn connect(&self) -> std::net::TcpStream {
+        let stream = std::net::TcpStream::connect(self.addr).unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        stream
+    }
+}
+
+/// Reads what the server answers until it closes the connection (or
+/// resets it, or `WAIT` passes): the text, and whether it closed.
+fn answer(stream: &mut std::net::TcpStream) -> (String, bool) {
+    use std::io::Read;
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&answer).into_owned(), true),
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                return (String::from_utf8_lossy(&answer).into_owned(), true)
+            }
+            Err(_) => return (String::from_utf8_lossy(&answer).into_owned(), false),
+        }
+    }
+}
+
 impl Drop for Extender {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -642,6 +681,95 @@ async fn a_refused_bind_says_why_and_frees_its_booking() {
     assert!(text.contains("cannot decode the bind request"), "{text}");
 }
 
+/// 90 MiB of node names, sent chunked so that no declared length refuses
+/// it up front, OOM-killed the extender at its 256 MiB limit: it read the
+/// whole body, then decoded it into several times that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_filter_body_is_refused_without_the_extender_holding_it() {
+    use std::io::Write;
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &[]).await;
+    let before = extender.peak_rss();
+    let mut args = fixture("filter-node-names.json");
+    let names: Vec<String> = (0..400_000).map(|i| format!("{i:0>240}")).collect();
+    args["NodeNames"] = json!(names);
+    let body = serde_json::to_vec(&args).unwrap();
+    assert!(body.len() > 90 << 20);
+    let mut stream = extender.connect();
+    let mut writer = stream.try_clone().unwrap();
+    let sent = std::thread::spawn(move || {
+        let head = "POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Type: application/json\r\n\
+                    Transfer-Encoding: chunked\r\n\r\n";
+        let mut result = writer.write_all(head.as_bytes());
+        for chunk in body.chunks(1 << 20) {
+            result = result
+                .and_then(|()| write!(writer, "{:x}\r\n", chunk.len()))
+                .and_then(|()| writer.write_all(chunk))
+                .and_then(|()| writer.write_all(b"\r\n"));
+            if result.is_err() {
+                // Refused: the extender stopped reading.
+                return;
+            }
+        }
+        let _ = writer.write_all(b"0\r\n\r\n");
+    });
+    let (text, _) = tokio::task::spawn_blocking(move || answer(&mut stream))
+        .await
+        .unwrap();
+    sent.join().unwrap();
+    assert!(
+        text.starts_with("HTTP/1.1 413"),
+        "{}\nlog:\n{}",
+        &text[..text.len().min(300)],
+        extender.log()
+    );
+    let grown = extender.peak_rss().saturating_sub(before);
+    assert!(
+        grown < 40 << 20,
+        "the extender's peak RSS grew {} MiB",
+        grown >> 20
+    );
+    // Still serving.
+    assert_eq!(extender.get("/healthz").await.0, 200);
+}
+
+/// kube-scheduler sends its headers at once; 2000 requests that stopped
+/// halfway through theirs all stayed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_request_is_closed_after_the_header_timeout() {
+    use gpumem::extender::server::HEADER_TIMEOUT;
+    use std::io::Write;
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &[]).await;
+    let mut stream = extender.connect();
+    stream
+        .write_all(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-")
+        .unwrap();
+    let started = Instant::now();
+    let (_, closed) = tokio::task::spawn_blocking(move || answer(&mut stream))
+        .await
+        .unwrap();
+    assert!(closed, "still open after {:?}", started.elapsed());
+    assert!(started.elapsed() >= HEADER_TIMEOUT - Duration::from_millis(100));
+    assert_eq!(extender.get("/healthz").await.0, 200);
+}
+
+/// A body that stops coming is refused, not waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_stops_coming_is_refused_with_408() {
+    use std::io::Write;
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &[]).await;
+    let mut stream = extender.connect();
+    stream
+        .write_all(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 100\r\n\r\n{\"Pod\":")
+        .unwrap();
+    let (text, _) = tokio::task::spawn_blocking(move || answer(&mut stream))
+        .await
+        .unwrap();
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+}
+
 #[test]
 fn every_extender_flag_has_an_env_var() {
     let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
@@ -662,4 +790,49 @@ fn every_extender_flag_has_an_env_var() {
         );
     }
     assert!(help.contains("[default: :12345]"), "{help}");
+}
+
+/// A measurement for docs/BENCHMARKS.md, not a check (run with
+/// `--ignored --nocapture`): how much the extender's peak RSS grows with
+/// the largest filters it accepts, 5000 of the longest node names and
+/// whole Nodes near the body limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement"]
+async fn peak_rss_of_the_largest_filters() {
+    let cluster = Cluster::start().await;
+    for shape in ["NodeNames", "Nodes"] {
+        let extender = Extender::start(&cluster, &[]).await;
+        let before = extender.peak_rss();
+        let mut args = fixture("filter-node-list.json");
+        if shape == "NodeNames" {
+            let names: Vec<String> = (0..5000).map(|i| format!("{i:0>253}")).collect();
+            args["Nodes"] = Value::Null;
+            args["NodeNames"] = json!(names);
+        } else {
+            let items = args["Nodes"]["items"].as_array().unwrap().clone();
+            let size = serde_json::to_vec(&items).unwrap().len() / items.len() + 12;
+            let count = ((8 << 20) - 200_000) / size;
+            let all: Vec<Value> = (0..count)
+                .map(|i| {
+                    let mut node = items[i % items.len()].clone();
+                    node["metadata"]["name"] = json!(format!("node-{i}"));
+                    node
+                })
+                .collect();
+            args["Nodes"]["items"] = json!(all);
+        }
+        let body = serde_json::to_vec(&args).unwrap();
+        let len = body.len();
+        let (status, _) = http1::exchange(extender.addr, "POST", "/filter", Bytes::from(body))
+            .await
+            .unwrap();
+        assert_eq!(status, 200);
+        let after = extender.peak_rss();
+        println!(
+            "{shape}: a {len}-byte filter; VmHWM {} -> {} KiB (+{} KiB)",
+            before >> 10,
+            after >> 10,
+            (after - before) >> 10
+        );
+    }
 }

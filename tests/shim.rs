@@ -575,6 +575,34 @@ fn many_processes_and_threads_never_exceed_the_cap() {
     assert_eq!(usage[0].used_bytes, 0, "everything was given back");
 }
 
+/// Under load the stress processes start far apart, and one may fill the
+/// cap before another has its context. That context is refused with
+/// out-of-memory, as a driver refuses one on a full GPU; a thread that went
+/// on without it got `CUDA_ERROR_INVALID_CONTEXT` from the driver.
+#[test]
+fn a_stress_thread_without_room_for_a_context_sees_only_out_of_memory() {
+    let dir = capped_dir(4308);
+    let mut holder = shim_kit()
+        .probe(Some(dir.path()))
+        .args(["alloc:3900", "hold"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    common::wait_for_line(&mut holder, "holding");
+    // 3900 MiB and a context there: no room for another context here.
+    let counter = dir.path().join("held");
+    let (ok, lines, stderr) = run_lines(
+        shim_kit()
+            .probe(Some(dir.path()))
+            .arg(format!("stress:2:5:1000:{}", counter.display())),
+    );
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert!(ok, "{stderr}");
+    assert_eq!(line(&lines, "context"), "context 2", "{lines:?}");
+    assert_eq!(line(&lines, "stress"), "stress ok=0 refused=10");
+}
+
 #[test]
 fn missing_or_broken_config_passes_through_with_one_line() {
     let empty = tempfile::tempdir().unwrap();

@@ -8,8 +8,10 @@
 //! whose units equal the request, puts the container on that GPU and sets
 //! `…_ASSIGNED=true`. gpumem does the matching in GetPreferredAllocation,
 //! so kubelet picks device IDs on the chosen GPU and the IDs keep meaning
-//! what they say; Allocate checks them and marks the pod assigned. Both
-//! calls match against the node's pods listed afresh, so they agree.
+//! what they say; Allocate marks assigned the oldest pod of that size the
+//! extender put on the GPU of those IDs. Both calls match against the
+//! node's pods listed afresh; a pod assumed earlier but bound between them
+//! changes the oldest, not whether kubelet's IDs are right.
 
 use crate::error_text::chain;
 use std::collections::BTreeMap;
@@ -175,13 +177,8 @@ pub fn awaiting(pod: &Pod, resource: &str) -> Option<Awaiting> {
     })
 }
 
-/// gpushare's rule: of the pods awaiting placement, the one assumed first
-/// whose units equal the request. `Err` lists those awaiting, for the error.
-pub fn next_for<'a>(
-    pods: impl IntoIterator<Item = &'a Pod>,
-    resource: &str,
-    units: u64,
-) -> Result<Awaiting, Vec<Awaiting>> {
+/// The pods awaiting placement, assumed first first.
+fn awaiting_by_age<'a>(pods: impl IntoIterator<Item = &'a Pod>, resource: &str) -> Vec<Awaiting> {
     let mut awaiting: Vec<Awaiting> = pods
         .into_iter()
         .filter_map(|pod| awaiting(pod, resource))
@@ -189,9 +186,43 @@ pub fn next_for<'a>(
     awaiting.sort_by(|a, b| {
         (a.assume_time, &a.namespace, &a.name).cmp(&(b.assume_time, &b.namespace, &b.name))
     });
+    awaiting
+}
+
+/// gpushare's rule: of the pods awaiting placement, the one assumed first
+/// whose units equal the request. `Err` lists those awaiting, for the error.
+pub fn next_for<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    resource: &str,
+    units: u64,
+) -> Result<Awaiting, Vec<Awaiting>> {
+    let mut awaiting = awaiting_by_age(pods, resource);
     match awaiting.iter().position(|a| a.units == units) {
         Some(at) => Ok(awaiting.swap_remove(at)),
         None => Err(awaiting),
+    }
+}
+
+/// Allocate's rule: of the pods awaiting `units`, the one assumed first
+/// that the extender put on GPU `gpu_index`. kubelet's IDs follow
+/// GetPreferredAllocation's answer for the oldest such pod then; a pod
+/// assumed earlier but bound since (its bind was slow) does not make them
+/// wrong, and refusing them would lose the pod for good. `Err` is what
+/// [`next_for`] answers: the pod that should have had them, or the list.
+pub fn next_on<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    resource: &str,
+    units: u64,
+    gpu_index: u32,
+) -> Result<Awaiting, Result<Awaiting, Vec<Awaiting>>> {
+    let mut awaiting = awaiting_by_age(pods, resource);
+    let on = |a: &Awaiting| a.units == units && a.gpu_index == gpu_index;
+    match awaiting.iter().position(on) {
+        Some(at) => Ok(awaiting.swap_remove(at)),
+        None => match awaiting.iter().position(|a| a.units == units) {
+            Some(at) => Err(Ok(awaiting.swap_remove(at))),
+            None => Err(Err(awaiting)),
+        },
     }
 }
 
@@ -350,23 +381,34 @@ impl Extender {
         Ok(picked)
     }
 
-    /// Allocate for one container placed as `assignment`: checks it is on
-    /// the GPU the extender chose for the pod it is for, and marks that
-    /// pod assigned.
+    /// Allocate for one container placed as `assignment`: finds the pod
+    /// of its size the extender put on that GPU (see [`next_on`]) and
+    /// marks it assigned.
     pub async fn confirm(
         &self,
         inv: &Inventory,
         assignment: Assignment,
     ) -> Result<(), GpushareError> {
         let gpu = &inv.gpus()[assignment.gpu];
-        let pod = self.candidate(u64::from(assignment.units)).await?;
-        if pod.gpu_index != gpu.gpu.index {
-            return Err(GpushareError::Mismatch {
-                pod: pod.to_string(),
-                chosen: pod.gpu_index,
-                allocated: gpu.gpu.index,
-            });
-        }
+        let units = u64::from(assignment.units);
+        let listed = self.pods.list_now(self.bound).await?;
+        let pod = match next_on(&listed, &self.resource, units, gpu.gpu.index) {
+            Ok(pod) => pod,
+            Err(Ok(other)) => {
+                return Err(GpushareError::Mismatch {
+                    pod: other.to_string(),
+                    chosen: other.gpu_index,
+                    allocated: gpu.gpu.index,
+                })
+            }
+            Err(Err(awaiting)) => {
+                return Err(GpushareError::NoCandidate {
+                    node: self.pods.node().to_owned(),
+                    units,
+                    awaiting,
+                })
+            }
+        };
         let resource = self.resource.clone();
         let assume_time = pod.assume_time;
         let still =
@@ -518,6 +560,24 @@ mod tests {
         assert_eq!((found.name.as_str(), found.gpu_index), ("early", 0));
         assert_eq!(next_for(&pods, R, 6).unwrap().name, "other-size");
         let none = next_for(&pods, R, 5).unwrap_err();
+        assert_eq!(none.len(), 3, "all three are listed in the error");
+    }
+
+    #[test]
+    fn allocate_takes_the_oldest_awaiting_pod_on_the_allocated_gpu() {
+        let pods = [
+            assumed("late", 4, "1", "300"),
+            assumed("early", 4, "0", "100"),
+            assumed("other-size", 6, "1", "50"),
+        ];
+        assert_eq!(next_on(&pods, R, 4, 1).unwrap().name, "late");
+        assert_eq!(next_on(&pods, R, 4, 0).unwrap().name, "early");
+        let elsewhere = next_on(&pods, R, 6, 0).unwrap_err().unwrap();
+        assert_eq!(
+            (elsewhere.name.as_str(), elsewhere.gpu_index),
+            ("other-size", 1)
+        );
+        let none = next_on(&pods, R, 5, 0).unwrap_err().unwrap_err();
         assert_eq!(none.len(), 3, "all three are listed in the error");
     }
 

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::Pod;
 use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 /// The highest score an extender may give (`MaxExtenderPriority`); the
@@ -37,26 +38,42 @@ pub struct ExtenderArgs {
 }
 
 /// A `v1.NodeList`. This one has json tags (core/v1): `metadata`, `items`.
-/// The items stay JSON so a filter answers with the very objects it got.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// The items stay the very text they came as, so a filter answers with the
+/// objects it got, and a request's Nodes take no more memory decoded than
+/// they took as text (as `Value`s they took seven times that).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct NodeList {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<Value>,
     #[serde(default, deserialize_with = "null_as_default")]
-    pub items: Vec<Value>,
+    pub items: Vec<Box<RawValue>>,
+}
+
+/// What a node's name is read from.
+#[derive(Deserialize)]
+struct Named {
+    metadata: Option<Metadata>,
+}
+
+#[derive(Deserialize)]
+struct Metadata {
+    name: Option<String>,
 }
 
 /// Nodes without a name are skipped (the API server never sends one).
-pub fn node_name(node: &Value) -> Option<&str> {
-    node.get("metadata")?.get("name")?.as_str()
+pub fn node_name(node: &RawValue) -> Option<String> {
+    serde_json::from_str::<Named>(node.get())
+        .ok()?
+        .metadata?
+        .name
 }
 
 impl ExtenderArgs {
     /// The candidate nodes' names, in the order given.
-    pub fn candidates(&self) -> Vec<&str> {
+    pub fn candidates(&self) -> Vec<String> {
         match (&self.node_names, &self.nodes) {
-            (Some(names), _) => names.iter().map(String::as_str).collect(),
-            (None, Some(list)) => list.items.iter().filter_map(node_name).collect(),
+            (Some(names), _) => names.clone(),
+            (None, Some(list)) => list.items.iter().filter_map(|n| node_name(n)).collect(),
             (None, None) => Vec::new(),
         }
     }
@@ -66,7 +83,7 @@ impl ExtenderArgs {
 pub type FailedNodes = BTreeMap<String, String>;
 
 /// The answer to a filter call.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ExtenderFilterResult {
     /// The nodes that pass, whole; answered when they came whole.
     #[serde(rename = "Nodes", default)]

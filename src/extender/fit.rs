@@ -231,7 +231,7 @@ pub fn filter(cache: &Cache, args: ExtenderArgs) -> ExtenderFilterResult {
             let items = list
                 .items
                 .into_iter()
-                .filter(|n| node_name(n).is_some_and(&mut passes))
+                .filter(|n| node_name(n).is_some_and(|name| passes(&name)))
                 .collect();
             result.nodes = Some(NodeList {
                 metadata: list.metadata,
@@ -256,13 +256,13 @@ pub fn prioritize(cache: &Cache, args: &ExtenderArgs, policy: Policy) -> HostPri
     args.candidates()
         .into_iter()
         .map(|host| HostPriority {
-            host: host.to_owned(),
             score: match units {
                 0 => 0,
                 units => {
-                    choose(cache, host, units, policy).map_or(0, |gpu| score(&gpu, units, policy))
+                    choose(cache, &host, units, policy).map_or(0, |gpu| score(&gpu, units, policy))
                 }
             },
+            host,
         })
         .collect()
 }
@@ -273,6 +273,7 @@ mod tests {
     use crate::extender::cache::tests::{node, pod, R};
     use k8s_openapi::api::core::v1::Node;
     use serde_json::json;
+    use serde_json::value::RawValue;
 
     /// v100: two 15-unit GPUs, 5 used on each; a10: one 22-unit GPU, 6
     /// used; sick: a free 22-unit GPU that is unhealthy and a 15-unit one.
@@ -328,7 +329,10 @@ mod tests {
     fn pods_asking_for_no_units_pass_every_node_unchanged() {
         let list = NodeList {
             metadata: Some(json!({})),
-            items: vec![json!({"metadata": {"name": "bare"}, "spec": {}})],
+            items: vec![RawValue::from_string(
+                r#"{"metadata": {"name": "bare"}, "spec": {}}"#.into(),
+            )
+            .unwrap()],
         };
         let request = ExtenderArgs {
             pod: Some(asking(0)),
@@ -336,7 +340,10 @@ mod tests {
             node_names: None,
         };
         let result = filter(&cache(), request);
-        assert_eq!(result.nodes, Some(list));
+        assert_eq!(
+            serde_json::to_value(result.nodes).unwrap(),
+            serde_json::to_value(Some(list)).unwrap()
+        );
         assert!(result.failed_and_unresolvable_nodes.is_empty());
     }
 

@@ -8,15 +8,23 @@
 //! errors, which kube-scheduler ignores (it scores without us).
 
 use crate::error_text::one_line;
+use std::io;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::extender::api::{
@@ -27,9 +35,27 @@ use crate::extender::cache::Cache;
 use crate::extender::fit;
 use crate::extender::watch::lock;
 
-/// A filter for a scheduler that is not `nodeCacheCapable` carries every
-/// candidate Node whole: thousands of them run to tens of MB.
-const BODY_LIMIT: usize = 128 << 20;
+/// The largest request read. Sized for the largest cluster Kubernetes
+/// supports, 5000 nodes, with `nodeCacheCapable: true` (what
+/// daemonset/kube-scheduler-config.yaml sets): every node name at its
+/// longest (253 bytes and JSON's quotes and comma: 1.3 MB) and a Pod at the
+/// API server's largest (etcd takes 1.5 MiB; its JSON a little more) come
+/// to under 4 MiB. Whole Nodes (without `nodeCacheCapable`) fit for about
+/// 2000 nodes shaped like tests/fixtures/extender, or 400 with 50 images
+/// each. Read whole before decoding, so one request holds at most this.
+const BODY_LIMIT: usize = 8 << 20;
+
+/// kube-scheduler writes a request's headers at once: a connection that
+/// has not sent them in this long (or is idle this long between requests)
+/// is closed, so half-sent requests cannot pile up.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A body that has not arrived whole in this long is refused (408).
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections served at once. kube-scheduler opens a few (its binds run
+/// in parallel); past this, further ones wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 1024;
 
 const NOT_SYNCED: &str = "the gpumem extender has not listed pods and nodes yet (is the API \
                           server reachable?); the scheduler will retry";
@@ -45,6 +71,66 @@ pub fn router(binder: Arc<Binder>) -> Router {
 }
 
 type Verbs = State<Arc<Binder>>;
+
+/// Serves `router` on `listener` until `shutdown`, then waits for the
+/// requests in flight. Unlike `axum::serve`, it bounds how long a client
+/// may take to send its headers and how many connections are open.
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
+    let graceful = GracefulShutdown::new();
+    let open = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let service = TowerToHyperService::new(router);
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT);
+    loop {
+        let slot = tokio::select! {
+            () = shutdown.cancelled() => break,
+            slot = open.clone().acquire_owned() => slot,
+        };
+        let Ok(slot) = slot else { break };
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(err) => {
+                // Out of descriptors, or a connection reset before it was
+                // accepted: the listener itself is fine.
+                warn!(err = %err, "cannot accept a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let connection = builder.serve_connection(TokioIo::new(stream), service.clone());
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            // A client that went away or timed out: nothing to tell.
+            let _ = connection.await;
+            drop(slot);
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// The request's body, whole; 413 past [`BODY_LIMIT`] (at once where the
+/// length is declared), 408 when it does not arrive in [`BODY_TIMEOUT`].
+async fn body_of(request: Request) -> Result<Bytes, Response> {
+    match tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(request, &())).await {
+        Ok(read) => read.map_err(IntoResponse::into_response),
+        Err(_) => Err((
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {BODY_TIMEOUT:?}"),
+        )
+            .into_response()),
+    }
+}
 
 /// Drops the bookings whose time is up; called by every verb, so what a
 /// verb sees is current.
@@ -64,18 +150,25 @@ fn pod_name(args: &ExtenderArgs) -> String {
     })
 }
 
-async fn filter(State(binder): Verbs, body: Bytes) -> Json<ExtenderFilterResult> {
+async fn filter(State(binder): Verbs, request: Request) -> Response {
+    let body = match body_of(request).await {
+        Ok(body) => body,
+        Err(refused) => return refused,
+    };
     let failed = |error: String| {
         warn!(%error, "filter");
         Json(ExtenderFilterResult {
             error,
             ..ExtenderFilterResult::default()
         })
+        .into_response()
     };
     let args: ExtenderArgs = match serde_json::from_slice(&body) {
         Ok(args) => args,
         Err(err) => return failed(format!("cannot decode the filter request: {err}")),
     };
+    // Decoded: the text is not needed beside it.
+    drop(body);
     let pod = pod_name(&args);
     let result = {
         let mut cache = lock(&binder.cache);
@@ -94,10 +187,14 @@ async fn filter(State(binder): Verbs, body: Bytes) -> Json<ExtenderFilterResult>
         failed = result.failed_nodes.len() + result.failed_and_unresolvable_nodes.len(),
         "filter"
     );
-    Json(result)
+    Json(result).into_response()
 }
 
-async fn prioritize(State(binder): Verbs, body: Bytes) -> Response {
+async fn prioritize(State(binder): Verbs, request: Request) -> Response {
+    let body = match body_of(request).await {
+        Ok(body) => body,
+        Err(refused) => return refused,
+    };
     let args: ExtenderArgs = match serde_json::from_slice(&body) {
         Ok(args) => args,
         Err(err) => {
@@ -106,6 +203,7 @@ async fn prioritize(State(binder): Verbs, body: Bytes) -> Response {
             return (StatusCode::BAD_REQUEST, message).into_response();
         }
     };
+    drop(body);
     let scores = {
         let mut cache = lock(&binder.cache);
         if !cache.synced() {
@@ -118,21 +216,26 @@ async fn prioritize(State(binder): Verbs, body: Bytes) -> Response {
     Json(scores).into_response()
 }
 
-async fn bind(State(binder): Verbs, body: Bytes) -> Json<ExtenderBindingResult> {
+async fn bind(State(binder): Verbs, request: Request) -> Response {
+    let body = match body_of(request).await {
+        Ok(body) => body,
+        Err(refused) => return refused,
+    };
     let args: ExtenderBindingArgs = match serde_json::from_slice(&body) {
         Ok(args) => args,
         Err(err) => {
             let error = format!("cannot decode the bind request: {err}");
             warn!(%error, "bind");
-            return Json(ExtenderBindingResult { error });
+            return Json(ExtenderBindingResult { error }).into_response();
         }
     };
+    drop(body);
     match binder.bind(&args).await {
-        Ok(_) => Json(ExtenderBindingResult::default()),
+        Ok(_) => Json(ExtenderBindingResult::default()).into_response(),
         Err(err) => {
             let error = one_line(&err);
             warn!(%error, "bind failed");
-            Json(ExtenderBindingResult { error })
+            Json(ExtenderBindingResult { error }).into_response()
         }
     }
 }

@@ -48,8 +48,22 @@ pub fn stress(api: &Api, threads: usize, iters: usize, mib: u64, counter: &str) 
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
-                context(api);
+                let mut current = false;
                 for _ in 0..iters {
+                    // A context takes memory too: one that does not fit
+                    // is refused with out-of-memory, as on a full GPU, and
+                    // an allocation without one would get
+                    // CUDA_ERROR_INVALID_CONTEXT. Try again next time.
+                    if !current {
+                        match context(api) {
+                            0 => current = true,
+                            2 => {
+                                refused.fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            }
+                            other => fail(&format!("context returned {other}")),
+                        }
+                    }
                     let mut p = 0u64;
                     // SAFETY: valid out-pointer.
                     let r = unsafe { (api.mem_alloc)(&mut p, (mib * MIB) as usize) };
