@@ -180,63 +180,48 @@ async fn the_template_says_what_the_plugin_advertises_for_the_same_gpus() {
 
 #[test]
 fn each_format_names_the_keys_its_autoscaler_reads() {
-    let gib = ["--gpu", "v100-16gb", "--count", "2"];
-    let (ok, aws, _) = template_text(&gib);
-    assert!(ok);
-    assert!(
-        aws.contains(
-            "\nk8s.io/cluster-autoscaler/node-template/resources/aliyun.com/gpu-mem: \"30\"\n"
+    let two_v100s = ["--gpu", "v100-16gb", "--count", "2"];
+    let cases: [(&[&str], &[&str]); 4] = [
+        (
+            &[],
+            &[
+                r#"k8s.io/cluster-autoscaler/node-template/resources/aliyun.com/gpu-mem: "30""#,
+                r#"k8s.io/cluster-autoscaler/node-template/resources/aliyun.com/gpu-count: "2""#,
+                r#"k8s.io/cluster-autoscaler/node-template/label/gpushare: "true""#,
+            ],
         ),
-        "{aws}"
-    );
-    assert!(aws.contains(
-        "\nk8s.io/cluster-autoscaler/node-template/resources/aliyun.com/gpu-count: \"2\"\n"
-    ));
-    assert!(aws.contains("\nk8s.io/cluster-autoscaler/node-template/label/gpushare: \"true\"\n"));
-
-    let (ok, azure, _) =
-        template_text(&[&gib[..], &["-o", "azure", "--label", "gpushare=dra"]].concat());
-    assert!(ok);
-    assert!(
-        azure.contains(
-            "\nk8s.io_cluster-autoscaler_node-template_resources_aliyun.com_gpu-mem: \"30\"\n"
+        (
+            &["-o", "azure", "--label", "gpushare=dra"],
+            &[
+                r#"k8s.io_cluster-autoscaler_node-template_resources_aliyun.com_gpu-mem: "30""#,
+                r#"k8s.io_cluster-autoscaler_node-template_label_gpushare: "dra""#,
+            ],
         ),
-        "{azure}"
-    );
-    assert!(azure.contains("\nk8s.io_cluster-autoscaler_node-template_label_gpushare: \"dra\"\n"));
-
-    let (ok, capi, _) = template_text(&[&gib[..], &["-o", "cluster-api"]].concat());
-    assert!(ok);
-    assert!(
-        capi.contains(
-            "\ncapacity.cluster-autoscaler.kubernetes.io/gpu-type: \"aliyun.com/gpu-mem\"\n"
+        (
+            &["-o", "cluster-api"],
+            &[
+                r#"capacity.cluster-autoscaler.kubernetes.io/gpu-type: "aliyun.com/gpu-mem""#,
+                r#"capacity.cluster-autoscaler.kubernetes.io/gpu-count: "30""#,
+                r#"capacity.cluster-autoscaler.kubernetes.io/labels: "gpushare=true""#,
+            ],
         ),
-        "{capi}"
-    );
-    assert!(capi.contains("\ncapacity.cluster-autoscaler.kubernetes.io/gpu-count: \"30\"\n"));
-    assert!(
-        capi.contains("\ncapacity.cluster-autoscaler.kubernetes.io/labels: \"gpushare=true\"\n")
-    );
-
-    let (ok, overlay, _) = template_text(
-        &[
-            &gib[..],
+        (
             &["-o", "karpenter", "--instance-type", "p3.8xlarge"],
-        ]
-        .concat(),
-    );
-    assert!(ok);
-    for line in [
-        "apiVersion: \"karpenter.sh/v1alpha1\"",
-        "kind: \"NodeOverlay\"",
-        "    aliyun.com/gpu-mem: \"30\"",
-        "  - key: \"node.kubernetes.io/instance-type\"",
-        "    - \"p3.8xlarge\"",
-    ] {
-        assert!(
-            overlay.lines().any(|l| l == line),
-            "{line:?} in:\n{overlay}"
-        );
+            &[
+                r#"apiVersion: "karpenter.sh/v1alpha1""#,
+                r#"kind: "NodeOverlay""#,
+                r#"    aliyun.com/gpu-mem: "30""#,
+                r#"  - key: "node.kubernetes.io/instance-type""#,
+                r#"    - "p3.8xlarge""#,
+            ],
+        ),
+    ];
+    for (format, lines) in cases {
+        let (ok, out, err) = template_text(&[&two_v100s[..], format].concat());
+        assert!(ok, "{format:?}: {err}");
+        for line in lines {
+            assert!(out.lines().any(|l| l == *line), "{line:?} in:\n{out}");
+        }
     }
 }
 

@@ -299,14 +299,14 @@ pub async fn clear_startup_taint(
                         Err(kube::Error::Api(status)) if status.code == 409 => None,
                         Err(err) => {
                             warn!(node, %taint, err = %describe(&err), "cannot remove the startup taint; retrying");
-                            Some(RETRY.min(STARTUP_POLL * 5))
+                            Some(RETRY)
                         }
                     }
                 }
             }
             Err(err) => {
                 warn!(node, err = %describe(&err), "cannot read the Node for its startup taint; retrying");
-                Some(STARTUP_POLL * 5)
+                Some(RETRY)
             }
         };
         if let Some(pause) = pause {

@@ -298,12 +298,7 @@ impl NodeTemplate {
             (format!("{PREFIX}gpu-count"), self.units.to_string()),
         ]);
         if !self.labels.is_empty() {
-            let labels: Vec<String> = self
-                .labels
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            annotations.insert(format!("{PREFIX}labels"), labels.join(","));
+            annotations.insert(format!("{PREFIX}labels"), self.labels_text(","));
         }
         annotations
     }
@@ -341,7 +336,17 @@ impl NodeTemplate {
         }))
     }
 
-    /// `gpumem-<count>x<model>`, as a DNS label.
+    /// The labels as `key=value`, joined by `separator`.
+    fn labels_text(&self, separator: &str) -> String {
+        let labels: Vec<String> = self
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        labels.join(separator)
+    }
+
+    /// `gpumem-<count>x-<model>`, as a DNS label.
     fn default_name(&self) -> String {
         let model = self.gpus.first().map(|g| g.model.as_str()).unwrap_or("gpu");
         let slug: String = model
@@ -397,16 +402,11 @@ impl NodeTemplate {
                     "# Karpenter NodeOverlay (karpenter.sh/v1alpha1, feature gate NodeOverlay): {gpus}"
                 );
                 if !self.labels.is_empty() {
-                    let labels: Vec<String> = self
-                        .labels
-                        .iter()
-                        .map(|(k, v)| format!("{k}={v}"))
-                        .collect();
                     let _ = writeln!(
                         out,
                         "# The NodePool's spec.template.metadata.labels must carry {} for the \
                          DaemonSet to run there.",
-                        labels.join(", ")
+                        self.labels_text(", ")
                     );
                 }
                 yaml_value(&mut out, 0, &overlay);
