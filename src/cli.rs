@@ -400,6 +400,18 @@ pub struct DaemonArgs {
 
     #[command(flatten)]
     pub reconcile: ReconcileArgs,
+
+    /// Also serve, on /metrics, each GPU's and pod's memory and the GPU's
+    /// duty cycle as Alibaba Cloud's GPU exporter names them
+    /// (nvidia_gpu_memory_used_bytes, nvidia_gpu_memory_total_bytes,
+    /// nvidia_gpu_duty_cycle), which `arena top node` and `arena top job`
+    /// read from Prometheus (GPUMEM_ARENA_METRICS: true or false).
+    #[arg(
+        long,
+        env = "GPUMEM_ARENA_METRICS",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub arena_metrics: bool,
 }
 
 /// The DRA driver: kubelet's DRA plugin API instead of the device plugin's.
@@ -774,6 +786,7 @@ impl DaemonArgs {
                 Duration::from_secs(self.over_cap_grace_secs),
             ),
             node_name,
+            arena_series: self.arena_metrics,
         }
     }
 }

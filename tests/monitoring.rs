@@ -144,6 +144,54 @@ fn free_port() -> u16 {
     listener.local_addr().unwrap().port()
 }
 
+/// Debian's `prometheus`, in a directory of its own on a port of its own,
+/// scraping the plugin's metrics every second, with `rules` loaded.
+struct Prometheus {
+    port: u16,
+    log: PathBuf,
+    _process: Killed,
+}
+
+impl Prometheus {
+    fn start(dir: &Path, metrics_port: u16, rules: Option<&Path>) -> Prometheus {
+        let binary = prometheus_tool("prometheus");
+        let config = dir.join("prometheus.yml");
+        let rules = rules.map_or(String::new(), |r| format!("rule_files:\n  - {r:?}\n"));
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n{rules}\
+                 scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n"
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let log = dir.join("prometheus.log");
+        let process = Killed(
+            Command::new(binary)
+                .arg(format!("--config.file={}", config.display()))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    dir.join("tsdb").display()
+                ))
+                .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        Prometheus {
+            port,
+            log,
+            _process: process,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
 /// GET over HTTP/1.0 (no chunked answer to decode): the status and body,
 /// or `None` while nothing listens.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
@@ -242,7 +290,6 @@ fn node_file(holder: u32) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_its_series() {
-    let prometheus = prometheus_tool("prometheus");
     let queries = dashboard_queries();
     let dir = tempfile::tempdir().unwrap();
     let gpus = dir.path().join("node.toml");
@@ -267,39 +314,18 @@ async fn every_dashboard_query_returns_its_series() {
     common::wait_for_line(&mut holder, "holding");
     common::rewrite_fake_gpus(&gpus, node_file(holder.id()));
 
-    // Prometheus, in a directory of its own on a port of its own, scraping
-    // the plugin every second with the chart's rules loaded.
-    let config = dir.path().join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n  - {rules:?}\n\
-             scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']\n",
-            rules = repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")
-        ),
-    )
-    .unwrap();
-    let prometheus_port = free_port();
-    let prometheus_log = dir.path().join("prometheus.log");
-    let _prometheus = Killed(
-        Command::new(prometheus)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("tsdb").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{prometheus_port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&prometheus_log).unwrap())
-            .spawn()
-            .unwrap(),
+    // Prometheus scraping the plugin every second with the chart's rules.
+    let prometheus = Prometheus::start(
+        dir.path(),
+        metrics_port,
+        Some(&repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")),
     );
+    let prometheus_port = prometheus.port;
     let logs = || {
         format!(
             "plugin:\n{}\nprometheus:\n{}",
             plugin.log(),
-            std::fs::read_to_string(&prometheus_log).unwrap_or_default()
+            prometheus.log()
         )
     };
 
@@ -352,6 +378,9 @@ async fn every_dashboard_query_returns_its_series() {
         ),
         ("900003", STRANGER_POD, "0.15")
     );
+    // Without --arena-metrics, none of the series arena reads.
+    let arena = query(prometheus_port, r#"{__name__=~"nvidia_gpu_.*"}"#).await;
+    assert!(arena.is_empty(), "{arena:?}");
     // The rules load and evaluate: the stranger's memory is pending.
     let pending = query(
         prometheus_port,
@@ -467,4 +496,126 @@ fn answers(series: &[BTreeMap<String, String>], legend: &str) -> Result<(), Stri
         }
     }
     Ok(())
+}
+
+/// arena's query of a node's GPUs (kubeflow/arena pkg/prometheus,
+/// `NODE_METRIC_TMP`), and of pods' (`POD_METRIC_TMP`).
+const ARENA_SERIES: &str =
+    "nvidia_gpu_duty_cycle|nvidia_gpu_memory_used_bytes|nvidia_gpu_memory_total_bytes";
+
+/// With `--arena-metrics`, what `arena top node` and `arena top job` ask
+/// Prometheus for answers with the node's GPU and the pod on it: the GPU's
+/// memory and duty cycle on every series of it, and the pod's memory in
+/// use, marked `share` (arena sums those per GPU).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arenas_queries_find_each_gpus_and_pods_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let gpus = dir.path().join("node.toml");
+    common::rewrite_fake_gpus(
+        &gpus,
+        std::fs::read_to_string(common::fixture("t4")).unwrap(),
+    );
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.arg("--fake-gpus").arg(&gpus).arg("--arena-metrics")
+    })
+    .await;
+    let allocation = plugin
+        .kubelet
+        .admit("nb", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    let container = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let mut holder = Killed(
+        shim_kit()
+            .probe(Some(&container))
+            .args(["alloc:1000", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut holder, "holding");
+    common::rewrite_fake_gpus(&gpus, node_file(holder.id()));
+    let prometheus = Prometheus::start(dir.path(), plugin.metrics_port, None);
+
+    // The pod's memory, once reconciled (1300 MiB by NVML) and scraped.
+    let by_node = format!(r#"{{__name__=~"{ARENA_SERIES}", node_name=~"{NODE}"}}"#);
+    let started = Instant::now();
+    let series = loop {
+        let series = query(prometheus.port, &by_node).await;
+        let pod_used = series.iter().any(|s| {
+            s["__name__"] == "nvidia_gpu_memory_used_bytes"
+                && s.get("pod_name").map(String::as_str) == Some("nb")
+                && s["@value"] == "1363148800"
+        });
+        if pod_used || started.elapsed() > PROMETHEUS_WAIT {
+            break series;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let logs = || {
+        format!(
+            "plugin:\n{}\nprometheus:\n{}",
+            plugin.log(),
+            prometheus.log()
+        )
+    };
+    let of = |name: &str| -> Vec<&BTreeMap<String, String>> {
+        series.iter().filter(|s| s["__name__"] == name).collect()
+    };
+    for s in &series {
+        assert_eq!(
+            (s["uuid"].as_str(), s["minor_number"].as_str()),
+            (T4, "0"),
+            "{s:?}"
+        );
+    }
+    // The GPU's series and the pod's, each with the GPU's total and duty
+    // cycle (arena keeps the last it reads).
+    for (name, value) in [
+        ("nvidia_gpu_memory_total_bytes", "15811477504"),
+        ("nvidia_gpu_duty_cycle", "87"),
+    ] {
+        let found = of(name);
+        assert_eq!(found.len(), 2, "{name}: {series:?}\n{}", logs());
+        assert!(
+            found.iter().all(|s| s["@value"] == value),
+            "{name}: {found:?}"
+        );
+        assert!(
+            found.iter().any(|s| s.get("pod_name").is_none()),
+            "{name}: the GPU's own series: {found:?}"
+        );
+    }
+    // Used: the pod's, marked share (what arena sums for the GPU), and the
+    // GPU's own without a mode (what arena shows where no pod is marked).
+    let used = of("nvidia_gpu_memory_used_bytes");
+    let shared: Vec<_> = used
+        .iter()
+        .filter(|s| s.get("allocate_mode").map(String::as_str) == Some("share"))
+        .collect();
+    assert_eq!(shared.len(), 1, "{used:?}\n{}", logs());
+    assert_eq!(
+        (
+            shared[0]["namespace_name"].as_str(),
+            shared[0]["pod_name"].as_str(),
+            shared[0]["@value"].as_str()
+        ),
+        ("default", "nb", "1363148800")
+    );
+    assert_eq!(used.len(), 2, "{used:?}");
+
+    // `arena top job`: the pod's three series.
+    let by_pod = format!(r#"{{__name__=~"{ARENA_SERIES}", pod_name=~"nb"}}"#);
+    let pod = query(prometheus.port, &by_pod).await;
+    let mut names: Vec<&str> = pod.iter().map(|s| s["__name__"].as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "nvidia_gpu_duty_cycle",
+            "nvidia_gpu_memory_total_bytes",
+            "nvidia_gpu_memory_used_bytes"
+        ],
+        "{pod:?}"
+    );
 }

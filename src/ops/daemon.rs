@@ -72,6 +72,8 @@ pub struct Common {
     pub sensors: Option<Sensors>,
     /// The node's name, as the metrics label each GPU's series.
     pub hostname: String,
+    /// Also serve the series arena reads (`--arena-metrics`).
+    pub arena_series: bool,
     /// What to do with a container over its cap for the grace period in total
     /// within the window (`enforce::window`), and that grace period, seen
     /// from outside by reconciliation; `None`: nothing.
@@ -94,6 +96,7 @@ impl Common {
             over_cap: None,
             sensors: None,
             hostname: hostname.to_owned(),
+            arena_series: false,
         }
     }
 }
@@ -168,6 +171,8 @@ pub struct NodeConfig<'a> {
     /// `--node-name`, where given: what metrics call the node (else see
     /// [`hostname`]).
     pub node_name: Option<&'a str>,
+    /// Also serve the series arena reads (`--arena-metrics`).
+    pub arena_series: bool,
 }
 
 /// A front end's daemon, ready to run: what [`start`] gave.
@@ -240,6 +245,7 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
             over_cap: Some(config.over_cap),
             sensors: hardware.sensors(),
             hostname: hostname(config.node_name),
+            arena_series: config.arena_series,
         },
         shutdown,
     })
@@ -467,6 +473,7 @@ fn serve_endpoints(
         }
     }
     if let Some(listener) = common.metrics.take() {
+        let observed = observed.with_arena_series(common.arena_series);
         tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
     }
 }
