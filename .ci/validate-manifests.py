@@ -263,7 +263,8 @@ NVIDIA_CDI_DIR = "/etc/cdi"
 DRA_RULES = {
     ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch", "delete"},
     ("resource.k8s.io", "resourceclaims"): {"get"},
-    ("", "nodes"): {"get"},
+    # get: the slice's owner; patch: the startup taint (--startup-taint).
+    ("", "nodes"): {"get", "patch"},
     ("", "pods"): {"list", "watch"},
     ("events.k8s.io", "events"): {"create", "patch"},
 }

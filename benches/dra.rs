@@ -213,6 +213,7 @@ impl Driver {
             facts: NodeFacts::default(),
             boot_id: BOOT_ID.to_owned(),
             pod_resources_socket: host.path("no-pod-resources.sock"),
+            startup_taint: None,
             common: Common::quiet(host.path("state"), "bench-node"),
         };
         let socket = sockets.registration_socket();

@@ -65,6 +65,12 @@ pub enum Command {
     /// and the aliyun.com/gpu-count capacity) once gpumem is uninstalled:
     /// the chart's post-delete hook.
     Unpublish(UnpublishArgs),
+    /// Print what a node group's template must say for an autoscaler to add
+    /// a gpumem node from zero: the aliyun.com/gpu-mem and gpu-count capacity
+    /// the plugin will advertise for the GPUs, and the DaemonSet's labels, as
+    /// AWS or Azure tags, Cluster API annotations, a Karpenter NodeOverlay or
+    /// JSON (docs/OPERATIONS.md, "Autoscaling").
+    NodeTemplate(NodeTemplateArgs),
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -400,6 +406,18 @@ pub struct DaemonArgs {
 
     #[command(flatten)]
     pub reconcile: ReconcileArgs,
+
+    /// Also serve, on /metrics, each GPU's and pod's memory and the GPU's
+    /// duty cycle as Alibaba Cloud's GPU exporter names them
+    /// (nvidia_gpu_memory_used_bytes, nvidia_gpu_memory_total_bytes,
+    /// nvidia_gpu_duty_cycle), which `arena top node` and `arena top job`
+    /// read from Prometheus (GPUMEM_ARENA_METRICS: true or false).
+    #[arg(
+        long,
+        env = "GPUMEM_ARENA_METRICS",
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub arena_metrics: bool,
 }
 
 /// The DRA driver: kubelet's DRA plugin API instead of the device plugin's.
@@ -447,6 +465,9 @@ pub struct DraArgs {
     #[command(flatten)]
     pub kubeconfig: KubeconfigArgs,
 
+    #[command(flatten)]
+    pub startup_taint: StartupTaintArgs,
+
     /// Host directory for the claims' CDI specs: one the container runtime
     /// reads (containerd needs enable_cdi). NVIDIA's spec for the GPUs is
     /// looked for here and in /etc/cdi.
@@ -481,6 +502,37 @@ pub struct ClusterArgs {
         value_name = "default|gpushare-extender"
     )]
     pub scheduler: SchedulerMode,
+
+    #[command(flatten)]
+    pub startup_taint: StartupTaintArgs,
+}
+
+/// `--startup-taint`, for both front ends.
+#[derive(Args)]
+pub struct StartupTaintArgs {
+    /// Taint (KEY[=VALUE]:EFFECT) to remove from this node once its GPUs can
+    /// take pods: kubelet shows the resource allocatable (plugin) or the
+    /// ResourceSlice offers them (dra). Start GPU nodes with it (Karpenter's
+    /// startupTaints, kubelet's --register-with-taints) so that no GPU pod
+    /// lands before. Needs --node-name. Empty: none.
+    #[arg(
+        long,
+        env = "GPUMEM_STARTUP_TAINT",
+        value_name = "KEY[=VALUE]:EFFECT",
+        default_value = gpumem::cluster::node::DEFAULT_STARTUP_TAINT
+    )]
+    pub startup_taint: String,
+}
+
+impl StartupTaintArgs {
+    pub fn taint(&self) -> anyhow::Result<Option<gpumem::cluster::node::StartupTaint>> {
+        if self.startup_taint.trim().is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(self.startup_taint.parse().map_err(|err| {
+            anyhow::anyhow!("--startup-taint (GPUMEM_STARTUP_TAINT): {err}")
+        })?))
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -491,6 +543,7 @@ pub enum SchedulerMode {
 
 impl ClusterArgs {
     pub async fn connect(&self) -> anyhow::Result<Option<daemon::Cluster>> {
+        let startup_taint = self.startup_taint.taint()?;
         let Some(node) = self.node_name.clone().filter(|n| !n.is_empty()) else {
             if self.scheduler == SchedulerMode::GpushareExtender {
                 anyhow::bail!(
@@ -507,6 +560,7 @@ impl ClusterArgs {
             api,
             node,
             gpushare_extender: self.scheduler == SchedulerMode::GpushareExtender,
+            startup_taint,
         }))
     }
 }
@@ -738,6 +792,103 @@ impl DaemonArgs {
                 Duration::from_secs(self.over_cap_grace_secs),
             ),
             node_name,
+            arena_series: self.arena_metrics,
+        }
+    }
+}
+
+/// `gpumem node-template`.
+#[derive(Args)]
+#[command(group = clap::ArgGroup::new("gpus").required(true).args(["gpu", "gpu_mib", "fake_gpus"]))]
+pub struct NodeTemplateArgs {
+    /// GPU model, by short or NVML name: t4 (Tesla T4, 15079 MiB),
+    /// v100-16gb (Tesla V100-SXM2-16GB, 16160 MiB), h100-80gb (NVIDIA H100
+    /// 80GB HBM3, 81559 MiB). Others: --gpu-mib.
+    #[arg(long, env = "GPUMEM_TEMPLATE_GPU", value_name = "MODEL")]
+    pub gpu: Option<String>,
+
+    /// Each GPU's total memory in MiB as NVML reports it (`nvidia-smi
+    /// --query-gpu=memory.total --format=csv`), for a model --gpu does not know.
+    #[arg(long, env = "GPUMEM_TEMPLATE_GPU_MIB", value_name = "MIB")]
+    pub gpu_mib: Option<u64>,
+
+    /// GPUs per node (with --gpu or --gpu-mib).
+    #[arg(
+        long,
+        env = "GPUMEM_TEMPLATE_COUNT",
+        default_value_t = 1,
+        conflicts_with = "fake_gpus"
+    )]
+    pub count: u32,
+
+    /// The node's GPUs from a fake GPU file (as the plugin's --fake-gpus),
+    /// e.g. one written from a node of the group.
+    #[arg(long, env = "GPUMEM_FAKE_GPUS", value_name = "FILE")]
+    pub fake_gpus: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub resource: ResourceArgs,
+
+    /// A label the group's nodes carry (repeatable): those the DaemonSet's
+    /// nodeSelector needs (daemonset/gpumem.yaml: gpushare=true; the
+    /// chart's DRA front end: gpushare=dra).
+    #[arg(
+        long = "label",
+        env = "GPUMEM_TEMPLATE_LABELS",
+        value_name = "KEY=VALUE",
+        value_delimiter = ',',
+        default_value = "gpushare=true"
+    )]
+    pub labels: Vec<gpumem::ops::template::Label>,
+
+    /// Output: aws (Auto Scaling group tags), azure (VM scale set tags),
+    /// cluster-api (MachineDeployment annotations), karpenter (a
+    /// NodeOverlay; needs --instance-type or --node-pool) or json.
+    #[arg(
+        short = 'o',
+        long,
+        env = "GPUMEM_TEMPLATE_OUTPUT",
+        default_value = "aws",
+        value_name = "aws|azure|cluster-api|karpenter|json"
+    )]
+    pub output: TemplateFormat,
+
+    /// Karpenter: the instance types the overlay applies to (repeatable).
+    #[arg(
+        long = "instance-type",
+        env = "GPUMEM_TEMPLATE_INSTANCE_TYPES",
+        value_name = "TYPE",
+        value_delimiter = ','
+    )]
+    pub instance_types: Vec<String>,
+
+    /// Karpenter: the NodePool the overlay applies to.
+    #[arg(long, env = "GPUMEM_TEMPLATE_NODE_POOL", value_name = "NAME")]
+    pub node_pool: Option<String>,
+
+    /// Karpenter: the overlay's name (default: gpumem-<count>x-<model>).
+    #[arg(long, env = "GPUMEM_TEMPLATE_NAME", value_name = "NAME")]
+    pub name: Option<String>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TemplateFormat {
+    Aws,
+    Azure,
+    ClusterApi,
+    Karpenter,
+    Json,
+}
+
+impl From<TemplateFormat> for gpumem::ops::template::Format {
+    fn from(format: TemplateFormat) -> Self {
+        use gpumem::ops::template::Format;
+        match format {
+            TemplateFormat::Aws => Format::Aws,
+            TemplateFormat::Azure => Format::Azure,
+            TemplateFormat::ClusterApi => Format::ClusterApi,
+            TemplateFormat::Karpenter => Format::Karpenter,
+            TemplateFormat::Json => Format::Json,
         }
     }
 }

@@ -21,8 +21,8 @@ use gpumem::ops::inspect;
 use gpumem::ops::metrics;
 
 use cli::{
-    Cli, Command, DraArgs, ExecArgs, ExtenderArgs, InspectArgs, LogFormat, OutputFormat,
-    PluginArgs, UnpublishArgs,
+    Cli, Command, DraArgs, ExecArgs, ExtenderArgs, InspectArgs, LogFormat, NodeTemplateArgs,
+    OutputFormat, PluginArgs, UnpublishArgs,
 };
 
 fn main() -> ExitCode {
@@ -32,7 +32,7 @@ fn main() -> ExitCode {
         Command::InstallShim(_) | Command::Extender(_) | Command::Unpublish(_) => "info",
         #[cfg(feature = "demo")]
         Command::Demo(_) => "warn",
-        Command::Exec(_) | Command::Inspect(_) => "warn",
+        Command::Exec(_) | Command::Inspect(_) | Command::NodeTemplate(_) => "warn",
     };
     // kube's client logs every failed request at ERROR with only its top
     // level ("client error (Connect)"), and its watcher each refused list;
@@ -85,6 +85,7 @@ fn main() -> ExitCode {
                     Command::Inspect(args) => inspect(args).await.map(|()| ExitCode::SUCCESS),
                     Command::Extender(args) => extender(args).await.map(|()| ExitCode::SUCCESS),
                     Command::Unpublish(args) => unpublish(args).await.map(|()| ExitCode::SUCCESS),
+                    Command::NodeTemplate(args) => node_template(args).map(|()| ExitCode::SUCCESS),
                     Command::InstallShim(args) => {
                         let from = match args.from {
                             Some(path) => path,
@@ -150,6 +151,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
     if args.node_name.is_empty() {
         anyhow::bail!("--node-name (GPUMEM_NODE_NAME) is empty: the DRA driver publishes this node's GPUs under its name");
     }
+    let startup_taint = args.startup_taint.taint()?;
     let unit = args.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
     let facts = hardware.facts()?;
@@ -182,6 +184,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
         facts,
         boot_id,
         pod_resources_socket: args.daemon.node.pod_resources_socket.clone(),
+        startup_taint,
         common: daemon.common,
     };
     daemon::run_dra(config, daemon.inventory, daemon.health, daemon.shutdown).await?;
@@ -226,6 +229,29 @@ async fn unpublish(args: UnpublishArgs) -> anyhow::Result<()> {
     for node in changed {
         println!("removed gpumem's GPU count and annotation from Node {node}");
     }
+    Ok(())
+}
+
+fn node_template(args: NodeTemplateArgs) -> anyhow::Result<()> {
+    use gpumem::ops::template::{GpuChoice, NodeTemplate, OverlayScope};
+    let choice = match (args.gpu, args.gpu_mib, args.fake_gpus) {
+        (Some(model), _, _) => GpuChoice::Model(model, args.count),
+        (_, Some(mib), _) => GpuChoice::Mib(mib, args.count),
+        (_, _, Some(file)) => GpuChoice::File(file),
+        (None, None, None) => anyhow::bail!("give the GPUs: --gpu, --gpu-mib or --fake-gpus"),
+    };
+    let template = NodeTemplate::new(
+        choice.gpus()?,
+        args.resource.memory_unit,
+        &args.resource.resource_name,
+        &args.labels,
+    )?;
+    let scope = OverlayScope {
+        name: args.name,
+        instance_types: args.instance_types,
+        node_pool: args.node_pool,
+    };
+    print!("{}", template.render(args.output.into(), &scope)?);
     Ok(())
 }
 

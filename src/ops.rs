@@ -1,5 +1,6 @@
 //! Operations, on top of the layers: the daemon's wiring, the HTTP endpoint
-//! (metrics, health), the status socket, `inspect`, `exec`, and the demo.
+//! (metrics, health), the status socket, `inspect`, `exec`, the demo, and
+//! node-group templates for autoscalers.
 
 pub mod daemon;
 #[cfg(feature = "demo")]
@@ -9,3 +10,4 @@ pub mod inspect;
 pub mod metrics;
 pub mod status;
 pub mod status_socket;
+pub mod template;

@@ -276,3 +276,48 @@ fn the_uninstall_hook_runs_a_command_gpumem_accepts() {
         "clap refused the hook's args: {text}"
     );
 }
+
+/// Lines after each `resources: ["nodes"]` rule: its verbs.
+fn node_verbs(manifest: &str) -> Vec<String> {
+    let lines: Vec<&str> = manifest.lines().map(str::trim).collect();
+    lines
+        .windows(2)
+        .filter(|w| w[0] == r#"resources: ["nodes"]"#)
+        .map(|w| w[1].to_owned())
+        .collect()
+}
+
+/// A node started with the startup taint gpumem removes by default runs
+/// gpumem's pod (every node daemon tolerates it), and gpumem may remove it
+/// (every node daemon's ClusterRole patches Nodes).
+#[test]
+fn the_node_daemons_tolerate_the_startup_taint_and_may_remove_it() {
+    let taint: gpumem::cluster::node::StartupTaint = gpumem::cluster::node::DEFAULT_STARTUP_TAINT
+        .parse()
+        .unwrap();
+    let toleration = format!("- key: {}", taint.key);
+    for path in [
+        "daemonset/gpumem.yaml",
+        "daemonset/gpumem-dra.yaml",
+        "deploy/helm/gpumem/values.yaml",
+    ] {
+        let text = read(path);
+        let at = text.lines().position(|l| l.trim() == toleration);
+        let at = at.unwrap_or_else(|| panic!("{path} does not tolerate {taint}"));
+        let rest: Vec<&str> = text.lines().skip(at + 1).take(2).map(str::trim).collect();
+        assert_eq!(
+            rest,
+            ["operator: Exists", &format!("effect: {}", taint.effect)],
+            "{path}"
+        );
+    }
+    for path in ["daemonset/gpumem.yaml", "daemonset/gpumem-dra.yaml"] {
+        let verbs = node_verbs(&read(path));
+        assert_eq!(verbs.len(), 1, "{path}: {verbs:?}");
+        assert!(verbs[0].contains(r#""patch""#), "{path}: {verbs:?}");
+    }
+    // The chart: one rule per front end.
+    let verbs = node_verbs(&read("deploy/helm/gpumem/templates/rbac.yaml"));
+    assert_eq!(verbs.len(), 2, "{verbs:?}");
+    assert!(verbs.iter().all(|v| v.contains(r#""patch""#)), "{verbs:?}");
+}

@@ -1702,3 +1702,51 @@ async fn a_tenant_filling_its_claims_directory_cannot_fail_the_next_prepare() {
         driver.log()
     );
 }
+
+/// A node started with gpumem's startup taint (Karpenter's `startupTaints`)
+/// keeps it while the driver cannot publish its ResourceSlice, and loses it
+/// once the slice offers the GPU; the node's other taints stay.
+#[tokio::test]
+async fn the_startup_taint_goes_once_the_slice_offers_the_gpus() {
+    let host = Host::new();
+    let api = api().await;
+    let dedicated = json!({"key": "dedicated", "value": "gpu", "effect": "NoSchedule"});
+    let mut node = api.get(Kind::Node, "", NODE).unwrap();
+    node["spec"] = json!({"taints": [
+        {"key": "gpumem.io/not-ready", "effect": "NoSchedule"},
+        dedicated,
+    ]});
+    api.put(node);
+    api.forbid(Kind::ResourceSlice, true);
+    let driver = Driver::start(&host, &api).await;
+    let taints = || api.get(Kind::Node, "", NODE).unwrap()["spec"]["taints"].clone();
+    let slice_reads = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices"))
+            .count()
+    };
+    wait_until("the driver's tries to read its slice", || {
+        (slice_reads() >= 2).then_some(())
+    })
+    .await;
+    assert!(our_slice(&api).is_none());
+    assert_eq!(
+        taints().as_array().map(Vec::len),
+        Some(2),
+        "{}",
+        driver.log()
+    );
+
+    api.forbid(Kind::ResourceSlice, false);
+    wait_until("the startup taint to go", || {
+        (taints() == json!([dedicated])).then_some(())
+    })
+    .await;
+    assert!(our_slice(&api).is_some());
+    assert!(
+        driver.log().contains("removed the startup taint"),
+        "{}",
+        driver.log()
+    );
+}

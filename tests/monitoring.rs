@@ -278,6 +278,13 @@ async fn query_until(
     }
 }
 
+/// A `scrape_configs:` section scraping the plugin's metrics on `port`.
+fn static_scrape(port: u16) -> String {
+    format!(
+        "scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
+    )
+}
+
 fn both_logs(plugin: &ChartPlugin, prometheus: &Prometheus) -> String {
     format!(
         "plugin:\n{}\nprometheus:\n{}",
@@ -361,11 +368,7 @@ async fn every_dashboard_query_returns_its_series() {
 
     // Prometheus scraping the plugin every second with the chart's rules
     // loaded.
-    let targets = format!("static_configs:\n      - targets: ['127.0.0.1:{metrics_port}']");
-    let prometheus = Prometheus::start(
-        dir.path(),
-        &format!("scrape_configs:\n  - job_name: gpumem\n    {targets}\n"),
-    );
+    let prometheus = Prometheus::start(dir.path(), &static_scrape(metrics_port));
     let prometheus_port = prometheus.port;
     let logs = || both_logs(&plugin, &prometheus);
 
@@ -415,6 +418,9 @@ async fn every_dashboard_query_returns_its_series() {
         ),
         ("900003", STRANGER_POD, "0.15")
     );
+    // Without --arena-metrics, none of the series arena reads.
+    let arena = query(prometheus_port, r#"{__name__=~"nvidia_gpu_.*"}"#).await;
+    assert!(arena.is_empty(), "{arena:?}");
     // The rules load and evaluate: the stranger's memory is pending.
     let pending = query(
         prometheus_port,
@@ -724,4 +730,115 @@ fn answers(series: &[BTreeMap<String, String>], legend: &str) -> Result<(), Stri
         }
     }
     Ok(())
+}
+
+/// arena's query of a node's GPUs (kubeflow/arena pkg/prometheus,
+/// `NODE_METRIC_TMP`), and of pods' (`POD_METRIC_TMP`).
+const ARENA_SERIES: &str =
+    "nvidia_gpu_duty_cycle|nvidia_gpu_memory_used_bytes|nvidia_gpu_memory_total_bytes";
+
+/// With `--arena-metrics`, what `arena top node` and `arena top job` ask
+/// Prometheus for answers with the node's GPU and the pod on it: the GPU's
+/// memory and duty cycle on every series of it, and the pod's memory in
+/// use, marked `share` (arena sums those per GPU).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arenas_queries_find_each_gpus_and_pods_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let gpus = dir.path().join("node.toml");
+    common::rewrite_fake_gpus(
+        &gpus,
+        std::fs::read_to_string(common::fixture("t4")).unwrap(),
+    );
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.arg("--fake-gpus").arg(&gpus).arg("--arena-metrics")
+    })
+    .await;
+    let allocation = plugin
+        .kubelet
+        .admit("nb", "main", RESOURCE, 4)
+        .await
+        .unwrap();
+    let container = PathBuf::from(&allocation.response.mounts[2].host_path);
+    let mut holder = Killed(
+        shim_kit()
+            .probe(Some(&container))
+            .args(["alloc:1000", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut holder, "holding");
+    common::rewrite_fake_gpus(&gpus, node_file(holder.id()));
+    let prometheus = Prometheus::start(dir.path(), &static_scrape(plugin.metrics_port));
+
+    // The pod's memory, once reconciled (1300 MiB by NVML) and scraped.
+    let by_node = format!(r#"{{__name__=~"{ARENA_SERIES}", node_name=~"{NODE}"}}"#);
+    let series = query_until(prometheus.port, &by_node, Instant::now(), |series| {
+        series.iter().any(|s| {
+            s["__name__"] == "nvidia_gpu_memory_used_bytes"
+                && s.get("pod_name").map(String::as_str) == Some("nb")
+                && s["@value"] == "1363148800"
+        })
+    })
+    .await;
+    let logs = || both_logs(&plugin, &prometheus);
+    let of = |name: &str| -> Vec<&BTreeMap<String, String>> {
+        series.iter().filter(|s| s["__name__"] == name).collect()
+    };
+    for s in &series {
+        assert_eq!(
+            (s["uuid"].as_str(), s["minor_number"].as_str()),
+            (T4, "0"),
+            "{s:?}"
+        );
+    }
+    // The GPU's series and the pod's, each with the GPU's total and duty
+    // cycle (arena keeps the last it reads).
+    for (name, value) in [
+        ("nvidia_gpu_memory_total_bytes", "15811477504"),
+        ("nvidia_gpu_duty_cycle", "87"),
+    ] {
+        let found = of(name);
+        assert_eq!(found.len(), 2, "{name}: {series:?}\n{}", logs());
+        assert!(
+            found.iter().all(|s| s["@value"] == value),
+            "{name}: {found:?}"
+        );
+        assert!(
+            found.iter().any(|s| s.get("pod_name").is_none()),
+            "{name}: the GPU's own series: {found:?}"
+        );
+    }
+    // Used: the pod's, marked share (what arena sums for the GPU), and the
+    // GPU's own without a mode (what arena shows where no pod is marked).
+    let used = of("nvidia_gpu_memory_used_bytes");
+    let shared: Vec<_> = used
+        .iter()
+        .filter(|s| s.get("allocate_mode").map(String::as_str) == Some("share"))
+        .collect();
+    assert_eq!(shared.len(), 1, "{used:?}\n{}", logs());
+    assert_eq!(
+        (
+            shared[0]["namespace_name"].as_str(),
+            shared[0]["pod_name"].as_str(),
+            shared[0]["@value"].as_str()
+        ),
+        ("default", "nb", "1363148800")
+    );
+    assert_eq!(used.len(), 2, "{used:?}");
+
+    // `arena top job`: the pod's three series.
+    let by_pod = format!(r#"{{__name__=~"{ARENA_SERIES}", pod_name=~"nb"}}"#);
+    let pod = query(prometheus.port, &by_pod).await;
+    let mut names: Vec<&str> = pod.iter().map(|s| s["__name__"].as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(
+        names,
+        [
+            "nvidia_gpu_duty_cycle",
+            "nvidia_gpu_memory_total_bytes",
+            "nvidia_gpu_memory_used_bytes"
+        ],
+        "{pod:?}"
+    );
 }

@@ -4,14 +4,15 @@
 //! must not assume equal GPUs. The agent puts both back whenever its Node
 //! loses them (kubelet zeroes unknown extended resources when it restarts;
 //! an uninstall hook or a person may remove them). `unpublish` takes both
-//! away again, when gpumem is uninstalled.
+//! away again, when gpumem is uninstalled. And the startup taint: the
+//! node's GPUs take no pods until gpumem says they can, by removing it.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::watcher::{self, watcher, Event};
@@ -226,5 +227,195 @@ pub async fn run(
             },
             () = tokio::time::sleep(RETRY), if stale && !due => due = true,
         }
+    }
+}
+
+/// The startup taint gpumem removes by default: a node group (Karpenter's
+/// `startupTaints`, kubelet's `--register-with-taints`) that starts nodes
+/// with it keeps GPU pods off them until their GPUs are allocatable.
+pub const DEFAULT_STARTUP_TAINT: &str = "gpumem.io/not-ready:NoSchedule";
+
+/// How often the Node is read while gpumem waits to remove its startup
+/// taint (a GET of one object: RBAC grants `get` on nodes, not `watch`).
+const STARTUP_POLL: Duration = Duration::from_secs(2);
+
+/// A taint `KEY[=VALUE]:EFFECT` (`--startup-taint`); without a value it
+/// matches the key and effect whatever the value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartupTaint {
+    pub key: String,
+    pub value: Option<String>,
+    pub effect: String,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("invalid taint {0:?}: expected KEY[=VALUE]:EFFECT, EFFECT one of NoSchedule, PreferNoSchedule, NoExecute")]
+pub struct BadTaint(String);
+
+impl std::str::FromStr for StartupTaint {
+    type Err = BadTaint;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || BadTaint(s.to_owned());
+        let (taint, effect) = s.trim().rsplit_once(':').ok_or_else(bad)?;
+        if !matches!(effect, "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+            return Err(bad());
+        }
+        let (key, value) = match taint.split_once('=') {
+            Some((key, value)) => (key, Some(value.to_owned())),
+            None => (taint, None),
+        };
+        if key.is_empty() || key.contains(char::is_whitespace) {
+            return Err(bad());
+        }
+        Ok(StartupTaint {
+            key: key.to_owned(),
+            value,
+            effect: effect.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for StartupTaint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.value {
+            Some(value) => write!(f, "{}={value}:{}", self.key, self.effect),
+            None => write!(f, "{}:{}", self.key, self.effect),
+        }
+    }
+}
+
+impl StartupTaint {
+    fn matches(&self, taint: &Taint) -> bool {
+        taint.key == self.key
+            && taint.effect == self.effect
+            && self
+                .value
+                .as_deref()
+                .is_none_or(|v| taint.value.as_deref().unwrap_or("") == v)
+    }
+}
+
+/// Whether kubelet shows `resource` allocatable on `node`: the device
+/// plugin registered and at least one unit is healthy.
+pub fn allocatable(node: &Node, resource: &str) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.allocatable.as_ref())
+        .and_then(|a| a.get(resource))
+        .and_then(|q| crate::node::quantity::bytes(&q.0))
+        .is_some_and(|n| n > 0)
+}
+
+/// Removes `taint` from the Node once `ready` says its GPUs can take pods
+/// (the device plugin: [`allocatable`]), then returns; also returns at
+/// once where the Node does not carry it (gpumem restarted on a node it
+/// already freed). Read and write go to the API server until then, retried.
+pub async fn clear_startup_taint(
+    client: Client,
+    node: String,
+    taint: StartupTaint,
+    ready: impl Fn(&Node) -> bool,
+    stop: CancellationToken,
+) {
+    let nodes: Api<Node> = Api::all(client);
+    let mut said_waiting = false;
+    loop {
+        let pause = match nodes.get(&node).await {
+            Ok(current) => {
+                let taints = current
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.taints.clone())
+                    .unwrap_or_default();
+                if !taints.iter().any(|t| taint.matches(t)) {
+                    if said_waiting {
+                        info!(node, %taint, "the startup taint is gone already");
+                    }
+                    return;
+                }
+                if !ready(&current) {
+                    if !said_waiting {
+                        info!(node, %taint, "keeping the startup taint until the node's GPUs are allocatable");
+                        said_waiting = true;
+                    }
+                    Some(STARTUP_POLL)
+                } else {
+                    let kept: Vec<&Taint> = taints.iter().filter(|t| !taint.matches(t)).collect();
+                    // The resourceVersion makes this a compare-and-swap: a
+                    // taint another controller added meanwhile is not lost
+                    // (409, read again).
+                    let patch = json!({
+                        "metadata": {"resourceVersion": current.metadata.resource_version},
+                        "spec": {"taints": kept},
+                    });
+                    match nodes
+                        .patch(&node, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await
+                    {
+                        Ok(_) => {
+                            info!(node, %taint, "removed the startup taint: the node's GPUs are allocatable");
+                            return;
+                        }
+                        Err(kube::Error::Api(status)) if status.code == 409 => None,
+                        Err(err) => {
+                            warn!(node, %taint, err = %describe(&err), "cannot remove the startup taint; retrying");
+                            Some(RETRY)
+                        }
+                    }
+                }
+            }
+            Err(err) => {
+                warn!(node, err = %describe(&err), "cannot read the Node for its startup taint; retrying");
+                Some(RETRY)
+            }
+        };
+        if let Some(pause) = pause {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taints_parse_as_kubectl_writes_them() {
+        let t: StartupTaint = "gpumem.io/not-ready:NoSchedule".parse().unwrap();
+        assert_eq!(t.key, "gpumem.io/not-ready");
+        assert_eq!(t.value, None);
+        assert_eq!(t.to_string(), DEFAULT_STARTUP_TAINT);
+        let t: StartupTaint = "a=b:NoExecute".parse().unwrap();
+        assert_eq!(t.value.as_deref(), Some("b"));
+        for bad in [
+            "a",
+            "a:Sometimes",
+            ":NoSchedule",
+            "=b:NoSchedule",
+            "a b:NoSchedule",
+        ] {
+            assert!(bad.parse::<StartupTaint>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_taint_without_a_value_matches_any_value() {
+        let taint = |key: &str, value: Option<&str>, effect: &str| Taint {
+            key: key.into(),
+            value: value.map(Into::into),
+            effect: effect.into(),
+            time_added: None,
+        };
+        let any: StartupTaint = "k:NoSchedule".parse().unwrap();
+        assert!(any.matches(&taint("k", Some("x"), "NoSchedule")));
+        assert!(any.matches(&taint("k", None, "NoSchedule")));
+        assert!(!any.matches(&taint("k", None, "NoExecute")));
+        let exact: StartupTaint = "k=v:NoSchedule".parse().unwrap();
+        assert!(!exact.matches(&taint("k", Some("x"), "NoSchedule")));
+        assert!(exact.matches(&taint("k", Some("v"), "NoSchedule")));
     }
 }

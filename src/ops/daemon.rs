@@ -15,6 +15,7 @@ use tracing::{error, info, warn};
 use crate::cluster::client::{ApiHealth, ADMISSION_CALL_BOUND};
 use crate::cluster::events::{self, PodEvents};
 use crate::cluster::gpushare::{self, Extender, PlacedContainer, PlacedPod};
+use crate::cluster::node::StartupTaint;
 use crate::cluster::pods::NodePods;
 use crate::deviceplugin::holders::KubeletHolders;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
@@ -71,6 +72,8 @@ pub struct Common {
     pub sensors: Option<Sensors>,
     /// The node's name, as the metrics label each GPU's series.
     pub hostname: String,
+    /// Also serve the series arena reads (`--arena-metrics`).
+    pub arena_series: bool,
     /// What to do with a container over its cap for the grace period in total
     /// within the window (`enforce::window`), and that grace period, seen
     /// from outside by reconciliation; `None`: nothing.
@@ -93,6 +96,7 @@ impl Common {
             over_cap: None,
             sensors: None,
             hostname: hostname.to_owned(),
+            arena_series: false,
         }
     }
 }
@@ -185,6 +189,8 @@ pub struct NodeConfig<'a> {
     /// `--node-name`, where given: what metrics call the node (else see
     /// [`hostname`]).
     pub node_name: Option<&'a str>,
+    /// Also serve the series arena reads (`--arena-metrics`).
+    pub arena_series: bool,
 }
 
 /// A front end's daemon, ready to run: what [`start`] gave.
@@ -257,6 +263,7 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
             over_cap: Some(config.over_cap),
             sensors: hardware.sensors(),
             hostname: hostname(config.node_name),
+            arena_series: config.arena_series,
         },
         shutdown,
     })
@@ -290,6 +297,9 @@ pub struct Cluster {
     pub node: String,
     /// Place containers where gpushare's scheduler extender chose.
     pub gpushare_extender: bool,
+    /// The taint to remove from the Node once kubelet shows its GPUs
+    /// allocatable (`--startup-taint`).
+    pub startup_taint: Option<StartupTaint>,
 }
 
 /// How long a notice waits for the first list of the node's pods.
@@ -391,6 +401,16 @@ pub async fn run(
             inventory_rx.clone(),
             stop.clone(),
         ));
+        if let Some(taint) = cluster.startup_taint.clone() {
+            let resource = resource.clone();
+            tasks.spawn(crate::cluster::node::clear_startup_taint(
+                cluster.client.clone(),
+                cluster.node.clone(),
+                taint,
+                move |node| crate::cluster::node::allocatable(node, &resource),
+                stop.clone(),
+            ));
+        }
         tasks.spawn(annotate_placed(
             pods.clone(),
             inventory_rx.clone(),
@@ -471,6 +491,7 @@ fn serve_endpoints(
         }
     }
     if let Some(listener) = common.metrics.take() {
+        let observed = observed.with_arena_series(common.arena_series);
         tasks.spawn(metrics::serve_logged(listener, observed, stop.clone()));
     }
 }
@@ -761,6 +782,9 @@ pub struct DraDaemonConfig {
     pub boot_id: String,
     /// For `/status`: which pods and containers reference which claims.
     pub pod_resources_socket: PathBuf,
+    /// The taint to remove from the Node once the ResourceSlice offers its
+    /// GPUs (`--startup-taint`).
+    pub startup_taint: Option<StartupTaint>,
     pub common: Common,
 }
 
@@ -839,6 +863,7 @@ pub async fn run_dra(
         )
     });
     let (slice_tx, slice_rx) = watch::channel(SliceStatus::default());
+    let mut slice_ready = slice_rx.clone();
     let (registration_tx, registration_rx) = watch::channel(Registration::default());
     let observed = Observed::new(
         config.sockets.driver_name.clone(),
@@ -857,6 +882,23 @@ pub async fn run_dra(
     )
     .with_api(config.api.clone());
     serve_endpoints(&mut tasks, &mut common, observed, &stop);
+    if let Some(taint) = config.startup_taint.clone() {
+        // Pods can be scheduled here once the slice the scheduler reads
+        // offers devices.
+        let (client, node, stop) = (
+            config.client.clone(),
+            config.driver.node.clone(),
+            stop.clone(),
+        );
+        tasks.spawn(async move {
+            let published = slice_ready.wait_for(|s| s.in_sync && s.devices > 0);
+            tokio::select! {
+                () = stop.cancelled() => return,
+                done = published => if done.is_err() { return },
+            }
+            crate::cluster::node::clear_startup_taint(client, node, taint, |_| true, stop).await;
+        });
+    }
     tasks.spawn(slice::run(
         config.client.clone(),
         config.driver.node.clone(),

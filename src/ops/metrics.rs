@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::{Json, Router};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
@@ -41,6 +41,8 @@ use crate::ops::status::{
     ClaimShare, ClaimStatus, ContainerStatus, DraStatus, GpuStatus, NodeStatus,
 };
 use crate::sync::LockExt;
+
+mod arena;
 
 const MIB: u64 = 1 << 20;
 
@@ -100,6 +102,8 @@ pub struct Observed {
     /// The node's name (`Hostname` on every GPU's series, as dcgm-exporter
     /// labels its own, so the two join).
     pub hostname: String,
+    /// Also serve the series arena reads (`--arena-metrics`, [`arena`]).
+    pub arena_series: bool,
 }
 
 impl Observed {
@@ -130,7 +134,14 @@ impl Observed {
             attribution: reconciler.map(Reconciler::attribution),
             sensors,
             hostname,
+            arena_series: false,
         }
+    }
+
+    /// Serves the series arena reads too (`--arena-metrics`).
+    pub fn with_arena_series(mut self, on: bool) -> Self {
+        self.arena_series = on;
+        self
     }
 
     /// Reports the API server's reachability too.
@@ -266,7 +277,7 @@ pub fn parse_address(text: &str) -> Result<Option<SocketAddr>, BadAddress> {
 }
 
 pub fn router(observed: Observed) -> Router {
-    let metrics = Arc::new(Metrics::new(&observed.counters));
+    let metrics = Arc::new(Metrics::new(&observed.counters, observed.arena_series));
     Router::new()
         .route("/metrics", get(scrape))
         .route("/healthz", get(healthz))
@@ -437,12 +448,14 @@ fn classic_text(openmetrics: &str) -> String {
 struct Metrics {
     registry: Registry,
     node: Arc<NodeCollector>,
+    /// The series arena reads, unprefixed, where they are on.
+    arena: Option<Registry>,
     /// One scrape encodes at a time, each its own reading.
     encoding: Mutex<()>,
 }
 
 impl Metrics {
-    fn new(counters: &Counters) -> Metrics {
+    fn new(counters: &Counters, arena_series: bool) -> Metrics {
         let mut registry = Registry::with_prefix("gpumem");
         registry.register(
             "allocate_calls",
@@ -465,9 +478,15 @@ impl Metrics {
         );
         let node = Arc::new(NodeCollector::default());
         registry.register_collector(Box::new(node.clone()));
+        let arena = arena_series.then(|| {
+            let mut arena = Registry::default();
+            arena.register_collector(Box::new(arena::ArenaCollector(node.clone())));
+            arena
+        });
         Metrics {
             registry,
             node,
+            arena,
             encoding: Mutex::new(()),
         }
     }
@@ -476,7 +495,12 @@ impl Metrics {
         let _turn = self.encoding.lock_unpoisoned();
         *self.node.reading.lock_unpoisoned() = Some(reading);
         let mut body = String::new();
-        let encoded = encode(&mut body, &self.registry);
+        let encoded = encode_registry(&mut body, &self.registry)
+            .and_then(|()| match &self.arena {
+                Some(arena) => encode_registry(&mut body, arena),
+                None => Ok(()),
+            })
+            .and_then(|()| encode_eof(&mut body));
         self.node.reading.lock_unpoisoned().take();
         encoded.map(|()| body)
     }
@@ -999,7 +1023,7 @@ mod tests {
                 }),
             }],
         });
-        let text = Metrics::new(&Counters::default()).encode(r).unwrap();
+        let text = Metrics::new(&Counters::default(), false).encode(r).unwrap();
         let gpu = format!("gpu=\"0\",UUID=\"{T4}\",modelName=\"Tesla T4\",Hostname=\"node-1\"");
         let pod = "namespace=\"default\",pod=\"nb\",container=\"main\"";
         for expected in [
@@ -1028,7 +1052,7 @@ mod tests {
     #[test]
     fn one_registry_reports_each_scrapes_reading() {
         let counters = Counters::default();
-        let metrics = Metrics::new(&counters);
+        let metrics = Metrics::new(&counters, false);
         counters.allocations.inc();
         let first = metrics
             .encode(reading(vec![

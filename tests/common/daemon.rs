@@ -98,6 +98,7 @@ impl Daemon {
                 api,
                 node: NODE.to_owned(),
                 gpushare_extender: false,
+                startup_taint: None,
             };
             (Some(server), Some(cluster))
         } else {

@@ -77,6 +77,7 @@ pub async fn run(
         facts: NodeFacts::default(),
         boot_id: current_boot_id().unwrap_or_else(|_| "demo".to_owned()),
         pod_resources_socket: dir.path().join("no-pod-resources.sock"),
+        startup_taint: None,
         common: Common::quiet(dir.path().join("state"), NODE),
     };
     let shutdown = CancellationToken::new();
