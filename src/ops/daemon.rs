@@ -411,6 +411,7 @@ pub async fn run(
             &resource,
             plugin.resend(),
             common.state_grace,
+            plugin.granted(),
         );
         tasks.spawn(cleanup::run(
             shim.clone(),
