@@ -16,7 +16,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	resourcev1 "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -158,32 +157,8 @@ func (s *suite) draHealth() (detail string, err error) {
 			err = fmt.Errorf("cleaning up: %w", gone)
 		}
 	}()
-	claim := &resourcev1.ResourceClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: claimName, Namespace: namespace},
-		Spec: resourcev1.ResourceClaimSpec{Devices: resourcev1.DeviceClaim{Requests: []resourcev1.DeviceRequest{{
-			Name: "gpu",
-			Exactly: &resourcev1.ExactDeviceRequest{
-				DeviceClassName: draDriver,
-				Capacity:        &resourcev1.CapacityRequirements{Requests: map[resourcev1.QualifiedName]resource.Quantity{"memory": resource.MustParse("1Gi")}},
-			},
-		}}}},
-	}
-	if _, err := s.c.admin.ResourceV1().ResourceClaims(namespace).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		return "", err
-	}
-	p := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: podName, Namespace: namespace},
-		Spec: corev1.PodSpec{
-			AutomountServiceAccountToken:  ptr.To(false),
-			TerminationGracePeriodSeconds: ptr.To[int64](1),
-			ResourceClaims:                []corev1.PodResourceClaim{{Name: claimName, ResourceClaimName: ptr.To(claimName)}},
-			Containers: []corev1.Container{{
-				Name: "main", Image: "registry.invalid/e2e/cuda-app:1",
-				Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: claimName}}},
-			}},
-		},
-	}
-	if err := s.createPod(p); err != nil {
+	// Named in the pod as its object is, which kubelet 1.34 needs.
+	if err := s.draClaimPod(claimName, podName, claimName, resource.MustParse("1Gi")); err != nil {
 		return "", err
 	}
 	if _, err := s.draPrepared(podName, resource.MustParse("1Gi")); err != nil {
