@@ -14,7 +14,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "pluginregistration/v1/api.proto",
     ];
     tonic_prost_build::configure().compile_protos(&protos, &["."])?;
-    for proto in protos {
+    // DRA health v1 shares package `v1` with pod resources: prost writes one
+    // file per package, so it gets a directory of its own.
+    let health_v1 = "dra-health/v1/api.proto";
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?).join("dra-health");
+    std::fs::create_dir_all(&out)?;
+    tonic_prost_build::configure()
+        .out_dir(&out)
+        .compile_protos(&[health_v1], &["."])?;
+    for proto in protos.iter().chain([&health_v1]) {
         println!("cargo:rerun-if-changed={proto}");
     }
     Ok(())

@@ -364,6 +364,12 @@ pub struct DaemonArgs {
     #[arg(long, env = "GPUMEM_METRICS_ADDR", default_value = ":9400")]
     pub metrics_addr: String,
 
+    /// The node's name in the metrics' Hostname label, as dcgm-exporter's,
+    /// so that the two join (the chart sets it from spec.nodeName).
+    /// Default: --node-name, else the host name.
+    #[arg(long, env = "GPUMEM_METRICS_HOSTNAME", value_name = "NAME")]
+    pub metrics_hostname: Option<String>,
+
     /// XIDs that do not make a GPU unhealthy (application errors): numbers
     /// separated by commas and/or spaces. Empty: every XID makes it unhealthy.
     #[arg(
@@ -777,6 +783,7 @@ impl DaemonArgs {
             hardware,
             unit,
             metrics_addr: &self.metrics_addr,
+            metrics_hostname: self.metrics_hostname.as_deref(),
             status_socket: self.node.status_socket(),
             ignore_xids: &self.ignore_xids.0,
             health_recovery: Duration::from_secs(self.health_recovery_secs),

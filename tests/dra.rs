@@ -21,7 +21,8 @@ use common::{fixture, T4_UUID};
 use gpumem::dra::claims::{ClaimRef, Prepared};
 use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
 use gpumem_testkit::simulator::dra::{
-    health_of, DraVersion, FakeDraKubelet, HealthStatus, HealthStream, KUBELET_1_33, KUBELET_1_34,
+    health_of, DraVersion, FakeDraKubelet, HealthStatus, HealthStream, HealthVersion, KUBELET_1_33,
+    KUBELET_1_34, KUBELET_1_37,
 };
 use gpumem_testkit::simulator::{ClaimUse, KubeletSim};
 
@@ -1546,9 +1547,10 @@ async fn health_becomes(
     }
 }
 
-/// kubelet 1.36 (`ResourceHealthStatus`, on by default) calls
+/// kubelet (`ResourceHealthStatus`, on by default from 1.36) calls
 /// NodeWatchResources on the DRA socket and puts what it hears in the status
-/// of pods whose claims hold the device.
+/// of pods whose claims hold the device. From 1.37 it calls only a health
+/// service the registration lists, and prefers v1.
 #[tokio::test]
 async fn device_health_reaches_kubelet_at_once_and_on_every_change() {
     let host = Host::new();
@@ -1557,7 +1559,10 @@ async fn device_health_reaches_kubelet_at_once_and_on_every_change() {
     write_v100x2(&gpus, true);
     let sock = host.path("no-kubelet.sock");
     let driver = Driver::start_custom(&host, &api, &sock, &gpus, &["--reconcile-secs", "0"]).await;
-    let kubelet = kubelet_1_34(&host).await;
+    let kubelet = FakeDraKubelet::register(&host.registration_socket(), KUBELET_1_37)
+        .await
+        .unwrap();
+    assert_eq!(kubelet.health_version(), Some(HealthVersion::V1));
     let mut health = kubelet
         .watch_resources()
         .await
@@ -1602,9 +1607,11 @@ async fn device_health_reaches_kubelet_at_once_and_on_every_change() {
     health_becomes(&mut health, &healthy, &driver).await;
 }
 
-/// Both DRAPlugin versions share the one DRA socket, and kubelet calls
-/// NodeWatchResources there whichever it chose; on shutdown the stream
-/// ends cleanly (kubelet dials again), not with an error.
+/// Both DRAPlugin versions and both DRAResourceHealth versions share the
+/// one DRA socket: kubelets 1.37 (v1 health, as registration offers it),
+/// 1.34 and 1.33 (v1alpha1, unasked) each hear the devices' health,
+/// whichever DRAPlugin version they chose; on shutdown the stream ends
+/// cleanly (kubelet dials again), not with an error.
 #[tokio::test]
 async fn device_health_is_served_to_v1_and_v1beta1_kubelets_until_shutdown() {
     use nix::sys::signal::{kill, Signal};
@@ -1619,14 +1626,16 @@ async fn device_health_is_served_to_v1_and_v1beta1_kubelets_until_shutdown() {
         Driver::start_custom(&host, &api, &sock, &gpus, &["--reconcile-secs", "0"]).await;
     let sick = v100x2_health(HealthStatus::Healthy, HealthStatus::Unhealthy);
     let mut streams = Vec::new();
-    for (known, version) in [
-        (KUBELET_1_34, DraVersion::V1),
-        (KUBELET_1_33, DraVersion::V1beta1),
+    for (known, version, health) in [
+        (KUBELET_1_37, DraVersion::V1, HealthVersion::V1),
+        (KUBELET_1_34, DraVersion::V1, HealthVersion::V1alpha1),
+        (KUBELET_1_33, DraVersion::V1beta1, HealthVersion::V1alpha1),
     ] {
         let kubelet = FakeDraKubelet::register(&host.registration_socket(), known)
             .await
             .unwrap();
         assert_eq!(kubelet.version(), version);
+        assert_eq!(kubelet.health_version(), Some(health), "{version:?}");
         let mut stream = kubelet
             .watch_resources()
             .await

@@ -84,7 +84,7 @@ impl ChartPlugin {
             .args(["--status-socket", "", "--reconcile-secs", "1"])
             // As the chart sets it (no --node-name: that means "use the API
             // server").
-            .env("NODE_NAME", NODE)
+            .env("GPUMEM_METRICS_HOSTNAME", NODE)
             .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
@@ -841,4 +841,40 @@ async fn arenas_queries_find_each_gpus_and_pods_memory() {
         ],
         "{pod:?}"
     );
+}
+
+/// The `Hostname` label comes from gpumem's own setting, as the chart sets
+/// it, never from a `NODE_NAME` the pod's environment has for something
+/// else.
+#[tokio::test]
+async fn the_hostname_label_is_gpumems_setting_not_the_pods_node_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let gpus = dir.path().join("node.toml");
+    common::rewrite_fake_gpus(
+        &gpus,
+        std::fs::read_to_string(common::fixture("t4")).unwrap(),
+    );
+    let plugin = ChartPlugin::start(dir.path(), |cmd| {
+        cmd.arg("--fake-gpus")
+            .arg(&gpus)
+            .env("NODE_NAME", "not-this-node")
+    })
+    .await;
+    let deadline = Instant::now() + WAIT;
+    let scrape = loop {
+        if let Some((200, body)) = get(plugin.metrics_port, "/metrics").await {
+            if body.contains("gpumem_gpu_units{") {
+                break body;
+            }
+        }
+        assert!(Instant::now() < deadline, "no metrics:\n{}", plugin.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let units = sample(
+        &scrape,
+        "gpumem_gpu_units",
+        &[&format!("Hostname=\"{NODE}\"")],
+    );
+    assert_eq!(units, Some("14"), "{scrape}");
+    assert!(!scrape.contains("not-this-node"), "{scrape}");
 }

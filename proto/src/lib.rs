@@ -78,16 +78,28 @@ pub mod dra {
 
     /// `k8s.io/kubelet/pkg/apis/dra-health`: device health a DRA driver
     /// streams to kubelet, which puts it in the status of the pods whose
-    /// claims hold the device (KEP-4680, `ResourceHealthStatus`).
+    /// claims hold the device (KEP-4680, `ResourceHealthStatus`: alpha
+    /// from 1.31, on by default from 1.36). Served on the DRA socket
+    /// whatever DRAPlugin version kubelet chose.
     pub mod health {
-        /// `k8s.io/kubelet/pkg/apis/dra-health/v1alpha1`: served on the DRA
-        /// socket and called there by kubelets with `ResourceHealthStatus`
-        /// (alpha from 1.34, on by default from 1.36), whatever DRAPlugin
-        /// version they chose.
+        /// `k8s.io/kubelet/pkg/apis/dra-health/v1`: kubelets 1.37 and later,
+        /// which call a driver's health service only if its registration
+        /// lists it, and prefer this version.
+        pub mod v1 {
+            include!(concat!(env!("OUT_DIR"), "/dra-health/v1.rs"));
+
+            /// This version's name in `PluginInfo.supported_versions`.
+            pub const SERVICE: &str = "v1.DRAResourceHealth";
+        }
+
+        /// `k8s.io/kubelet/pkg/apis/dra-health/v1alpha1`: called on every
+        /// DRA driver by kubelets 1.31 to 1.36 with the gate on; kubelets
+        /// 1.37 to 1.39 still take it when registration lists it.
         pub mod v1alpha1 {
             tonic::include_proto!("v1alpha1");
 
-            /// The gRPC service's full name.
+            /// This version's name in `PluginInfo.supported_versions`, and
+            /// the gRPC service's full name.
             pub const SERVICE: &str = "v1alpha1.DRAResourceHealth";
         }
     }

@@ -226,8 +226,8 @@ pub fn next_on<'a>(
     }
 }
 
-/// gpushare's per-container allocation: container index in
-/// `spec.containers` → GPU index → units. Serialised, the integer keys
+/// gpushare's per-container allocation: container index (see
+/// [`container_index`]) → GPU index → units. Serialised, the integer keys
 /// become the strings gpushare's tools parse.
 pub type Allocation = BTreeMap<usize, BTreeMap<u32, u64>>;
 
@@ -241,18 +241,28 @@ pub fn allocation(pod: &Pod) -> Option<Allocation> {
     serde_json::from_str(text).ok()
 }
 
-/// The index in `spec.containers` of the container named `name` (`None`
-/// for an init container: gpushare's tools count app containers only).
+/// The allocation's key for the container named `name`: its index in
+/// `spec.containers`; for a sidecar (an init container with `restartPolicy:
+/// Always`, which holds its units beside the app containers for the pod's
+/// life) the number of app containers plus its index in
+/// `spec.initContainers`, past every app container's key. gpushare's tools
+/// sum a GPU's units over every key, so a sidecar's count. A regular init
+/// container has none (`None`): kubelet hands its units on to the app
+/// containers, which are counted.
 pub fn container_index(pod: &Pod, name: &str) -> Option<usize> {
-    pod.spec
-        .as_ref()?
-        .containers
-        .iter()
-        .position(|c| c.name == name)
+    let spec = pod.spec.as_ref()?;
+    if let Some(index) = spec.containers.iter().position(|c| c.name == name) {
+        return Some(index);
+    }
+    let init = spec.init_containers.as_deref().unwrap_or_default();
+    init.iter()
+        .position(|c| c.name == name && c.restart_policy.as_deref() == Some("Always"))
+        .map(|index| spec.containers.len() + index)
 }
 
-/// The index in `spec.containers` of the pod's one container asking for
-/// `resource`, where exactly one (init containers included) does.
+/// The allocation's key (see [`container_index`]) of the pod's one
+/// container asking for `resource`, where exactly one (init containers
+/// included) does.
 pub fn sole_container(pod: &Pod, resource: &str) -> Option<usize> {
     let asks = |c: &Container| requested_units_of(c, resource) > 0;
     let mut asking = containers(pod).filter(|c| asks(c));
@@ -671,6 +681,39 @@ mod tests {
             None,
             "init containers have no index"
         );
+    }
+
+    /// A sidecar holds its units beside the app containers for the pod's
+    /// life: its entry is keyed past theirs, so gpushare's tools, which sum
+    /// every entry per GPU, count them. A regular init container's units
+    /// pass on to an app container and stay out.
+    #[test]
+    fn a_sidecar_has_its_own_entry_past_the_app_containers() {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "with-sidecar"},
+            "spec": {
+                "initContainers": [
+                    {"name": "setup", "resources": {"limits": {R: "1"}}},
+                    {"name": "proxy", "restartPolicy": "Always", "resources": {"limits": {R: "3"}}},
+                ],
+                "containers": [{"name": "a"}, {"name": "b"}],
+            },
+        }))
+        .unwrap();
+        assert_eq!(container_index(&p, "proxy"), Some(3));
+        assert_eq!(container_index(&p, "setup"), None);
+        let merged = merged_allocation(&p, [("a", 0, 2), ("proxy", 1, 3), ("setup", 0, 1)]);
+        assert_eq!(
+            allocation_value(&merged.unwrap()),
+            r#"{"0":{"0":2},"3":{"1":3}}"#
+        );
+        // The sidecar alone asks: the extender's one entry is its own.
+        assert_eq!(sole_container(&p, R), None, "setup asks too");
+        let mut only: Pod = p.clone();
+        if let Some(init) = only.spec.as_mut().and_then(|s| s.init_containers.as_mut()) {
+            init.remove(0);
+        }
+        assert_eq!(sole_container(&only, R), Some(2));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -26,8 +26,32 @@ use crate::sync::LockExt;
 /// period: each makes kubelet rewrite its checkpoint.
 const MIN_RESEND_EVERY: Duration = Duration::from_secs(5);
 
+/// The accounting directories Allocate made or took again, and when.
+/// Allocate records a directory under the same lock that clean-up's removal
+/// takes, so a directory named by devices an ended container held, taken
+/// again by a new container after clean-up asked kubelet who holds what,
+/// is kept rather than removed under the new container.
+#[derive(Clone, Default)]
+pub struct Granted(Arc<Mutex<HashMap<ContainerName, Instant>>>);
+
+impl Granted {
+    /// Runs `make`, which makes or takes again `name`'s directory, and
+    /// records it, with no removal in between.
+    pub fn grant<T>(&self, name: ContainerName, make: impl FnOnce() -> T) -> T {
+        let mut granted = self.0.lock_unpoisoned();
+        let made = make();
+        granted.insert(name, Instant::now());
+        made
+    }
+}
+
 pub struct KubeletHolders {
     pod_resources: PodResources,
+    /// What Allocate took, shared with the plugin's service.
+    granted: Granted,
+    /// When `live` last began: a directory granted since then may be in use
+    /// though kubelet's answer did not show it yet.
+    asked: Mutex<Option<Instant>>,
     checkpoint: PathBuf,
     resource: String,
     /// Bumped to have the plugin send its device list again: kubelet writes
@@ -45,16 +69,20 @@ impl KubeletHolders {
     /// `device_plugins` is kubelet's device-plugins directory (where its
     /// checkpoint lives); `resend` reaches the plugin's ListAndWatch, at
     /// most once per `every` while nothing changes (the grace period; at
-    /// least [`MIN_RESEND_EVERY`]).
+    /// least [`MIN_RESEND_EVERY`]); `granted` is what the plugin's Allocate
+    /// records.
     pub fn new(
         pod_resources: PodResources,
         device_plugins: &Path,
         resource: &str,
         resend: watch::Sender<u64>,
         every: Duration,
+        granted: Granted,
     ) -> Self {
         KubeletHolders {
             pod_resources,
+            granted,
+            asked: Mutex::new(None),
             checkpoint: device_plugins.join(checkpoint::FILE_NAME),
             resource: resource.to_owned(),
             resend,
@@ -88,6 +116,12 @@ impl KubeletHolders {
 #[tonic::async_trait]
 impl Holders for KubeletHolders {
     async fn live(&self) -> Result<HashSet<ContainerName>, String> {
+        let now = Instant::now();
+        if let Some(before) = self.asked.lock_unpoisoned().replace(now) {
+            // Grants before the last answer show in this one, or ended.
+            let mut granted = self.granted.0.lock_unpoisoned();
+            granted.retain(|_, at| *at >= before);
+        }
         let listed = self
             .pod_resources
             .listed()
@@ -135,6 +169,22 @@ impl Holders for KubeletHolders {
             self.resend_if_due(seen);
         }
         Ok(live)
+    }
+
+    /// Under the lock Allocate records its directories with: one granted
+    /// since `live` began is kept.
+    fn remove_unless_taken(
+        &self,
+        name: &ContainerName,
+        remove: &mut dyn FnMut() -> std::io::Result<()>,
+    ) -> Option<std::io::Result<()>> {
+        let asked = *self.asked.lock_unpoisoned();
+        let granted = self.granted.0.lock_unpoisoned();
+        let taken = granted
+            .get(name)
+            .is_some_and(|at| asked.is_none_or(|asked| *at >= asked));
+        // The removal runs with the lock held.
+        (!taken).then(remove)
     }
 
     /// Every container kubelet's checkpoint names: those kubelet restarts
@@ -253,5 +303,52 @@ impl FileKey {
     fn same_file(&self, now: &FileKey) -> bool {
         (self.dev, self.ino, self.len, self.modified, self.changed)
             == (now.dev, now.ino, now.len, now.modified, now.changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory named by one device of a 15079 MiB GPU's units.
+    fn name(unit: u32) -> ContainerName {
+        ContainerName::of_devices_any_unit(&[format!("ae414f82-{unit}")])
+            .into_iter()
+            .next()
+            .expect("a device plugin directory name")
+    }
+
+    /// Clean-up asked kubelet who holds what; then Allocate gave an ended
+    /// container's units, and so its directory, to a new container. The
+    /// removal that follows keeps that directory; one Allocate took before
+    /// the question, or never, goes.
+    #[tokio::test]
+    async fn a_directory_allocate_takes_after_cleanup_asked_kubelet_is_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let resource = "aliyun.com/gpu-mem";
+        let granted = Granted::default();
+        let holders = KubeletHolders::new(
+            PodResources::new(&tmp.path().join("no-kubelet.sock"), resource),
+            tmp.path(),
+            resource,
+            watch::Sender::new(0),
+            Duration::from_secs(60),
+            granted.clone(),
+        );
+        let dir = |name: &ContainerName| tmp.path().join(name.as_str());
+        let make = |name: &ContainerName| std::fs::create_dir(dir(name)).unwrap();
+        let (before, after, never) = (name(0), name(1), name(2));
+        granted.grant(before.clone(), || make(&before));
+        make(&never);
+        // No kubelet here: the answer is an error, but the question was asked.
+        assert!(holders.live().await.is_err());
+        granted.grant(after.clone(), || make(&after));
+
+        for (name, kept) in [(&after, true), (&before, false), (&never, false)] {
+            let path = dir(name);
+            let removed = holders.remove_unless_taken(name, &mut || std::fs::remove_dir(&path));
+            assert_eq!(removed.is_none(), kept, "{name:?}");
+            assert_eq!(path.exists(), kept, "{name:?}");
+        }
     }
 }

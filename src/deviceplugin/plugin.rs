@@ -17,6 +17,7 @@ use tracing::{error, info, warn};
 use crate::cluster::gpushare::Extender;
 use crate::deviceplugin::api::deviceplugin::device_plugin_server::DevicePluginServer;
 use crate::deviceplugin::api::deviceplugin::{RegisterRequest, VERSION};
+use crate::deviceplugin::holders::Granted;
 use crate::deviceplugin::kubelet::{self, SocketId, KUBELET_SOCKET};
 use crate::deviceplugin::service::{plugin_options, Counters, DevicePluginService, Streams};
 use crate::isolation::inject::{DeviceListStrategy, Isolation};
@@ -87,6 +88,7 @@ pub struct Plugin {
     status: watch::Sender<PluginStatus>,
     extender: Option<Arc<Extender>>,
     resend: watch::Sender<u64>,
+    granted: Granted,
 }
 
 enum Registration {
@@ -114,12 +116,18 @@ impl Plugin {
             status: watch::Sender::new(PluginStatus::default()),
             extender: None,
             resend: watch::Sender::new(0),
+            granted: Granted::default(),
         }
     }
 
     /// Bumping it sends the device list to kubelet again, unchanged.
     pub fn resend(&self) -> watch::Sender<u64> {
         self.resend.clone()
+    }
+
+    /// The accounting directories Allocate takes, for clean-up.
+    pub fn granted(&self) -> Granted {
+        self.granted.clone()
     }
 
     /// Places containers where gpushare's scheduler extender chose.
@@ -273,7 +281,8 @@ impl Plugin {
                 resend: self.resend.subscribe(),
             },
         )
-        .with_extender(self.extender.clone());
+        .with_extender(self.extender.clone())
+        .with_granted(self.granted.clone());
         let server = tonic::transport::Server::builder()
             .add_service(DevicePluginServer::new(service).max_decoding_message_size(MAX_REQUEST))
             .serve_with_incoming_shutdown(

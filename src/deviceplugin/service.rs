@@ -21,7 +21,9 @@ use crate::deviceplugin::api::deviceplugin::{
     PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
     PreferredAllocationResponse,
 };
+use crate::deviceplugin::holders::Granted;
 use crate::deviceplugin::list;
+use crate::isolation::containers::ContainerName;
 use crate::isolation::inject::{self, DeviceListStrategy, Grant, InjectError, Isolation};
 use crate::node::inventory::Inventory;
 use crate::node::placement::{self, Assignment, IdSample, PlacementError, Policy};
@@ -98,6 +100,8 @@ pub struct DevicePluginService {
     streams: Streams,
     /// Placement decided by gpushare's scheduler extender, if it runs.
     extender: Option<Arc<Extender>>,
+    /// Where Allocate records the directories it takes, for clean-up.
+    granted: Granted,
 }
 
 impl DevicePluginService {
@@ -117,7 +121,15 @@ impl DevicePluginService {
             counters,
             streams,
             extender: None,
+            granted: Granted::default(),
         }
+    }
+
+    /// Records the directories Allocate takes in `granted`, which clean-up
+    /// reads.
+    pub fn with_granted(mut self, granted: Granted) -> Self {
+        self.granted = granted;
+        self
     }
 
     /// Places each container on the GPU gpushare's extender chose for it.
@@ -288,16 +300,19 @@ impl DevicePluginService {
         }
         let isolation = self.isolation.clone();
         let device_list = self.device_list.clone();
+        let granted = self.granted.clone();
         // Creating and syncing accounting files and CDI specs blocks: off
         // the async workers.
-        tokio::task::spawn_blocking(move || grant_all(&inv, placed, &isolation, &device_list))
-            .await
-            .unwrap_or_else(|err| {
-                Err(Status::internal(format!(
-                    "Allocate failed: {}",
-                    chain(&err)
-                )))
-            })
+        tokio::task::spawn_blocking(move || {
+            grant_all(&inv, placed, &isolation, &device_list, &granted)
+        })
+        .await
+        .unwrap_or_else(|err| {
+            Err(Status::internal(format!(
+                "Allocate failed: {}",
+                chain(&err)
+            )))
+        })
     }
 }
 
@@ -330,6 +345,7 @@ fn grant_all(
     placed: Vec<Placed>,
     isolation: &Isolation,
     device_list: &DeviceListStrategy,
+    granted: &Granted,
 ) -> Result<AllocateResponse, Status> {
     let mut container_responses = Vec::with_capacity(placed.len());
     for Placed { ids, assignment } in placed {
@@ -341,7 +357,11 @@ fn grant_all(
             cap_mib = gpu.cap_mib(assignment.units),
             "Allocate"
         );
-        let grant = inject::container_grant(inv, assignment, &ids, isolation, device_list)
+        let name = ContainerName::of(inv, assignment, &ids);
+        let grant = granted
+            .grant(name, || {
+                inject::container_grant(inv, assignment, &ids, isolation, device_list)
+            })
             .inspect_err(|err| warn!(err = %chain(err), "Allocate failed"))?;
         container_responses.push(container_response(grant));
     }

@@ -2,8 +2,11 @@
 //! `DRAResourceHealth` stream on the DRA socket, fed by the node's health
 //! watcher through the inventory, which kubelet puts in pod status.
 //!
-//! kubelet calls `NodeWatchResources` when it registers the driver (1.36
-//! calls again every 5 s while the call fails). Every message must be the
+//! kubelet calls `NodeWatchResources` when it registers the driver, and
+//! again every 5 s while the call fails. Kubelets 1.31 to 1.36 call
+//! v1alpha1 on every driver; 1.37 calls only a version our registration
+//! lists (see [`SERVICES`]), v1 first. Both versions carry the same
+//! messages and are served from one stream. Every message must be the
 //! driver's complete list: kubelet stamps each device
 //! with the time the message arrived and reads a device not heard of for
 //! 30 s (its default `health_check_timeout_seconds`) as Unknown, so the list
@@ -21,10 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tracing::debug;
 
-use crate::dra::api::health::v1alpha1::{
-    self, dra_resource_health_server::DraResourceHealth, DeviceIdentifier, HealthStatus,
-    NodeWatchResourcesRequest, NodeWatchResourcesResponse,
-};
+use crate::dra::api::health::{v1, v1alpha1};
 use crate::dra::slice;
 use crate::node::inventory::Inventory;
 
@@ -32,8 +32,22 @@ use crate::node::inventory::Inventory;
 /// kubelet's 30 s timeout, so one late message costs nothing.
 pub const REPEAT: Duration = Duration::from_secs(10);
 
+/// The health service versions we serve, newest first, as registration
+/// lists them: kubelet 1.37 opens the stream only for a driver that lists
+/// one, and takes the first it knows.
+pub const SERVICES: [&str; 2] = [v1::SERVICE, v1alpha1::SERVICE];
+
+/// A device's health, as both API versions know it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    Unhealthy,
+    /// Nothing watches it.
+    Unknown,
+}
+
 /// Each device's health, by device name, in one pool.
-pub type Report = BTreeMap<String, HealthStatus>;
+pub type Report = BTreeMap<String, Health>;
 
 /// The health of every device this driver offers, by its name in the
 /// ResourceSlice: every GPU big enough for one unit. An unhealthy GPU is
@@ -48,33 +62,57 @@ pub fn report(inventory: &Inventory, checked: bool) -> Report {
         .filter(|g| g.units > 0)
         .map(|g| {
             let health = match (g.gpu.healthy, checked) {
-                (false, _) => HealthStatus::Unhealthy,
-                (true, true) => HealthStatus::Healthy,
-                (true, false) => HealthStatus::Unknown,
+                (false, _) => Health::Unhealthy,
+                (true, true) => Health::Healthy,
+                (true, false) => Health::Unknown,
             };
             (slice::device_name(&g.gpu), health)
         })
         .collect()
 }
 
-/// `report` as kubelet's message: pool `pool` (the slice's pool, the node's
-/// name), each device's health last determined at `now` (Unix seconds).
-pub fn message(pool: &str, report: &Report, now: i64) -> NodeWatchResourcesResponse {
-    NodeWatchResourcesResponse {
-        devices: report
-            .iter()
-            .map(|(device, health)| v1alpha1::DeviceHealth {
-                device: Some(DeviceIdentifier {
-                    pool_name: pool.to_owned(),
-                    device_name: device.clone(),
-                }),
-                health: (*health).into(),
-                last_updated_time: now,
-                // kubelet's default (30 s), which REPEAT keeps well within.
-                health_check_timeout_seconds: 0,
-            })
-            .collect(),
-    }
+/// `report` as kubelet's message in API version `$version` (v1 and
+/// v1alpha1 have the same fields, in their own types): pool `pool` (the
+/// slice's pool, the node's name), each device's health last determined at
+/// `now` (Unix seconds).
+macro_rules! message {
+    ($version:ident, $pool:expr, $report:expr, $now:expr) => {
+        $version::NodeWatchResourcesResponse {
+            devices: $report
+                .iter()
+                .map(|(device, health)| $version::DeviceHealth {
+                    device: Some($version::DeviceIdentifier {
+                        pool_name: $pool.to_owned(),
+                        device_name: device.clone(),
+                    }),
+                    health: match health {
+                        Health::Healthy => $version::HealthStatus::Healthy,
+                        Health::Unhealthy => $version::HealthStatus::Unhealthy,
+                        Health::Unknown => $version::HealthStatus::Unknown,
+                    }
+                    .into(),
+                    last_updated_time: $now,
+                    // kubelet's default (30 s), which REPEAT keeps well within.
+                    health_check_timeout_seconds: 0,
+                    message: String::new(),
+                })
+                .collect(),
+        }
+    };
+}
+
+/// `report` as kubelet 1.37's message (see [`message!`]).
+pub fn message_v1(pool: &str, report: &Report, now: i64) -> v1::NodeWatchResourcesResponse {
+    message!(v1, pool, report, now)
+}
+
+/// `report` as the message of kubelets before 1.37 (see [`message!`]).
+pub fn message_v1alpha1(
+    pool: &str,
+    report: &Report,
+    now: i64,
+) -> v1alpha1::NodeWatchResourcesResponse {
+    message!(v1alpha1, pool, report, now)
 }
 
 /// What the stream reads: the inventory the health watcher keeps current.
@@ -87,8 +125,8 @@ pub struct HealthFeed {
     pub checked: bool,
 }
 
-/// The `DRAResourceHealth` service: one stream per call, each ending when
-/// `stop` is cancelled, so the server drains at shutdown.
+/// The `DRAResourceHealth` service, in both versions: one stream per call,
+/// each ending when `stop` is cancelled, so the server drains at shutdown.
 #[derive(Clone)]
 pub struct HealthService {
     feed: HealthFeed,
@@ -104,10 +142,27 @@ impl HealthService {
             repeat: REPEAT,
         }
     }
+
+    /// The stream of one call, each message made by `to`.
+    fn watch<M: Send + 'static>(&self, to: fn(&str, &Report, i64) -> M) -> HealthStream<M> {
+        let mut repeat = tokio::time::interval_at(Instant::now() + self.repeat, self.repeat);
+        repeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let watching = Watching {
+            feed: self.feed.clone(),
+            stop: self.stop.clone(),
+            repeat,
+            sent: None,
+        };
+        let stream = futures_util::stream::unfold(watching, move |mut watching| async move {
+            let (report, now) = watching.next().await?;
+            let message = to(&watching.feed.pool, &report, now);
+            Some((Ok(message), watching))
+        });
+        Box::pin(stream)
+    }
 }
 
-type HealthStream =
-    Pin<Box<dyn Stream<Item = Result<NodeWatchResourcesResponse, Status>> + Send + 'static>>;
+type HealthStream<M> = Pin<Box<dyn Stream<Item = Result<M, Status>> + Send + 'static>>;
 
 /// One stream's state between messages.
 struct Watching {
@@ -118,10 +173,10 @@ struct Watching {
 }
 
 impl Watching {
-    /// The next message: at once for the first, then on a change of health
-    /// or when it is time to repeat; `None` at shutdown or when the
-    /// inventory is gone (the daemon is stopping).
-    async fn next(&mut self) -> Option<NodeWatchResourcesResponse> {
+    /// The next report and its time: at once for the first, then on a
+    /// change of health or when it is time to repeat; `None` at shutdown or
+    /// when the inventory is gone (the daemon is stopping).
+    async fn next(&mut self) -> Option<(Report, i64)> {
         loop {
             let current = report(&self.feed.inventory.borrow_and_update(), self.feed.checked);
             if self.sent.as_ref() != Some(&current) {
@@ -139,38 +194,38 @@ impl Watching {
         }
     }
 
-    fn send(&mut self, report: Report) -> NodeWatchResourcesResponse {
+    fn send(&mut self, report: Report) -> (Report, i64) {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
-        let message = message(&self.feed.pool, &report, now);
-        self.sent = Some(report);
-        message
+        self.sent = Some(report.clone());
+        (report, now)
     }
 }
 
 #[tonic::async_trait]
-impl DraResourceHealth for HealthService {
-    type NodeWatchResourcesStream = HealthStream;
+impl v1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStream<v1::NodeWatchResourcesResponse>;
 
     async fn node_watch_resources(
         &self,
-        _: Request<NodeWatchResourcesRequest>,
+        _: Request<v1::NodeWatchResourcesRequest>,
     ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-        debug!("NodeWatchResources: kubelet watches device health");
-        let mut repeat = tokio::time::interval_at(Instant::now() + self.repeat, self.repeat);
-        repeat.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let watching = Watching {
-            feed: self.feed.clone(),
-            stop: self.stop.clone(),
-            repeat,
-            sent: None,
-        };
-        let stream = futures_util::stream::unfold(watching, |mut watching| async move {
-            let message = watching.next().await?;
-            Some((Ok(message), watching))
-        });
-        Ok(Response::new(Box::pin(stream)))
+        debug!("NodeWatchResources (v1): kubelet watches device health");
+        Ok(Response::new(self.watch(message_v1)))
+    }
+}
+
+#[tonic::async_trait]
+impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = HealthStream<v1alpha1::NodeWatchResourcesResponse>;
+
+    async fn node_watch_resources(
+        &self,
+        _: Request<v1alpha1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
+        debug!("NodeWatchResources (v1alpha1): kubelet watches device health");
+        Ok(Response::new(self.watch(message_v1alpha1)))
     }
 }
 
@@ -180,6 +235,8 @@ mod tests {
     use crate::node::gpu::{test_gpu, Gpu};
     use crate::node::units::MemoryUnit;
     use futures_util::StreamExt;
+    use prost::Message as _;
+    use v1::dra_resource_health_server::DraResourceHealth as _;
 
     fn gpu(index: u32, memory_mib: u64) -> Gpu {
         test_gpu(index, &format!("GPU-{index}"), memory_mib)
@@ -194,8 +251,8 @@ mod tests {
         let inv = inventory(vec![gpu(0, 15079), gpu(1, 15079), gpu(2, 512)]);
         let inv = inv.with_health("GPU-1", false).unwrap();
         let want = Report::from([
-            ("gpu-0".into(), HealthStatus::Healthy),
-            ("gpu-1".into(), HealthStatus::Unhealthy),
+            ("gpu-0".into(), Health::Healthy),
+            ("gpu-1".into(), Health::Unhealthy),
         ]);
         // gpu-2 holds no whole GiB: never in the slice, so not reported.
         assert_eq!(report(&inv, true), want);
@@ -203,29 +260,34 @@ mod tests {
         assert_eq!(
             report(&inv, false),
             Report::from([
-                ("gpu-0".into(), HealthStatus::Unknown),
-                ("gpu-1".into(), HealthStatus::Unhealthy),
+                ("gpu-0".into(), Health::Unknown),
+                ("gpu-1".into(), Health::Unhealthy),
             ])
         );
-        let message = message("node-a", &want, 1_700_000_000);
+        let message = message_v1("node-a", &want, 1_700_000_000);
         let first = &message.devices[0];
         let id = first.device.as_ref().unwrap();
         assert_eq!(
             (id.pool_name.as_str(), id.device_name.as_str()),
             ("node-a", "gpu-0")
         );
-        assert_eq!(first.health(), HealthStatus::Healthy);
+        assert_eq!(first.health(), v1::HealthStatus::Healthy);
         assert_eq!(first.last_updated_time, 1_700_000_000);
-        assert_eq!(message.devices[1].health(), HealthStatus::Unhealthy);
+        assert_eq!(message.devices[1].health(), v1::HealthStatus::Unhealthy);
+        // The older version: the same message, field for field.
+        let alpha = message_v1alpha1("node-a", &want, 1_700_000_000);
+        assert_eq!(alpha.encode_to_vec(), message.encode_to_vec());
     }
 
-    async fn next(stream: &mut HealthStream) -> Option<Result<NodeWatchResourcesResponse, Status>> {
+    async fn next(
+        stream: &mut HealthStream<v1::NodeWatchResourcesResponse>,
+    ) -> Option<Result<v1::NodeWatchResourcesResponse, Status>> {
         tokio::time::timeout(Duration::from_secs(60), stream.next())
             .await
             .expect("a message within a minute")
     }
 
-    fn health_of(message: &NodeWatchResourcesResponse) -> Vec<HealthStatus> {
+    fn health_of(message: &v1::NodeWatchResourcesResponse) -> Vec<v1::HealthStatus> {
         message.devices.iter().map(|d| d.health()).collect()
     }
 
@@ -240,9 +302,9 @@ mod tests {
         (tx, feed)
     }
 
-    async fn watch(service: &HealthService) -> HealthStream {
+    async fn watch(service: &HealthService) -> HealthStream<v1::NodeWatchResourcesResponse> {
         service
-            .node_watch_resources(Request::new(NodeWatchResourcesRequest {}))
+            .node_watch_resources(Request::new(v1::NodeWatchResourcesRequest {}))
             .await
             .unwrap()
             .into_inner()
@@ -250,7 +312,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_list_comes_at_once_then_on_every_change_of_health_until_shutdown() {
-        use HealthStatus::{Healthy, Unhealthy};
+        use v1::HealthStatus::{Healthy, Unhealthy};
         let (tx, feed) = watched(2);
         let stop = CancellationToken::new();
         // No repeat within the test: every message is the first or a change.
@@ -286,7 +348,7 @@ mod tests {
         let mut stream = watch(&service).await;
         for _ in 0..3 {
             let message = next(&mut stream).await.unwrap().unwrap();
-            assert_eq!(health_of(&message), [HealthStatus::Healthy]);
+            assert_eq!(health_of(&message), [v1::HealthStatus::Healthy]);
         }
         assert!(
             REPEAT * 3 <= Duration::from_secs(30),

@@ -11,10 +11,19 @@ use crate::dra::api::pluginregistration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse, DRA_PLUGIN,
 };
 use crate::dra::api::{v1, v1beta1};
+use crate::dra::health;
 
-/// The DRA API versions we serve, newest first: kubelet takes the first of
-/// them it knows.
-pub const SUPPORTED_VERSIONS: [&str; 2] = [v1::SERVICE, v1beta1::SERVICE];
+/// The gRPC services we serve on the DRA socket, as kubelet names them:
+/// the DRAPlugin versions, newest first (kubelet takes the first it
+/// knows), then the DRAResourceHealth versions, newest first. Kubelet 1.37
+/// watches device health only through a service listed here; older
+/// kubelets skip names they do not know, and call v1alpha1 regardless.
+pub const SUPPORTED_VERSIONS: [&str; 4] = [
+    v1::SERVICE,
+    v1beta1::SERVICE,
+    health::SERVICES[0],
+    health::SERVICES[1],
+];
 
 /// Where registration with kubelet stands, for `/status`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -94,7 +103,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn get_info_names_the_driver_its_socket_and_v1_before_v1beta1() {
+    async fn get_info_names_the_driver_its_socket_and_its_services_newest_first() {
         let (service, _) = service();
         let info = service
             .get_info(Request::new(InfoRequest {}))
@@ -107,7 +116,12 @@ mod tests {
                 r#type: "DRAPlugin".into(),
                 name: "gpumem.io".into(),
                 endpoint: "/var/lib/kubelet/plugins/gpumem.io/dra.sock".into(),
-                supported_versions: vec!["v1.DRAPlugin".into(), "v1beta1.DRAPlugin".into()],
+                supported_versions: vec![
+                    "v1.DRAPlugin".into(),
+                    "v1beta1.DRAPlugin".into(),
+                    "v1.DRAResourceHealth".into(),
+                    "v1alpha1.DRAResourceHealth".into()
+                ],
             }
         );
     }

@@ -19,7 +19,7 @@ use tonic::transport::server::Router;
 use tonic::{Request, Response, Status};
 use tracing::{debug, error, info, warn};
 
-use crate::dra::api::health::v1alpha1::dra_resource_health_server::DraResourceHealthServer;
+use crate::dra::api::health;
 use crate::dra::api::pluginregistration::registration_server::RegistrationServer;
 use crate::dra::api::{v1, v1beta1};
 use crate::dra::claims::{ClaimRef, Claims, Prepared, PreparedDevice, Unprepared};
@@ -282,7 +282,8 @@ dra_plugin!(v1beta1, v1beta1_device);
 /// DRA socket as soon as it has registered us), until `shutdown`; then
 /// removes both, so kubelet deregisters the driver. The DRA socket serves
 /// both DRAPlugin versions and, for kubelets with `ResourceHealthStatus`
-/// (whichever version they chose), the devices' health from `health`.
+/// (whichever version they chose), the devices' health from `health` in
+/// both DRAResourceHealth versions.
 /// kubelet's answers go to `registration`. Returns early with an error if
 /// either server fails: kubelet needs both.
 pub async fn serve(
@@ -328,14 +329,17 @@ pub async fn serve(
 
     let stop = shutdown.child_token();
     let service = DraService::new(claims);
+    // Its streams end on `stop`, so the server drains at shutdown.
+    let health = HealthService::new(health, stop.clone());
     let dra = tonic::transport::Server::builder()
         .add_service(v1::dra_plugin_server::DraPluginServer::new(service.clone()))
         .add_service(v1beta1::dra_plugin_server::DraPluginServer::new(service))
-        // Its streams end on `stop`, so the server drains at shutdown.
-        .add_service(DraResourceHealthServer::new(HealthService::new(
-            health,
-            stop.clone(),
-        )));
+        .add_service(
+            health::v1::dra_resource_health_server::DraResourceHealthServer::new(health.clone()),
+        )
+        .add_service(
+            health::v1alpha1::dra_resource_health_server::DraResourceHealthServer::new(health),
+        );
     registration.send_replace(Registration::Waiting);
     let register = tonic::transport::Server::builder().add_service(RegistrationServer::new(
         RegistrationService::new(name, endpoint, registration),
@@ -516,7 +520,7 @@ mod tests {
     use crate::node::units::MemoryUnit;
     use gpumem_testkit::simulator::dra::{
         health_of, wait_for_socket, DraVersion, FakeDraKubelet, FakeKubeletError, HealthStatus,
-        KUBELET_1_33, KUBELET_1_34,
+        HealthVersion, KUBELET_1_33, KUBELET_1_34, KUBELET_1_37,
     };
 
     const WAIT: Duration = Duration::from_secs(10);
@@ -730,15 +734,21 @@ mod tests {
     }
 
     /// kubelet calls NodeWatchResources on the DRA socket whichever
-    /// DRAPlugin version it chose; the stream ends cleanly at shutdown.
+    /// DRAPlugin version it chose: 1.37 the v1 service registration lists,
+    /// older ones v1alpha1 unasked. The stream ends cleanly at shutdown.
     #[tokio::test]
     async fn device_health_is_served_beside_both_versions_until_shutdown() {
         let driver = Driver::start().await;
         let mut streams = Vec::new();
-        for known in [KUBELET_1_34, KUBELET_1_33] {
+        for (known, health) in [
+            (KUBELET_1_37, HealthVersion::V1),
+            (KUBELET_1_34, HealthVersion::V1alpha1),
+            (KUBELET_1_33, HealthVersion::V1alpha1),
+        ] {
             let kubelet = FakeDraKubelet::register(&driver.sockets.registration_socket(), known)
                 .await
                 .unwrap();
+            assert_eq!(kubelet.health_version(), Some(health), "{known:?}");
             let mut stream = kubelet.watch_resources().await.unwrap();
             let first = stream.next(WAIT).await.unwrap().unwrap();
             assert_eq!(

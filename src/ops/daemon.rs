@@ -175,6 +175,8 @@ pub struct NodeConfig<'a> {
     pub unit: MemoryUnit,
     /// `--metrics-addr`, not yet parsed.
     pub metrics_addr: &'a str,
+    /// `--metrics-hostname`, where given: what metrics call the node.
+    pub metrics_hostname: Option<&'a str>,
     /// `--status-socket`, resolved; `None`: off.
     pub status_socket: Option<PathBuf>,
     /// XIDs that do not make a GPU unhealthy.
@@ -186,8 +188,8 @@ pub struct NodeConfig<'a> {
     pub state_grace: Duration,
     pub bound_state_dirs: Bounding,
     pub over_cap: (OverCapAction, Duration),
-    /// `--node-name`, where given: what metrics call the node (else see
-    /// [`hostname`]).
+    /// `--node-name`, where given: what metrics call the node without
+    /// `--metrics-hostname` (see [`hostname`]).
     pub node_name: Option<&'a str>,
     /// Also serve the series arena reads (`--arena-metrics`).
     pub arena_series: bool,
@@ -262,20 +264,21 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
             reconcile,
             over_cap: Some(config.over_cap),
             sensors: hardware.sensors(),
-            hostname: hostname(config.node_name),
+            hostname: hostname(config.metrics_hostname, config.node_name),
             arena_series: config.arena_series,
         },
         shutdown,
     })
 }
 
-/// The node's name for metrics: `--node-name`, else `NODE_NAME`, else the
-/// kernel's host name: what dcgm-exporter labels `Hostname` (NODE_NAME, else
-/// the host name), so that the two join on a node where both run. The chart
-/// sets NODE_NAME from the pod's node: a pod's own host name is its name.
-pub fn hostname(node_name: Option<&str>) -> String {
-    let from_env = std::env::var("NODE_NAME").ok();
-    let named = [node_name, from_env.as_deref()]
+/// The node's name for metrics: `--metrics-hostname`, else `--node-name`,
+/// else the kernel's host name: what dcgm-exporter labels `Hostname` (its
+/// NODE_NAME, else the host name), so that the two join on a node where both
+/// run. The chart sets `--metrics-hostname` from the pod's node: a pod's own
+/// host name is its name. Read from gpumem's own settings only, never from
+/// a `NODE_NAME` the pod may set for something else.
+pub fn hostname(metrics_hostname: Option<&str>, node_name: Option<&str>) -> String {
+    let named = [metrics_hostname, node_name]
         .into_iter()
         .flatten()
         .map(str::trim)
@@ -449,6 +452,7 @@ pub async fn run(
             &resource,
             plugin.resend(),
             common.state_grace,
+            plugin.granted(),
         );
         tasks.spawn(cleanup::run(
             shim.clone(),

@@ -81,6 +81,7 @@ type cluster struct {
 	saKey         string
 	stateDir      string
 	shimDir       string
+	gpusFile      string // gpumem's --fake-gpus: this run's copy of the fixture (health.go edits it)
 }
 
 // cdiDir is where gpumem writes CDI specs (the manifests' /var/run/cdi)
@@ -406,7 +407,7 @@ evictionHard:
   memory.available: 1Mi
   nodefs.available: 1%%
   imagefs.available: 1%%
-`, port, healthz, serving, servingKey, c.pki.caFile(), c.criSocket())
+%s`, port, healthz, serving, servingKey, c.pki.caFile(), c.criSocket(), c.kubeletFeatureGates())
 	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
 		return err
 	}
@@ -635,7 +636,11 @@ func (c *cluster) startGpumem() error {
 		}
 		c.gpumemArgv = append(c.gpumemArgv, rewrite(a))
 	}
-	c.gpumemArgv = append(c.gpumemArgv, "--fake-gpus="+c.cfg.fixture, "--kubeconfig="+kc)
+	c.gpusFile = c.path("gpus.toml")
+	if err := c.setGPUsHealthy(true); err != nil {
+		return err
+	}
+	c.gpumemArgv = append(c.gpumemArgv, "--fake-gpus="+c.gpusFile, "--kubeconfig="+kc)
 	c.gpumemEnv = nil
 	for _, e := range ctr.Env {
 		switch {

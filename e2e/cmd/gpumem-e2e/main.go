@@ -282,6 +282,7 @@ func (s *suite) runPlugin() {
 		{"kube-scheduler places a GPU pod by allocatable", s.scheduled},
 		{"--device-list-strategy cdi: CDI devices and their spec", s.strategyCDI},
 		{"--device-list-strategy volume-mounts: the device-list mount", s.strategyVolumeMounts},
+		{"GPU unhealthy: allocatable drops, the pod's status says Unhealthy; recovered: both back", s.pluginHealth},
 	})
 }
 
@@ -291,9 +292,10 @@ func (s *suite) runDRA() {
 		{"claim from a template: allocated by the scheduler, prepared by kubelet", s.draTemplate},
 		{"one claim shared by two pods", s.draShared},
 		{"kubelet restart: slice republished, claims kept", s.draKubeletRestart},
+		{"GPU unhealthy: pods holding claims on it say Unhealthy in their status; recovered: Healthy", s.draHealth},
 		{"driver restart: claims kept, a new claim prepared", s.draDriverRestart},
 		{"pod deletion unprepares the claims", s.draUnprepare},
-		{"kubelet logs no health-stream or registration errors", s.draQuiet},
+		{"kubelet logs no plugin-watcher errors for the registration socket", s.draQuiet},
 	})
 }
 

@@ -24,7 +24,7 @@ use crate::node::inventory::Inventory;
 use crate::ops::daemon::{self, Common, DraDaemonConfig};
 use crate::ops::demo::{driver_dir, node_isolation, run_tenant, Applied, DemoError, TenantKit};
 use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
-use gpumem_testkit::simulator::dra::{FakeDraKubelet, KUBELET_1_34};
+use gpumem_testkit::simulator::dra::{FakeDraKubelet, KUBELET_1_37};
 
 const NODE: &str = "t4-node";
 const NODE_UID: &str = "7d0c6e1a-0000-4000-8000-00000000d7a0";
@@ -109,7 +109,7 @@ async fn scenario(
     gpumem_testkit::simulator::dra::wait_for_socket(&socket, STARTUP)
         .await
         .map_err(|e| fail("registration", &e))?;
-    let kubelet = FakeDraKubelet::register(&socket, KUBELET_1_34)
+    let kubelet = FakeDraKubelet::register(&socket, KUBELET_1_37)
         .await
         .map_err(|e| fail("registration", &e))?;
     let slice = wait_for_slice(api)

@@ -8,7 +8,10 @@
 //! `:authority` (the socket path, percent-encoded, indexed by the first
 //! request and referred to by the second), GetInfo, the first of the
 //! plugin's versions this kubelet knows, NotifyRegistrationStatus on the same
-//! connection, refusals told to the plugin before they are returned. It is
+//! connection, refusals told to the plugin before they are returned, and
+//! the health stream opened as each release opens it: 1.34 to 1.36 call
+//! `v1alpha1.DRAResourceHealth` on every driver, 1.37 only the newest health
+//! service the registration lists, and none if it lists none. It is
 //! stricter in one place: it dials the DRA endpoint before accepting, where
 //! kubelet connects lazily, so a driver that advertises its endpoint before
 //! serving it fails here.
@@ -21,11 +24,9 @@ use std::time::Duration;
 use prost::Message;
 use tonic::transport::Channel;
 
-pub use gpumem_kubelet_api::dra::health::v1alpha1::HealthStatus;
-use gpumem_kubelet_api::dra::health::v1alpha1::{
-    dra_resource_health_client::DraResourceHealthClient, NodeWatchResourcesRequest,
-    NodeWatchResourcesResponse,
-};
+use gpumem_kubelet_api::dra::health::v1::NodeWatchResourcesResponse;
+pub use gpumem_kubelet_api::dra::health::v1::{DeviceHealth, HealthStatus};
+use gpumem_kubelet_api::dra::health::{self, v1alpha1};
 use gpumem_kubelet_api::dra::{v1, v1beta1};
 pub use gpumem_kubelet_api::dra::{ClaimRef, Prepared, PreparedDevice, Unprepared};
 use gpumem_kubelet_api::pluginregistration::{
@@ -35,7 +36,17 @@ use gpumem_kubelet_api::pluginregistration::{
 use crate::h2c::{grpc_go_authority, Authority, RawGrpc, FIRST_DYNAMIC};
 use gpumem_kubelet_api::unix;
 
-/// The DRA versions of kubelets 1.34 to 1.37.
+/// The services kubelets 1.37 to 1.39 look for in a DRA plugin's
+/// registration, newest first in each kind: DRAPlugin, then the optional
+/// DRAResourceHealth.
+pub const KUBELET_1_37: &[&str] = &[
+    v1::SERVICE,
+    v1beta1::SERVICE,
+    health::v1::SERVICE,
+    health::v1alpha1::SERVICE,
+];
+/// The DRA versions of kubelets 1.34 to 1.36, which list no health service:
+/// they call v1alpha1 on every driver.
 pub const KUBELET_1_34: &[&str] = &[v1::SERVICE, v1beta1::SERVICE];
 /// The DRA versions of kubelets 1.32 and 1.33.
 pub const KUBELET_1_33: &[&str] = &[v1beta1::SERVICE];
@@ -67,6 +78,10 @@ pub enum FakeKubeletError {
     /// kubelet refused the plugin, and told it so.
     #[error("kubelet refused the plugin: {0}")]
     Refused(String),
+    /// A kubelet that names its health services (1.37 and later) found
+    /// none of them among the plugin's, so it never watches its health.
+    #[error("the plugin's supported versions {0:?} list no DRAResourceHealth service this kubelet knows: it never calls NodeWatchResources")]
+    NoHealthService(Vec<String>),
     #[error("{method} failed: {status}")]
     Status {
         method: &'static str,
@@ -97,6 +112,41 @@ impl DraVersion {
     }
 }
 
+/// The DRAResourceHealth version a kubelet calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HealthVersion {
+    V1,
+    V1alpha1,
+}
+
+impl HealthVersion {
+    /// Its name in `PluginInfo.supported_versions`.
+    pub fn service(self) -> &'static str {
+        match self {
+            HealthVersion::V1 => health::v1::SERVICE,
+            HealthVersion::V1alpha1 => health::v1alpha1::SERVICE,
+        }
+    }
+
+    /// What a kubelet that knows `known` calls on a plugin that lists
+    /// `advertised`. A kubelet that knows no health service by name (before
+    /// 1.37) calls v1alpha1 whatever the plugin lists; one that does takes
+    /// the first of its own the plugin lists, or calls none.
+    fn negotiate(known: &[&str], advertised: &[String]) -> Option<HealthVersion> {
+        let versions = [HealthVersion::V1, HealthVersion::V1alpha1];
+        let known: Vec<HealthVersion> = versions
+            .into_iter()
+            .filter(|v| known.contains(&v.service()))
+            .collect();
+        if known.is_empty() {
+            return Some(HealthVersion::V1alpha1);
+        }
+        known
+            .into_iter()
+            .find(|v| advertised.iter().any(|a| a == v.service()))
+    }
+}
+
 enum Client {
     V1(v1::dra_plugin_client::DraPluginClient<Channel>),
     V1beta1(v1beta1::dra_plugin_client::DraPluginClient<Channel>),
@@ -106,6 +156,7 @@ enum Client {
 pub struct FakeDraKubelet {
     info: PluginInfo,
     version: DraVersion,
+    health: Option<HealthVersion>,
     client: Client,
     /// The DRA socket's connection, which kubelet also calls
     /// DRAResourceHealth on.
@@ -114,9 +165,10 @@ pub struct FakeDraKubelet {
 
 impl FakeDraKubelet {
     /// Registers the plugin at `registration_socket` as a kubelet that knows
-    /// `known_versions` (such as [`KUBELET_1_34`]; versions other than v1 and
-    /// v1beta1 count as unknown). A plugin it cannot use is told so through
-    /// NotifyRegistrationStatus and the refusal returned.
+    /// `known_versions` (such as [`KUBELET_1_37`]; DRAPlugin versions other
+    /// than v1 and v1beta1 count as unknown), health services among them
+    /// as [`HealthVersion`] reads them. A plugin it cannot use is told so
+    /// through NotifyRegistrationStatus and the refusal returned.
     pub async fn register(
         registration_socket: &Path,
         known_versions: &[&str],
@@ -150,9 +202,11 @@ impl FakeDraKubelet {
         };
         let _: RegistrationStatusResponse = conn.call(NOTIFY, &status).await?;
         let (version, client, channel) = accepted.map_err(FakeKubeletError::Refused)?;
+        let health = HealthVersion::negotiate(known_versions, &info.supported_versions);
         Ok(FakeDraKubelet {
             info,
             version,
+            health,
             client,
             channel,
         })
@@ -177,6 +231,11 @@ impl FakeDraKubelet {
     /// The version chosen: the first of the plugin's that this kubelet knows.
     pub fn version(&self) -> DraVersion {
         self.version
+    }
+
+    /// The health service this kubelet calls, if any.
+    pub fn health_version(&self) -> Option<HealthVersion> {
+        self.health
     }
 
     /// What the plugin answered to GetInfo.
@@ -228,28 +287,52 @@ impl FakeDraKubelet {
         })
     }
 
-    /// `v1alpha1.DRAResourceHealth/NodeWatchResources` on the DRA socket's
-    /// connection, as kubelets with `ResourceHealthStatus` call it (whatever
-    /// DRAPlugin version they chose): the stream of the driver's device
-    /// health.
+    /// `DRAResourceHealth/NodeWatchResources` in the version negotiated at
+    /// registration, on the DRA socket's connection, as kubelets with
+    /// `ResourceHealthStatus` call it (whatever DRAPlugin version they
+    /// chose): the stream of the driver's device health, v1alpha1's
+    /// messages read as v1's. A kubelet that negotiated none never calls.
     pub async fn watch_resources(&self) -> Result<HealthStream, FakeKubeletError> {
-        let mut client = DraResourceHealthClient::new(self.channel.clone());
-        let call = client.node_watch_resources(NodeWatchResourcesRequest {});
-        let stream = tokio::time::timeout(CALL_TIMEOUT, call)
-            .await
-            .map_err(|_| FakeKubeletError::Status {
-                method: "NodeWatchResources",
-                status: tonic::Status::deadline_exceeded(format!(
-                    "no answer within {CALL_TIMEOUT:?}"
-                )),
-            })?
-            .map_err(|status| FakeKubeletError::Status {
-                method: "NodeWatchResources",
-                status,
-            })?;
-        Ok(HealthStream {
-            stream: stream.into_inner(),
-        })
+        let status = |status| FakeKubeletError::Status {
+            method: "NodeWatchResources",
+            status,
+        };
+        let timed_out = || {
+            status(tonic::Status::deadline_exceeded(format!(
+                "no answer within {CALL_TIMEOUT:?}"
+            )))
+        };
+        let stream = match self.health {
+            None => {
+                return Err(FakeKubeletError::NoHealthService(
+                    self.info.supported_versions.clone(),
+                ))
+            }
+            Some(HealthVersion::V1) => {
+                let mut client =
+                    health::v1::dra_resource_health_client::DraResourceHealthClient::new(
+                        self.channel.clone(),
+                    );
+                let call = client.node_watch_resources(health::v1::NodeWatchResourcesRequest {});
+                let stream = tokio::time::timeout(CALL_TIMEOUT, call)
+                    .await
+                    .map_err(|_| timed_out())?
+                    .map_err(status)?;
+                Messages::V1(stream.into_inner())
+            }
+            Some(HealthVersion::V1alpha1) => {
+                let mut client = v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(
+                    self.channel.clone(),
+                );
+                let call = client.node_watch_resources(v1alpha1::NodeWatchResourcesRequest {});
+                let stream = tokio::time::timeout(CALL_TIMEOUT, call)
+                    .await
+                    .map_err(|_| timed_out())?
+                    .map_err(status)?;
+                Messages::V1alpha1(stream.into_inner())
+            }
+        };
+        Ok(HealthStream { stream })
     }
 
     /// NodeUnprepareResources for `claims`: exactly the entries the plugin
@@ -286,7 +369,43 @@ impl FakeDraKubelet {
 
 /// A driver's NodeWatchResources stream, as kubelet reads it.
 pub struct HealthStream {
-    stream: tonic::Streaming<NodeWatchResourcesResponse>,
+    stream: Messages,
+}
+
+enum Messages {
+    V1(tonic::Streaming<NodeWatchResourcesResponse>),
+    V1alpha1(tonic::Streaming<v1alpha1::NodeWatchResourcesResponse>),
+}
+
+impl Messages {
+    async fn message(&mut self) -> Result<Option<NodeWatchResourcesResponse>, tonic::Status> {
+        match self {
+            Messages::V1(stream) => stream.message().await,
+            Messages::V1alpha1(stream) => Ok(stream.message().await?.map(from_v1alpha1)),
+        }
+    }
+}
+
+/// A v1alpha1 message as v1's: the same fields, as kubelet converts it.
+fn from_v1alpha1(message: v1alpha1::NodeWatchResourcesResponse) -> NodeWatchResourcesResponse {
+    let devices = message.devices.into_iter().map(|d| DeviceHealth {
+        health: match d.health() {
+            v1alpha1::HealthStatus::Unknown => HealthStatus::Unknown,
+            v1alpha1::HealthStatus::Healthy => HealthStatus::Healthy,
+            v1alpha1::HealthStatus::Unhealthy => HealthStatus::Unhealthy,
+        }
+        .into(),
+        device: d.device.map(|id| health::v1::DeviceIdentifier {
+            pool_name: id.pool_name,
+            device_name: id.device_name,
+        }),
+        last_updated_time: d.last_updated_time,
+        health_check_timeout_seconds: d.health_check_timeout_seconds,
+        message: d.message,
+    });
+    NodeWatchResourcesResponse {
+        devices: devices.collect(),
+    }
 }
 
 impl HealthStream {
@@ -520,5 +639,27 @@ mod tests {
         );
         stop.cancel();
         server.await.unwrap().unwrap();
+    }
+
+    /// As kubelet's `pickHealthService`: 1.37 takes the newest health
+    /// service both sides list, and none when the plugin lists none; older
+    /// kubelets list none of their own and call v1alpha1 regardless.
+    #[test]
+    fn the_health_service_is_negotiated_as_each_kubelet_release_does() {
+        let plugin = |services: &[&str]| services.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let dra_only = plugin(&[v1::SERVICE, v1beta1::SERVICE]);
+        let both = plugin(&[v1::SERVICE, health::v1alpha1::SERVICE, health::v1::SERVICE]);
+        let alpha = plugin(&[v1::SERVICE, health::v1alpha1::SERVICE]);
+        use HealthVersion::{V1alpha1, V1};
+        assert_eq!(HealthVersion::negotiate(KUBELET_1_37, &dra_only), None);
+        assert_eq!(HealthVersion::negotiate(KUBELET_1_37, &both), Some(V1));
+        assert_eq!(
+            HealthVersion::negotiate(KUBELET_1_37, &alpha),
+            Some(V1alpha1)
+        );
+        for older in [KUBELET_1_34, KUBELET_1_33] {
+            assert_eq!(HealthVersion::negotiate(older, &dra_only), Some(V1alpha1));
+            assert_eq!(HealthVersion::negotiate(older, &both), Some(V1alpha1));
+        }
     }
 }
