@@ -171,12 +171,12 @@ impl<'a> Pods<'a> {
 /// the GPU (`pods`) is that container's, whatever its mounts say: a process
 /// that made its own mount namespace sheds the mounts, never the cgroup.
 /// Anything else is unmanaged. `who` reads what `/proc` says of them.
-fn attribute<R: Fn(u32, &str) -> Option<String>>(
+fn attribute(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
     last_holders: &LastHolders,
     memory: &ProcessMemory,
-    who: &mut attribution::Sweep<'_, R>,
+    who: &mut attribution::Sweep<'_>,
     pods: &mut Pods<'_>,
 ) -> Attributed {
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
@@ -243,7 +243,20 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
                     break;
                 }
             }
+            // Mounted elsewhere (an image whose `/var/run` links elsewhere):
+            // the container's where kubelet gave the directory to its pod.
+            let elsewhere = home.is_none().then(|| {
+                let owner = owner.as_ref()?;
+                let dirs = pods.get()?.get(&owner.pod_uid)?.clone();
+                who.mounted_elsewhere(pid)
+                    .iter()
+                    .filter(|name| dirs.contains(name))
+                    .filter_map(|name| by_dir.get(std::ffi::OsStr::new(name)).copied())
+                    .find_map(capping)
+            });
+            let elsewhere = elsewhere.flatten();
             let home = home
+                .or(elsewhere)
                 .or_else(|| {
                     let id = owner.as_ref()?.container_id.as_ref()?;
                     containers
@@ -274,7 +287,8 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
             match home {
                 Some((index, dev)) => {
                     attributed.unslotted[index][dev].push((pid, bytes));
-                    if !mounted.contains(&index) && who.mounts_read(pid) {
+                    let found_mounted = mounted.contains(&index) || elsewhere.is_some();
+                    if !found_mounted && who.mounts_read(pid) {
                         let unmounted = (index, uuid.clone(), pid, bytes);
                         attributed.unmounted.push(unmounted);
                     }
@@ -323,10 +337,10 @@ fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
 /// hold it to the wrong cap. The order is the process's mount table's
 /// where it names the files (a claim mounted before claims had their own
 /// place is at the state path itself, and comes first), else the names'.
-fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
+fn charged_elsewhere(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
-    who: &mut attribution::Sweep<'_, R>,
+    who: &mut attribution::Sweep<'_>,
 ) -> Vec<Vec<HashSet<u32>>> {
     let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
         .iter()
@@ -370,9 +384,9 @@ fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
 }
 
 /// The files of each slot holder's container ID, in the shim's order.
-fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
+fn holder_containers(
     loaded: &[(PathBuf, Processes)],
-    who: &mut attribution::Sweep<'_, R>,
+    who: &mut attribution::Sweep<'_>,
 ) -> HashMap<String, Vec<usize>> {
     let mut containers: HashMap<String, Vec<usize>> = HashMap::new();
     for (index, (file, processes)) in loaded.iter().enumerate() {
@@ -582,10 +596,8 @@ impl Reconciler {
             .collect();
         let (loaded, stood_in) = self.load(read, &memory);
         let (attributed, elsewhere) = {
-            let source = &self.source;
-            let mut who = self
-                .identities
-                .sweep(|pid, name| source.proc_file(pid, name));
+            let source: &dyn ProcessUsage = &*self.source;
+            let mut who = self.identities.sweep(&source);
             let held = holders(&loaded);
             let mut pods = Pods::new(self.pods.as_ref());
             let attributed = attribute(
@@ -1127,7 +1139,7 @@ mod tests {
             &holders(loaded),
             &LastHolders::new(),
             memory,
-            &mut attribution::Identities::default().sweep(read),
+            &mut attribution::Identities::default().sweep(&read),
             &mut Pods::new(None),
         )
     }
@@ -1268,7 +1280,7 @@ mod tests {
                 &holders(loaded),
                 &LastHolders::new(),
                 memory,
-                &mut identities.sweep(read),
+                &mut identities.sweep(&read),
                 &mut Pods::new(None),
             );
             attributed
@@ -1467,7 +1479,7 @@ mod tests {
                 &holders(loaded),
                 &LastHolders::new(),
                 &memory,
-                &mut attribution::Identities::default().sweep(read),
+                &mut attribution::Identities::default().sweep(&read),
                 &mut Pods::new(Some(&pod_dirs)),
             )
         };
@@ -1527,7 +1539,7 @@ mod tests {
         let mut identities = attribution::Identities::default();
         // Mounts that cannot be read: the order is the names'.
         let read = |pid: u32, name: &str| (name == "stat").then(|| stat(pid));
-        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(read));
+        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(&read));
         assert_eq!(elsewhere[0], [[10].into(), HashSet::new()]);
         assert_eq!(elsewhere[1], [HashSet::new()]);
         assert_eq!(
@@ -1560,7 +1572,7 @@ mod tests {
             _ => None,
         };
         let mut identities = attribution::Identities::default();
-        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(read));
+        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(&read));
         assert_eq!(elsewhere[0], [HashSet::new(), HashSet::new()]);
         assert_eq!(elsewhere[1], [[10].into()]);
     }

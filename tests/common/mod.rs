@@ -5,6 +5,7 @@
 
 pub mod cdi;
 pub mod daemon;
+pub mod tenant;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
