@@ -695,10 +695,11 @@ async fn a_process_whose_name_is_not_utf8_is_killed() {
 
 /// A process of the container that loaded the shim and holds its slot,
 /// whose leader thread then exits (a zombie in `stat`) while a worker
-/// thread holds the memory on, and which lets go of its slot's lock: all of
-/// it is not exiting, so it is not passed over as on its way out, and its
-/// mount table, which the leader's `/proc` files no longer show, is read
-/// through the worker. Killed at 6000 MiB of its 4308.
+/// thread holds the memory on, and which lets go of its slot's lock,
+/// taking it again for 50 ms each second: all of it is not exiting, so it
+/// is not passed over as on its way out, and its mount table, which the
+/// leader's `/proc` files no longer show, is read through the worker.
+/// Killed at 6000 MiB of its 4308.
 #[tokio::test]
 async fn a_process_whose_leader_exited_is_held_by_its_other_threads() {
     use std::io::Write;
@@ -711,7 +712,8 @@ async fn a_process_whose_leader_exited_is_held_by_its_other_threads() {
     let mut rogue = common::Killed(
         std::process::Command::new(common::tenant::tenant())
             .args(["--mount", a.dir.to_str().unwrap()])
-            .args(["--cuda", "--leader-exits", "--drop"])
+            .args(["--cuda", "--leader-exits", "--drop", "--relock"])
+            .arg(gpumem_layout::slot_offset(1, 0).to_string())
             .env("LD_LIBRARY_PATH", &kit.driver_dir)
             .env("LD_PRELOAD", &kit.shim)
             .env("GPUMEM_STATE_DIR", "/run/gpumem")

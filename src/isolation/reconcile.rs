@@ -106,8 +106,8 @@ pub type Attribution = Arc<Mutex<Whose>>;
 type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
 
 /// How long a slot holder on its way out is passed over: the driver's part
-/// of an exit takes seconds at most, and a process whose leader thread
-/// exited while the rest of it runs on must not hide longer.
+/// of an exit takes seconds at most, and a process that stays in its exit
+/// (a thread stuck in the driver) must not hide longer.
 const LEAVING_AT_MOST: Duration = Duration::from_secs(10);
 
 /// Where the processes NVML lists belong, beyond the slot holders.
@@ -207,8 +207,9 @@ fn attribute(
             // A slot holder of the last tick on its way out, its memory
             // about to go: neither its container's whole (its unreaped
             // slot still counts it) nor a stranger. Only one that held a
-            // slot, and for `LEAVING_AT_MOST`: a leader thread that exits
-            // alone looks the same while the rest of its process runs on.
+            // slot, all of whose threads are exiting (a leader that exited
+            // alone is a zombie while the rest runs on), for at most
+            // `LEAVING_AT_MOST`.
             if let Some(start) = who
                 .exiting(pid)
                 .filter(|&start| last_holders.contains_key(&(pid, start)))

@@ -23,18 +23,27 @@ const SOURCE: &str = r#"
 #include <unistd.h>
 
 static int drop_slot = 0;
+static long relock = -1;
 
 /* Waits for a line on stdin; then, with --drop, lets go of the slot's
    record lock (closing any descriptor of a file drops the process's locks
-   on it), says so, and holds on. */
+   on it) and holds on; with --relock OFFSET, takes the lock at OFFSET again
+   for 50 ms in every second, so that it held its slot at a recent sample. */
 static void *worker(void *arg) {
     char line[16];
     (void)arg;
     if (drop_slot && fgets(line, sizeof line, stdin)) {
-        int fd = open("/run/gpumem/accounting", O_RDONLY);
+        int fd = open("/run/gpumem/accounting", O_RDWR);
         if (fd >= 0) close(fd);
-        printf("dropped\n");
-        fflush(stdout);
+        while (relock >= 0) {
+            usleep(950 * 1000);
+            fd = open("/run/gpumem/accounting", O_RDWR);
+            struct flock lock = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
+                                 .l_start = relock, .l_len = 1};
+            fcntl(fd, F_SETLK, &lock);
+            usleep(50 * 1000);
+            close(fd);
+        }
     }
     for (;;) pause();
     return NULL;
@@ -53,6 +62,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
         else if (!strcmp(argv[i], "--leader-exits")) leader_exits = 1;
         else if (!strcmp(argv[i], "--drop")) drop_slot = 1;
+        else if (!strcmp(argv[i], "--relock")) relock = atol(argv[++i]);
     }
     if (state) {
         /* A container's view: the state directory at /run/gpumem. */
