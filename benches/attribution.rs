@@ -31,7 +31,7 @@ use gpumem::isolation::statefs::StateFs;
 use gpumem::node::gpu::{Gpu, GpuError, ProcessMemory};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Assignment;
-use gpumem::node::processes::{self, ProcessUsage};
+use gpumem::node::processes::{self, ProcFiles, ProcessUsage};
 use gpumem::node::units::MemoryUnit;
 use gpumem_layout::protocol::StateWord;
 use nix::fcntl::{fcntl, FcntlArg};
@@ -289,7 +289,9 @@ impl ProcessUsage for Sampled {
         }
         Ok(memory)
     }
+}
 
+impl ProcFiles for Sampled {
     fn proc_stat(&self, pid: u32) -> Option<processes::ProcStat> {
         self.timed(pid, "stat", || processes::proc_stat(&self.proc_root, pid))
     }

@@ -629,6 +629,8 @@ async fn with_report_a_container_over_its_cap_is_only_reported() {
 /// NVML answers played back in order.
 struct Script(std::collections::VecDeque<u64>, u32);
 
+impl gpumem::node::processes::ProcFiles for Script {}
+
 impl gpumem::node::processes::ProcessUsage for Script {
     fn usage(&mut self) -> Result<gpumem::node::gpu::ProcessMemory, gpumem::node::gpu::GpuError> {
         let mib = self.0.pop_front().expect("script long enough");

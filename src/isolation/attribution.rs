@@ -23,7 +23,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use crate::isolation::statefs;
-use crate::node::processes::{ProcStat, ProcessUsage, Read};
+use crate::node::processes::{ProcFiles, Read};
 
 /// The pod and container a process runs in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -51,7 +51,7 @@ fn owner_of_line(line: &str) -> Option<Owner> {
 
 /// The owner a process's `cgroup` file names, read line by line until one
 /// names a pod: `None` where it cannot be read.
-fn read_owner(source: &dyn ProcRead, pid: u32, thread: u32) -> Option<Option<Owner>> {
+fn read_owner(source: &dyn ProcFiles, pid: u32, thread: u32) -> Option<Option<Owner>> {
     let mut owner = None;
     source.proc_lines(pid, thread, "cgroup", &mut |line| {
         owner = owner_of_line(line);
@@ -223,40 +223,12 @@ struct Holder {
     owner: Option<Option<Owner>>,
 }
 
-/// Where a sweep reads what `/proc` says: the daemon's source of
-/// per-process usage; in unit tests, a closure giving each file's text.
-pub(crate) trait ProcRead {
-    fn proc_stat(&self, pid: u32) -> Option<ProcStat>;
-    fn proc_lines(
-        &self,
-        pid: u32,
-        thread: u32,
-        name: &str,
-        each: &mut dyn FnMut(&str) -> ControlFlow<()>,
-    ) -> Option<Read>;
-}
-
-impl ProcRead for &dyn ProcessUsage {
-    fn proc_stat(&self, pid: u32) -> Option<ProcStat> {
-        (**self).proc_stat(pid)
-    }
-
-    fn proc_lines(
-        &self,
-        pid: u32,
-        thread: u32,
-        name: &str,
-        each: &mut dyn FnMut(&str) -> ControlFlow<()>,
-    ) -> Option<Read> {
-        (**self).proc_lines(pid, thread, name, each)
-    }
-}
-
+/// In unit tests, a closure giving each file's text.
 #[cfg(test)]
-impl<F: Fn(u32, &str) -> Option<String>> ProcRead for F {
-    fn proc_stat(&self, pid: u32) -> Option<ProcStat> {
+impl<F: Fn(u32, &str) -> Option<String>> ProcFiles for F {
+    fn proc_stat(&self, pid: u32) -> Option<crate::node::processes::ProcStat> {
         let stat = self(pid, "stat")?;
-        Some(ProcStat {
+        Some(crate::node::processes::ProcStat {
             start: gpumem_layout::protocol::start_time_in_stat(&stat)?,
             exiting: crate::node::processes::exiting_in_stat(&stat),
             thread: pid,
@@ -282,7 +254,7 @@ impl<F: Fn(u32, &str) -> Option<String>> ProcRead for F {
 impl Identities {
     /// Starts a sweep that reads what `/proc` says through `source`;
     /// processes the sweep before did not look at are forgotten.
-    pub(crate) fn sweep<'a>(&'a mut self, source: &'a dyn ProcRead) -> Sweep<'a> {
+    pub(crate) fn sweep<'a>(&'a mut self, source: &'a dyn ProcFiles) -> Sweep<'a> {
         let last = self.sweep;
         self.known.retain(|_, known| known.seen == last);
         // A slot names start time 0 where its shim could not read one.
@@ -300,7 +272,7 @@ impl Identities {
 /// One sweep's reads (see [`Identities`]).
 pub(crate) struct Sweep<'a> {
     identities: &'a mut Identities,
-    source: &'a dyn ProcRead,
+    source: &'a dyn ProcFiles,
 }
 
 impl Sweep<'_> {
@@ -392,7 +364,7 @@ impl Sweep<'_> {
 
 /// What is known of `pid` this sweep: what the last sweep knew, where its
 /// start time is the same.
-fn known<'a>(identities: &'a mut Identities, source: &dyn ProcRead, pid: u32) -> &'a mut Known {
+fn known<'a>(identities: &'a mut Identities, source: &dyn ProcFiles, pid: u32) -> &'a mut Known {
     let sweep = identities.sweep;
     let known = identities.known.entry(pid).or_insert(Known {
         seen: 0,

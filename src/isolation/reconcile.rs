@@ -597,8 +597,7 @@ impl Reconciler {
             .collect();
         let (loaded, stood_in) = self.load(read, &memory);
         let (attributed, elsewhere) = {
-            let source: &dyn ProcessUsage = &*self.source;
-            let mut who = self.identities.sweep(&source);
+            let mut who = self.identities.sweep(&*self.source);
             let held = holders(&loaded);
             let mut pods = Pods::new(self.pods.as_ref());
             let attributed = attribute(
@@ -1064,6 +1063,8 @@ mod tests {
 
     /// A source that is never asked: `load` is given its sample.
     struct NoSource;
+
+    impl crate::node::processes::ProcFiles for NoSource {}
 
     impl ProcessUsage for NoSource {
         fn usage(&mut self) -> Result<ProcessMemory, GpuError> {

@@ -193,12 +193,9 @@ pub fn proc_lines(
     read_lines(&path, each)
 }
 
-/// The seam where per-process GPU memory enters: NVML on a node, the fake
-/// GPU file in tests and the demo.
-pub trait ProcessUsage: Send + 'static {
-    /// Device memory per process on each GPU, by UUID and host PID.
-    fn usage(&mut self) -> Result<ProcessMemory, GpuError>;
-
+/// What `/proc` says of the processes NVML lists: the kernel's files on a
+/// node; the fake GPU file's stand-ins for the processes it lists.
+pub trait ProcFiles {
     /// What `/proc/<pid>/stat` and its threads' say of a listed process.
     fn proc_stat(&self, pid: u32) -> Option<ProcStat> {
         proc_stat(Path::new("/proc"), pid)
@@ -218,6 +215,13 @@ pub trait ProcessUsage: Send + 'static {
     }
 }
 
+/// The seam where per-process GPU memory enters: NVML on a node, the fake
+/// GPU file in tests and the demo.
+pub trait ProcessUsage: ProcFiles + Send + 'static {
+    /// Device memory per process on each GPU, by UUID and host PID.
+    fn usage(&mut self) -> Result<ProcessMemory, GpuError>;
+}
+
 /// NVML's running compute processes (about 26 µs per GPU on an H100).
 pub struct NvmlProcesses {
     nvml: &'static nvml_wrapper::Nvml,
@@ -229,6 +233,8 @@ impl NvmlProcesses {
         NvmlProcesses { nvml }
     }
 }
+
+impl ProcFiles for NvmlProcesses {}
 
 impl ProcessUsage for NvmlProcesses {
     fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
@@ -293,7 +299,9 @@ impl ProcessUsage for FakeProcesses {
         self.last = Some(fake);
         Ok(memory)
     }
+}
 
+impl ProcFiles for FakeProcesses {
     fn proc_stat(&self, pid: u32) -> Option<ProcStat> {
         let Some(text) = self.fake_file(pid, "stat") else {
             return proc_stat(Path::new("/proc"), pid);
