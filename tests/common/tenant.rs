@@ -112,21 +112,7 @@ int main(int argc, char **argv) {
 pub fn tenant() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
-        .get_or_init(|| {
-            let dir = tempfile::tempdir().unwrap().keep();
-            let src = dir.join("tenant.c");
-            std::fs::write(&src, SOURCE).unwrap();
-            let program = dir.join("tenant");
-            let status = std::process::Command::new("cc")
-                .arg("-o")
-                .arg(&program)
-                .arg(&src)
-                .args(["-ldl", "-lpthread"])
-                .status()
-                .expect("a C compiler (cc) is needed");
-            assert!(status.success());
-            program
-        })
+        .get_or_init(|| super::compile_c(SOURCE, &tempfile::tempdir().unwrap().keep()))
         .clone()
 }
 
