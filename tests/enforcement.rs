@@ -761,7 +761,9 @@ async fn a_process_whose_leader_exited_is_held_by_its_other_threads() {
 /// `/var/run` links elsewhere has the runtime mount the state directory
 /// under the link's target. A process of it that did not load the shim is
 /// still its container's: the mount is known by what it mounts, and
-/// kubelet gave that directory to the process's pod.
+/// kubelet gave that directory to the process's pod. A process of another
+/// pod that mounts the host's `/var/lib` (a node agent), and so sees each
+/// container's tmpfs where the state directory has it, is not.
 #[tokio::test]
 async fn a_state_mount_where_var_run_links_elsewhere_names_the_container() {
     let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
@@ -791,6 +793,37 @@ async fn a_state_mount_where_var_run_links_elsewhere_names_the_container() {
         ],
     );
     killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.drop_process(rogue.id());
+    let name = a.dir.file_name().unwrap().to_str().unwrap();
+    let host_view = format!(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
+         2 1 0:61 / /host/var/lib/gpumem/containers/{name} rw - tmpfs gpumem-state:{name} rw\n"
+    );
+    const AGENT_POD: &str = "9f8e7d6c-5b4a-4392-8170-6f5e4d3c2b1a";
+    a.d.list_process(
+        900_010,
+        2000,
+        &[
+            ("cgroup", &in_pod(AGENT_POD, 'a')),
+            ("mountinfo", &host_view),
+        ],
+    );
+    // Unmanaged, and not the container's (its killed process's memory
+    // gone from it).
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let status = a.d.status().await;
+        let main = status
+            .containers
+            .iter()
+            .find(|c| c.container.as_deref() == Some("main"));
+        let untracked = main.and_then(|c| c.untracked_mib);
+        if status.gpus[0].unmanaged_mib == Some(2000) && untracked == Some(0) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(RECONCILE).await;
+    }
     a.d.stop().await;
 }
 

@@ -248,7 +248,7 @@ fn attribute(
             // the container's where kubelet gave the directory to its pod.
             let elsewhere = home.is_none().then(|| {
                 let owner = owner.as_ref()?;
-                let dirs = pods.get()?.get(&owner.pod_uid)?.clone();
+                let dirs = pods.get()?.get(&owner.pod_uid)?;
                 who.mounted_elsewhere(pid)
                     .iter()
                     .filter(|name| dirs.contains(name))
