@@ -166,14 +166,6 @@ fn mounted_name<'a>(line: &'a str, root: &'a str) -> Option<&'a str> {
     }
 }
 
-/// The gpumem container directories at the shim's state path of a whole
-/// `/proc/<pid>/mountinfo` (see [`Mounted::at_state_path`]).
-pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
-    let mut scan = MountScan::default();
-    mountinfo.lines().for_each(|line| scan.line(line));
-    scan.finish(true).at_state_path
-}
-
 /// What the `/proc` files of the processes NVML lists say of them, read at
 /// most once per sweep, and kept from one sweep to the next for as long as
 /// the process lives: its mounts and cgroup are set up before it can reach a
@@ -509,6 +501,14 @@ mod tests {
         ] {
             assert_eq!(parse(host), None, "{host:?}");
         }
+    }
+
+    /// The gpumem container directories at the shim's state path of a
+    /// whole `/proc/<pid>/mountinfo`.
+    fn mounted_containers(mountinfo: &str) -> Vec<String> {
+        let mut scan = MountScan::default();
+        mountinfo.lines().for_each(|line| scan.line(line));
+        scan.finish(true).at_state_path
     }
 
     #[test]
