@@ -112,7 +112,13 @@ int main(int argc, char **argv) {
 pub fn tenant() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     BUILT
-        .get_or_init(|| super::compile_c(SOURCE, &tempfile::tempdir().unwrap().keep()))
+        .get_or_init(|| {
+            // Under the target directory: it outlives the test binary.
+            let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("tenant-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            super::compile_c(SOURCE, &dir)
+        })
         .clone()
 }
 
