@@ -31,7 +31,7 @@ use gpumem::isolation::statefs::StateFs;
 use gpumem::node::gpu::{Gpu, GpuError, ProcessMemory};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Assignment;
-use gpumem::node::processes::{self, ProcessUsage};
+use gpumem::node::processes::{self, ProcFiles, ProcessUsage};
 use gpumem::node::units::MemoryUnit;
 use gpumem_layout::protocol::StateWord;
 use nix::fcntl::{fcntl, FcntlArg};
@@ -177,7 +177,13 @@ fn main() {
         ),
         ("the sweep's /proc reads, replayed", &|| {
             for (pid, name) in &requested {
-                processes::proc_file(&node.proc_root(), *pid, name);
+                let root = node.proc_root();
+                if name == "stat" {
+                    processes::proc_stat(&root, *pid);
+                } else {
+                    let lines = &mut |_: &str| std::ops::ControlFlow::Continue(());
+                    processes::proc_lines(&root, *pid, *pid, name, lines);
+                }
             }
         }),
     ];
@@ -283,23 +289,44 @@ impl ProcessUsage for Sampled {
         }
         Ok(memory)
     }
+}
 
-    fn proc_file(&self, pid: u32, name: &str) -> Option<String> {
+impl ProcFiles for Sampled {
+    fn proc_stat(&self, pid: u32) -> Option<processes::ProcStat> {
+        self.timed(pid, "stat", || processes::proc_stat(&self.proc_root, pid))
+    }
+
+    fn proc_lines(
+        &self,
+        pid: u32,
+        thread: u32,
+        name: &str,
+        each: &mut dyn FnMut(&str) -> std::ops::ControlFlow<()>,
+    ) -> Option<processes::Read> {
+        self.timed(pid, name, || {
+            processes::proc_lines(&self.proc_root, pid, thread, name, &mut |line| {
+                self.stats.bytes.fetch_add(line.len() as u64 + 1, Relaxed);
+                each(line)
+            })
+        })
+    }
+}
+
+impl Sampled {
+    /// `read`'s answer, timed and counted where the bench times reads.
+    fn timed<T>(&self, pid: u32, name: &str, read: impl FnOnce() -> T) -> T {
         if !self.stats.timing.load(Relaxed) {
-            return processes::proc_file(&self.proc_root, pid, name);
+            return read();
         }
         let started = Instant::now();
-        let text = processes::proc_file(&self.proc_root, pid, name);
+        let answer = read();
         let stats = &self.stats;
         stats
             .read_ns
             .fetch_add(started.elapsed().as_nanos() as u64, Relaxed);
         stats.reads.fetch_add(1, Relaxed);
-        stats
-            .bytes
-            .fetch_add(text.as_ref().map_or(0, |t| t.len() as u64), Relaxed);
         stats.requested.lock().unwrap().push((pid, name.to_owned()));
-        text
+        answer
     }
 }
 

@@ -632,6 +632,8 @@ async fn with_report_a_container_over_its_cap_is_only_reported() {
 /// NVML answers played back in order.
 struct Script(std::collections::VecDeque<u64>, u32);
 
+impl gpumem::node::processes::ProcFiles for Script {}
+
 impl gpumem::node::processes::ProcessUsage for Script {
     fn usage(&mut self) -> Result<gpumem::node::gpu::ProcessMemory, gpumem::node::gpu::GpuError> {
         let mib = self.0.pop_front().expect("script long enough");
@@ -867,5 +869,197 @@ async fn a_mount_named_after_a_finished_pods_directory_is_not_believed() {
         ],
     );
     killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// A GPU process whose name is not UTF-8 (`prctl(PR_SET_NAME)`; an
+/// executable named so does the same) is found, and killed, like any
+/// other: `/proc` is read as bytes.
+#[tokio::test]
+async fn a_process_whose_name_is_not_utf8_is_killed() {
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let mut rogue = common::tenant::start(&["--name"]);
+    let stat = std::fs::read(format!("/proc/{}/stat", rogue.id())).unwrap();
+    assert!(String::from_utf8(stat).is_err(), "the name is UTF-8");
+    let mountinfo = common::mountinfo_with_state_dir(&a.dir);
+    a.d.list_process(rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// A process of the container that loaded the shim and holds its slot,
+/// whose leader thread then exits (a zombie in `stat`) while a worker
+/// thread holds the memory on, and which lets go of its slot's lock,
+/// taking it again for 50 ms each second: all of it is not exiting, so it
+/// is not passed over as on its way out, and its mount table, which the
+/// leader's `/proc` files no longer show, is read through the worker.
+/// Killed at 6000 MiB of its 4308.
+#[tokio::test]
+async fn a_process_whose_leader_exited_is_held_by_its_other_threads() {
+    use std::io::Write;
+    if !tenant_may_mount() {
+        return;
+    }
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let kit = shim_kit();
+    let mut rogue = common::Killed(
+        std::process::Command::new(common::tenant::tenant())
+            .args(["--mount", a.dir.to_str().unwrap()])
+            .args(["--cuda", "--leader-exits", "--drop", "--relock"])
+            .arg(gpumem_layout::slot_offset(1, 0).to_string())
+            .env("LD_LIBRARY_PATH", &kit.driver_dir)
+            .env("LD_PRELOAD", &kit.shim)
+            .env("GPUMEM_STATE_DIR", "/run/gpumem")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut rogue, "ready");
+    let pid = rogue.id();
+    let deadline = std::time::Instant::now() + WAIT;
+    let zombie_leader = || {
+        let stat = std::fs::read(format!("/proc/{pid}/stat")).unwrap();
+        let stat = String::from_utf8_lossy(&stat).into_owned();
+        stat[stat.rfind(')').unwrap()..].starts_with(") Z")
+    };
+    while !zombie_leader() {
+        assert!(std::time::Instant::now() < deadline, "the leader lives");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Seen holding its slot (its context charged), under the cap.
+    a.d.list_process(pid, 1000, &[]);
+    a.d.wait_for_container("seen holding its slot", |c| c.untracked_mib == Some(700))
+        .await;
+    rogue.stdin.as_mut().unwrap().write_all(b"drop\n").unwrap();
+    let file = a.dir.join(gpumem_layout::FILE_NAME);
+    let holds = || {
+        gpumem::isolation::accounting::processes(&file)
+            .unwrap()
+            .live
+            .iter()
+            .any(|p| p.pid == Some(pid))
+    };
+    while holds() {
+        assert!(std::time::Instant::now() < deadline, "still holds its slot");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    a.d.relist_process(pid, 6000, &[]);
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.stop().await;
+}
+
+/// In a pod with two gpumem containers on one GPU, an image whose
+/// `/var/run` links elsewhere has the runtime mount the state directory
+/// under the link's target. A process of it that did not load the shim is
+/// still its container's: the mount is known by what it mounts, and
+/// kubelet gave that directory to the process's pod. A process of another
+/// pod that mounts the host's `/var/lib` (a node agent), and so sees each
+/// container's tmpfs where the state directory has it, is not.
+#[tokio::test]
+async fn a_state_mount_where_var_run_links_elsewhere_names_the_container() {
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let side =
+        a.d.k()
+            .admit("nb", "side", common::RESOURCE, 4)
+            .await
+            .unwrap();
+    assert_eq!(side.pod_uid(), a.pod_uid);
+    let mut rogue = common::Killed(
+        std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap(),
+    );
+    let mountinfo = format!(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
+         2 1 8:1 {} /srv/run/gpumem rw - ext4 /dev/sda1 rw\n",
+        a.dir.display()
+    );
+    a.d.list_process(
+        rogue.id(),
+        5000,
+        &[
+            ("cgroup", &in_pod(&a.pod_uid, 'e')),
+            ("mountinfo", &mountinfo),
+        ],
+    );
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    a.d.drop_process(rogue.id());
+    let name = a.dir.file_name().unwrap().to_str().unwrap();
+    let host_view = format!(
+        "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n\
+         2 1 0:61 / /host/var/lib/gpumem/containers/{name} rw - tmpfs gpumem-state:{name} rw\n"
+    );
+    const AGENT_POD: &str = "9f8e7d6c-5b4a-4392-8170-6f5e4d3c2b1a";
+    a.d.list_process(
+        900_010,
+        2000,
+        &[
+            ("cgroup", &in_pod(AGENT_POD, 'a')),
+            ("mountinfo", &host_view),
+        ],
+    );
+    // Unmanaged, and not the container's (its killed process's memory
+    // gone from it).
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let status = a.d.status().await;
+        let main = status
+            .containers
+            .iter()
+            .find(|c| c.container.as_deref() == Some("main"));
+        let untracked = main.and_then(|c| c.untracked_mib);
+        if status.gpus[0].unmanaged_mib == Some(2000) && untracked == Some(0) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(RECONCILE).await;
+    }
+    a.d.stop().await;
+}
+
+/// Whether the tenant can make a mount namespace of its own (root); says
+/// so where not.
+fn tenant_may_mount() -> bool {
+    let root = common::root();
+    if !root {
+        eprintln!("skipped: a mount namespace of the tenant's own needs root (CI runs as root)");
+    }
+    root
+}
+
+/// The daemon's peak resident memory, from `/proc/self/status`.
+fn peak_rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib << 10
+}
+
+/// A tenant with a mount namespace of its own makes 12,000 mounts of long
+/// paths, which make its mount table over 64 MiB (20,000 made 145 MiB, past
+/// the DaemonSet's memory limit): the daemon (here in the test's process)
+/// reads no more of it than its cap, one line at a time, and still finds
+/// the container's state mount among its first lines.
+#[tokio::test]
+async fn a_huge_mount_table_is_read_only_up_to_the_cap() {
+    if !tenant_may_mount() {
+        return;
+    }
+    let a = Admitted::start(Some((OverCapAction::Kill, Duration::from_millis(400)))).await;
+    let dir = a.dir.to_str().unwrap();
+    let mut rogue = common::tenant::start(&["--mount", dir, "--mounts", "12000"]);
+    let mut table = std::fs::File::open(format!("/proc/{}/mountinfo", rogue.id())).unwrap();
+    let bytes = std::io::copy(&mut table, &mut std::io::sink()).unwrap();
+    assert!(bytes > 64 << 20, "{bytes} bytes");
+    // The peak from now on.
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    let before = peak_rss();
+    a.d.list_process(rogue.id(), 5000, &[]);
+    killed_as_its_containers(&a.d, &mut rogue).await;
+    // The kernel brings the peak up to date lazily: it may read lower.
+    let grown = peak_rss().saturating_sub(before);
+    assert!(grown < 32 << 20, "the peak grew by {} MiB", grown >> 20);
     a.d.stop().await;
 }

@@ -22,17 +22,7 @@ fn run_c_capped(source: &str, fake: (&str, &str)) -> Vec<String> {
     let kit = shim_kit();
     let dir = capped_dir(4308);
     let build = tempfile::tempdir().unwrap();
-    let src = build.path().join("program.c");
-    std::fs::write(&src, source).unwrap();
-    let program = build.path().join("program");
-    let status = std::process::Command::new("cc")
-        .arg("-o")
-        .arg(&program)
-        .arg(&src)
-        .args(["-ldl", "-lpthread"])
-        .status()
-        .expect("a C compiler (cc) is needed");
-    assert!(status.success());
+    let program = common::compile_c(source, build.path());
     let (ok, lines, stderr) = run_lines(
         std::process::Command::new(&program)
             .env("LD_LIBRARY_PATH", &kit.driver_dir)

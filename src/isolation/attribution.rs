@@ -19,11 +19,11 @@
 //! the segments are searched, not the prefix.
 
 use std::collections::hash_map::{Entry, HashMap};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use gpumem_layout::protocol::start_time_in_stat;
-
 use crate::isolation::statefs;
+use crate::node::processes::{ProcFiles, Read};
 
 /// The pod and container a process runs in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -39,12 +39,29 @@ pub struct Owner {
 /// The owner named by the contents of a `/proc/<pid>/cgroup` file; `None`
 /// for a process outside every pod (a host daemon).
 pub fn parse(cgroup: &str) -> Option<Owner> {
-    // v2 has one line `0::<path>`; v1 one line per hierarchy, all of which
-    // kubelet puts the container in: the first that names a pod decides.
-    cgroup
-        .lines()
-        .filter_map(|line| line.splitn(3, ':').nth(2))
-        .find_map(owner_of_path)
+    cgroup.lines().find_map(owner_of_line)
+}
+
+/// The owner one line of a `cgroup` file names. v2 has one line
+/// `0::<path>`; v1 one line per hierarchy, all of which kubelet puts the
+/// container in: the first that names a pod decides.
+fn owner_of_line(line: &str) -> Option<Owner> {
+    owner_of_path(line.splitn(3, ':').nth(2)?)
+}
+
+/// The owner a process's `cgroup` file names, read line by line until one
+/// names a pod: `None` where it cannot be read.
+fn read_owner(source: &dyn ProcFiles, pid: u32, thread: u32) -> Option<Option<Owner>> {
+    let mut owner = None;
+    source.proc_lines(pid, thread, "cgroup", &mut |line| {
+        owner = owner_of_line(line);
+        if owner.is_some() {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    })?;
+    Some(owner)
 }
 
 /// Where the shim's state path shows in a container's mount table. The
@@ -53,48 +70,100 @@ pub fn parse(cgroup: &str) -> Option<Owner> {
 /// `/var/run` is a link to `/run`, so the kernel shows `/run/gpumem` there.
 const STATE_MOUNT_POINTS: [&str; 2] = [gpumem_layout::CONTAINER_DIR, "/run/gpumem"];
 
-/// The gpumem container directories a process's mount table has at the
-/// shim's state path (`/var/run/gpumem`, or `/run/gpumem` where `/var/run`
-/// links there) and directly inside it (a DRA claim's, `claim-<UID>`),
-/// from the contents of its `/proc/<pid>/mountinfo`, in the order the shim
-/// reads their files: the state path's own, then the others by name.
-/// Allocate or a claim's CDI spec mounted them there, so every process of
-/// the container has them, loaded the shim or not; only a process that
-/// makes a user namespace of its own can shed them (docs/SECURITY.md,
-/// "Leaving the container's mount view"). A name is the directory's under
-/// `<state-dir>/containers`.
-pub fn mounted_containers(mountinfo: &str) -> Vec<String> {
-    let mut found: Vec<(bool, String)> = mountinfo
-        .lines()
-        .filter_map(|line| {
-            // ID, parent ID, major:minor, root, mount point, …
-            let mut fields = line.split(' ');
-            let root = fields.nth(3)?;
-            let point = fields.next()?;
-            let own = STATE_MOUNT_POINTS.contains(&point);
-            let inside = || {
-                let (parent, last) = point.rsplit_once('/')?;
-                let claim = last.starts_with(gpumem_layout::CLAIM_DIR_PREFIX);
-                (STATE_MOUNT_POINTS.contains(&parent) && claim).then_some(())
-            };
-            if !own {
-                inside()?;
-            }
-            let name = if root == "/" {
-                // The directory's own tmpfs, named by its source.
-                let mut source = line.split_once(" - ")?.1.split(' ');
-                (source.next()? == "tmpfs").then_some(())?;
-                source.next()?.strip_prefix(statefs::SOURCE_PREFIX)?
-            } else {
-                let (parent, name) = root.rsplit_once('/')?;
-                (parent.ends_with("/containers") || parent == "/containers").then_some(name)?
-            };
-            Some((!own, name.to_owned()))
-        })
-        .collect();
-    found.sort();
-    found.dedup();
-    found.into_iter().map(|(_, name)| name).collect()
+/// Distinct directories kept of one mount table, at the state path and
+/// elsewhere each: a container has one, and one per DRA claim (a pod
+/// references at most 32); a table that names more is the process's own
+/// making, no runtime's.
+const MOUNTED_AT_MOST: usize = 64;
+
+/// The gpumem container directories a process's mount table shows (see
+/// [`MountScan`]), each a directory's name under `<state-dir>/containers`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Mounted {
+    /// Those at the shim's state path (`/var/run/gpumem`, or `/run/gpumem`
+    /// where `/var/run` links there) or directly inside it (a DRA claim's,
+    /// `claim-<UID>`), in the order the shim reads their files: the state
+    /// path's own, then the others by name.
+    pub at_state_path: Vec<String>,
+    /// Those mounted anywhere else, by name: where an image's `/var/run`
+    /// links elsewhere, the runtime mounts the state path under the link's
+    /// target. The state directory's own view shows them too (a host
+    /// process sees each container's tmpfs under `<state-dir>/containers`),
+    /// so these are believed only where the pod a process runs in was
+    /// given the directory.
+    pub elsewhere: Vec<String>,
+    /// Whether the whole table was read: not cut at
+    /// [`PROC_FILE_MAX_BYTES`](crate::node::processes::PROC_FILE_MAX_BYTES).
+    pub whole: bool,
+}
+
+/// Reads a mount table line by line, keeping only the gpumem container
+/// directories it mounts, which it tells by what is mounted, never only by
+/// where: a bind of `<…>/containers/<name>` (mountinfo's root field), or
+/// the directory's own tmpfs, whose source is `gpumem-state:<name>`.
+/// Allocate or a claim's CDI spec mounted them, so every process of the
+/// container has them, loaded the shim or not; only a process that makes a
+/// user namespace of its own can shed them (docs/SECURITY.md, "Leaving the
+/// container's mount view").
+#[derive(Debug, Default)]
+pub struct MountScan {
+    at_state_path: Vec<(bool, String)>,
+    elsewhere: Vec<(bool, String)>,
+}
+
+impl MountScan {
+    /// Looks at one line of `/proc/<pid>/mountinfo`.
+    pub fn line(&mut self, line: &str) {
+        // ID, parent ID, major:minor, root, mount point, …
+        let mut fields = line.split(' ');
+        let (Some(root), Some(point)) = (fields.nth(3), fields.next()) else {
+            return;
+        };
+        let Some(name) = mounted_name(line, root) else {
+            return;
+        };
+        let (parent, last) = point.rsplit_once('/').unwrap_or(("", point));
+        let claim = last.starts_with(gpumem_layout::CLAIM_DIR_PREFIX);
+        let own = STATE_MOUNT_POINTS.contains(&point);
+        let inside = claim && STATE_MOUNT_POINTS.contains(&parent);
+        let found = if own || inside {
+            &mut self.at_state_path
+        } else {
+            &mut self.elsewhere
+        };
+        let entry = (!own && claim, name.to_owned());
+        if found.len() < MOUNTED_AT_MOST && !found.contains(&entry) {
+            found.push(entry);
+        }
+    }
+
+    /// What the lines looked at say; `whole` where they were all of them.
+    pub fn finish(self, whole: bool) -> Mounted {
+        let names = |mut found: Vec<(bool, String)>| {
+            found.sort();
+            found.dedup_by(|a, b| a.1 == b.1);
+            found.into_iter().map(|(_, name)| name).collect()
+        };
+        Mounted {
+            at_state_path: names(self.at_state_path),
+            elsewhere: names(self.elsewhere),
+            whole,
+        }
+    }
+}
+
+/// The gpumem directory a mount table line mounts, from its root field
+/// and source.
+fn mounted_name<'a>(line: &'a str, root: &'a str) -> Option<&'a str> {
+    if root == "/" {
+        // The directory's own tmpfs, named by its source.
+        let mut source = line.split_once(" - ")?.1.split(' ');
+        (source.next()? == "tmpfs").then_some(())?;
+        source.next()?.strip_prefix(statefs::SOURCE_PREFIX)
+    } else {
+        let (parent, name) = root.rsplit_once('/')?;
+        (parent.ends_with("/containers") || parent == "/containers").then_some(name)
+    }
 }
 
 /// What the `/proc` files of the processes NVML lists say of them, read at
@@ -126,10 +195,12 @@ struct Known {
     seen: u64,
     /// `None` where `stat` could not be read: nothing is kept then.
     start: Option<u64>,
-    /// Whether `stat`, as read this sweep, says it is exiting.
+    /// Whether `stat`, as read this sweep, says all of it is exiting.
     exiting: bool,
+    /// The thread its files are read through, as `stat` said this sweep.
+    thread: u32,
     /// What each file said, once it could be read.
-    mounted: Option<Vec<String>>,
+    mounted: Option<Mounted>,
     owner: Option<Option<Owner>>,
 }
 
@@ -144,10 +215,38 @@ struct Holder {
     owner: Option<Option<Owner>>,
 }
 
+/// In unit tests, a closure giving each file's text.
+#[cfg(test)]
+impl<F: Fn(u32, &str) -> Option<String>> ProcFiles for F {
+    fn proc_stat(&self, pid: u32) -> Option<crate::node::processes::ProcStat> {
+        let stat = self(pid, "stat")?;
+        Some(crate::node::processes::ProcStat {
+            start: gpumem_layout::protocol::start_time_in_stat(&stat)?,
+            exiting: crate::node::processes::exiting_in_stat(&stat),
+            thread: pid,
+        })
+    }
+
+    fn proc_lines(
+        &self,
+        pid: u32,
+        _thread: u32,
+        name: &str,
+        each: &mut dyn FnMut(&str) -> ControlFlow<()>,
+    ) -> Option<Read> {
+        for line in self(pid, name)?.lines() {
+            if each(line).is_break() {
+                return Some(Read::Stopped);
+            }
+        }
+        Some(Read::Whole)
+    }
+}
+
 impl Identities {
-    /// Starts a sweep that reads `/proc/<pid>/<name>` as `read(pid, name)`;
+    /// Starts a sweep that reads what `/proc` says through `source`;
     /// processes the sweep before did not look at are forgotten.
-    pub(crate) fn sweep<R: Fn(u32, &str) -> Option<String>>(&mut self, read: R) -> Sweep<'_, R> {
+    pub(crate) fn sweep<'a>(&'a mut self, source: &'a dyn ProcFiles) -> Sweep<'a> {
         let last = self.sweep;
         self.known.retain(|_, known| known.seen == last);
         // A slot names start time 0 where its shim could not read one.
@@ -157,51 +256,70 @@ impl Identities {
         self.sweep += 1;
         Sweep {
             identities: self,
-            read,
+            source,
         }
     }
 }
 
 /// One sweep's reads (see [`Identities`]).
-pub(crate) struct Sweep<'a, R> {
+pub(crate) struct Sweep<'a> {
     identities: &'a mut Identities,
-    read: R,
+    source: &'a dyn ProcFiles,
 }
 
-impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
-    /// The container directories a listed process's mounts name, in the
-    /// order the shim reads their files.
-    pub(crate) fn mounted(&mut self, pid: u32) -> &[String] {
-        let known = known(self.identities, &self.read, pid);
+impl Sweep<'_> {
+    /// What a listed process's mount table says, read once.
+    fn mounts(&mut self, pid: u32) -> Option<&Mounted> {
+        let source = self.source;
+        let known = known(self.identities, source, pid);
         if known.mounted.is_none() {
-            known.mounted = (self.read)(pid, "mountinfo").map(|text| mounted_containers(&text));
+            let mut scan = MountScan::default();
+            let read = source.proc_lines(pid, known.thread, "mountinfo", &mut |line| {
+                scan.line(line);
+                ControlFlow::Continue(())
+            });
+            known.mounted = read.map(|read| scan.finish(read == Read::Whole));
         }
-        known.mounted.as_deref().unwrap_or_default()
+        known.mounted.as_ref()
     }
 
-    /// Whether a listed process's mount table was read (after
+    /// The container directories a listed process has at the shim's state
+    /// path, in the order the shim reads their files.
+    pub(crate) fn mounted(&mut self, pid: u32) -> &[String] {
+        self.mounts(pid).map_or(&[], |m| &m.at_state_path)
+    }
+
+    /// The container directories a listed process has mounted anywhere
+    /// else (see [`Mounted::elsewhere`]).
+    pub(crate) fn mounted_elsewhere(&mut self, pid: u32) -> &[String] {
+        self.mounts(pid).map_or(&[], |m| &m.elsewhere)
+    }
+
+    /// Whether a listed process's whole mount table was read (after
     /// [`Sweep::mounted`]): an empty list then means it has no gpumem
-    /// mount, not that it could not be read.
+    /// mount, not that it could not be read, or was read only in part.
     pub(crate) fn mounts_read(&mut self, pid: u32) -> bool {
-        known(self.identities, &self.read, pid).mounted.is_some()
+        let known = known(self.identities, self.source, pid);
+        known.mounted.as_ref().is_some_and(|m| m.whole)
     }
 
-    /// Whether a listed process is exiting (its leader is: a leader that
-    /// ended alone leaves the others running, so this alone proves
-    /// nothing): the kernel dropped its record locks with its files, but
-    /// the driver frees its memory only later in the exit, and meanwhile
-    /// NVML still lists it, while its mount table can no longer be read.
+    /// Whether all of a listed process is exiting: the kernel dropped its
+    /// record locks with its files, but the driver frees its memory only
+    /// later in the exit, and meanwhile NVML still lists it, while its
+    /// mount table can no longer be read. A leader that exited alone is
+    /// not: its other threads run on with the process's memory and files.
     /// Its start time, where it is exiting.
     pub(crate) fn exiting(&mut self, pid: u32) -> Option<u64> {
-        let known = known(self.identities, &self.read, pid);
+        let known = known(self.identities, self.source, pid);
         known.start.filter(|_| known.exiting)
     }
 
     /// The pod and container a listed process's cgroup names.
     pub(crate) fn owner(&mut self, pid: u32) -> Option<Owner> {
-        let known = known(self.identities, &self.read, pid);
+        let source = self.source;
+        let known = known(self.identities, source, pid);
         if known.owner.is_none() {
-            known.owner = (self.read)(pid, "cgroup").map(|text| parse(&text));
+            known.owner = read_owner(source, pid, known.thread);
         }
         known.owner.clone().flatten()
     }
@@ -210,10 +328,19 @@ impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
     /// slot of `file` that names `start` as its owner's start time.
     pub(crate) fn holder_owner(&mut self, file: &Path, pid: u32, start: u64) -> Option<Owner> {
         let sweep = self.identities.sweep;
+        let source = self.source;
         let holder = match self.identities.holders.entry((pid, start)) {
             Entry::Occupied(entry) if entry.get().file == file => entry.into_mut(),
             entry => {
-                let owner = (self.read)(pid, "cgroup").map(|text| parse(&text));
+                let mut owner = read_owner(source, pid, pid);
+                if !owner.as_ref().is_some_and(Option::is_some) {
+                    // A leader that exited alone: its cgroup reads `/` on
+                    // cgroup v1. Read again through a thread that runs.
+                    let thread = source.proc_stat(pid).map_or(pid, |stat| stat.thread);
+                    if thread != pid {
+                        owner = read_owner(source, pid, thread);
+                    }
+                }
                 let holder = Holder {
                     file: file.to_owned(),
                     seen: sweep,
@@ -229,23 +356,21 @@ impl<R: Fn(u32, &str) -> Option<String>> Sweep<'_, R> {
 
 /// What is known of `pid` this sweep: what the last sweep knew, where its
 /// start time is the same.
-fn known<'a>(
-    identities: &'a mut Identities,
-    read: &impl Fn(u32, &str) -> Option<String>,
-    pid: u32,
-) -> &'a mut Known {
+fn known<'a>(identities: &'a mut Identities, source: &dyn ProcFiles, pid: u32) -> &'a mut Known {
     let sweep = identities.sweep;
     let known = identities.known.entry(pid).or_insert(Known {
         seen: 0,
         start: None,
         exiting: false,
+        thread: pid,
         mounted: None,
         owner: None,
     });
     if known.seen != sweep {
-        let stat = read(pid, "stat");
-        known.exiting = stat.as_deref().is_some_and(exiting_in_stat);
-        let start = stat.and_then(|stat| start_time_in_stat(&stat));
+        let stat = source.proc_stat(pid);
+        known.exiting = stat.is_some_and(|stat| stat.exiting);
+        known.thread = stat.map_or(pid, |stat| stat.thread);
+        let start = stat.map(|stat| stat.start);
         if start.is_none() || start != known.start {
             known.start = start;
             known.mounted = None;
@@ -254,23 +379,6 @@ fn known<'a>(
         known.seen = sweep;
     }
     known
-}
-
-/// `PF_EXITING` in a task's flags (`/proc/<pid>/stat` field 9): set as the
-/// exit begins, before its files are closed.
-const PF_EXITING: u64 = 0x4;
-
-/// Whether a `/proc/<pid>/stat` line is of a process on its way out: a
-/// zombie, dead, or exiting.
-fn exiting_in_stat(stat: &str) -> bool {
-    // Fields after the command name's last ')': state (3), then flags (9).
-    let Some(close) = stat.rfind(')') else {
-        return false;
-    };
-    let mut fields = stat[close + 1..].split_whitespace();
-    let state = fields.next();
-    let flags = fields.nth(5).and_then(|f| f.parse::<u64>().ok());
-    matches!(state, Some("Z" | "X" | "x")) || flags.is_some_and(|f| f & PF_EXITING != 0)
 }
 
 fn owner_of_path(path: &str) -> Option<Owner> {
@@ -322,19 +430,7 @@ fn is_uid(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::processes::proc_file;
-
-    #[test]
-    fn a_process_on_its_way_out_is_told_by_its_state_or_flags() {
-        let stat = |state: &str, flags: u64| {
-            format!("7 (a (b) c) {state} 1 7 7 0 -1 {flags} 0 0 0 0 0 0 0 0 20 0 1 0 22\n")
-        };
-        assert!(!exiting_in_stat(&stat("S", 0x400000)));
-        assert!(exiting_in_stat(&stat("S", 0x400004)));
-        assert!(exiting_in_stat(&stat("Z", 0)));
-        assert!(exiting_in_stat(&stat("X", 0)));
-        assert!(!exiting_in_stat("garbage"));
-    }
+    use crate::node::processes::proc_lines;
 
     const UID: &str = "0a1b2c3d-4e5f-4678-9abc-def012345678";
     const UNDERSCORED: &str = "0a1b2c3d_4e5f_4678_9abc_def012345678";
@@ -407,6 +503,14 @@ mod tests {
         }
     }
 
+    /// The gpumem container directories at the shim's state path of a
+    /// whole `/proc/<pid>/mountinfo`.
+    fn mounted_containers(mountinfo: &str) -> Vec<String> {
+        let mut scan = MountScan::default();
+        mountinfo.lines().for_each(|line| scan.line(line));
+        scan.finish(true).at_state_path
+    }
+
     #[test]
     fn the_state_mount_names_the_container() {
         let name = "a1b2c3d4e5f6-4u-0123456789abcdef";
@@ -451,6 +555,39 @@ mod tests {
                 "{point}"
             );
         }
+    }
+
+    #[test]
+    fn a_state_mount_elsewhere_is_known_by_what_it_mounts() {
+        let name = "a1b2c3d4e5f6-4u-0123456789abcdef";
+        let mut scan = MountScan::default();
+        // An image whose /var/run links to /srv/run: the runtime mounted
+        // the state path under the link's target.
+        scan.line(&format!(
+            "2 1 8:1 /var/lib/gpumem/containers/{name} /srv/run/gpumem rw - ext4 /dev/sda1 rw"
+        ));
+        scan.line("3 1 0:61 / /srv/run/gpumem/claim-b rw - tmpfs gpumem-state:claim-b rw");
+        // Mounts of no gpumem directory.
+        scan.line("4 1 8:1 /var/lib/docker/containers/x/hostname /etc/hostname rw - ext4 a rw");
+        scan.line("5 1 0:62 / /x rw - tmpfs tmpfs rw");
+        scan.line("6 1 0:62 / /y rw - ext4 gpumem-state:c rw");
+        let mounted = scan.finish(false);
+        assert!(mounted.at_state_path.is_empty());
+        assert_eq!(mounted.elsewhere, [name, "claim-b"]);
+        assert!(!mounted.whole);
+        // A table that names more directories than a runtime mounts: the
+        // first are kept, once each.
+        let mut scan = MountScan::default();
+        for n in 0..2 * MOUNTED_AT_MOST {
+            for _ in 0..2 {
+                scan.line(&format!(
+                    "{n} 1 8:1 /containers/d{n:03} /var/run/gpumem rw - ext4 a rw"
+                ));
+            }
+        }
+        let kept = scan.finish(true).at_state_path;
+        assert_eq!(kept.len(), MOUNTED_AT_MOST);
+        assert_eq!(kept[0], "d000");
     }
 
     #[test]
@@ -514,6 +651,7 @@ mod tests {
     #[test]
     fn a_process_is_read_once_while_its_start_time_holds() {
         let proc = Proc::default();
+        let read = |pid, name: &str| proc.read(pid, name);
         let mut identities = Identities::default();
         let container = format!("0::/kubepods/pod{UID}/{ID}\n");
         proc.start(10, 100);
@@ -521,7 +659,7 @@ mod tests {
         proc.set(10, "cgroup", &container);
 
         // First sweep: its start time, then each file once, however often asked.
-        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        let mut sweep = identities.sweep(&read);
         for _ in 0..2 {
             assert_eq!(sweep.mounted(10), ["a"]);
             assert_eq!(sweep.owner(10), owner(true));
@@ -532,7 +670,7 @@ mod tests {
         );
         // The next sweeps read its start time only.
         for _ in 0..2 {
-            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            let mut sweep = identities.sweep(&read);
             assert_eq!(sweep.mounted(10), ["a"]);
             assert_eq!(sweep.owner(10), owner(true));
             assert_eq!(proc.taken(), reads(&[(10, "stat")]));
@@ -541,7 +679,7 @@ mod tests {
         proc.start(10, 200);
         proc.set(10, "mountinfo", &mounts("b"));
         proc.set(10, "cgroup", "0::/system.slice/x.service\n");
-        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        let mut sweep = identities.sweep(&read);
         assert_eq!(sweep.mounted(10), ["b"]);
         assert_eq!(sweep.owner(10), None);
         assert_eq!(
@@ -549,8 +687,8 @@ mod tests {
             reads(&[(10, "stat"), (10, "mountinfo"), (10, "cgroup")])
         );
         // A sweep that does not look at it forgets it.
-        identities.sweep(|pid, name| proc.read(pid, name));
-        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        identities.sweep(&read);
+        let mut sweep = identities.sweep(&read);
         assert_eq!(sweep.mounted(10), ["b"]);
         assert_eq!(proc.taken(), reads(&[(10, "stat"), (10, "mountinfo")]));
     }
@@ -558,18 +696,19 @@ mod tests {
     #[test]
     fn what_cannot_be_read_is_read_again() {
         let proc = Proc::default();
+        let read = |pid, name: &str| proc.read(pid, name);
         let mut identities = Identities::default();
         // No start time (the process is gone, or stat is hidden): nothing is
         // kept from one sweep to the next.
         proc.set(11, "mountinfo", &mounts("a"));
         for _ in 0..2 {
-            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            let mut sweep = identities.sweep(&read);
             assert_eq!(sweep.mounted(11), ["a"]);
             assert_eq!(proc.taken(), reads(&[(11, "stat"), (11, "mountinfo")]));
         }
         // A file that could not be read is not taken to say nothing.
         proc.start(12, 300);
-        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        let mut sweep = identities.sweep(&read);
         assert!(sweep.mounted(12).is_empty());
         proc.set(12, "mountinfo", &mounts("a"));
         assert_eq!(sweep.mounted(12), ["a"]);
@@ -578,19 +717,20 @@ mod tests {
             reads(&[(12, "stat"), (12, "mountinfo"), (12, "mountinfo")])
         );
         proc.remove(12, "mountinfo");
-        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        let mut sweep = identities.sweep(&read);
         assert_eq!(sweep.mounted(12), ["a"], "kept: same process");
     }
 
     #[test]
     fn a_slot_holder_is_read_once_while_its_slot_names_the_same_start() {
         let proc = Proc::default();
+        let read = |pid, name: &str| proc.read(pid, name);
         let mut identities = Identities::default();
         let (a, b) = (Path::new("/s/a/accounting"), Path::new("/s/b/accounting"));
         proc.set(13, "cgroup", &format!("0::/kubepods/pod{UID}/{ID}\n"));
         // Read at the first sweep, however often asked; not at the next.
         for expected in [reads(&[(13, "cgroup")]), vec![]] {
-            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            let mut sweep = identities.sweep(&read);
             assert_eq!(sweep.holder_owner(a, 13, 100), owner(true));
             assert_eq!(sweep.holder_owner(a, 13, 100), owner(true));
             assert_eq!(proc.taken(), expected);
@@ -598,25 +738,28 @@ mod tests {
         // A new process with the PID (its slot names another start time),
         // or the same one holding a slot elsewhere: read for itself.
         proc.set(13, "cgroup", "0::/system.slice/x.service\n");
-        let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+        let mut sweep = identities.sweep(&read);
         assert_eq!(sweep.holder_owner(a, 13, 200), None);
         assert_eq!(sweep.holder_owner(b, 13, 100), None);
-        assert_eq!(proc.taken(), reads(&[(13, "cgroup"), (13, "cgroup")]));
+        assert_eq!(
+            proc.taken(),
+            reads(&[(13, "cgroup"), (13, "stat"), (13, "cgroup"), (13, "stat")])
+        );
         // A sweep that does not ask forgets; a slot without a start time,
         // or a cgroup that could not be read, is read once a sweep.
-        identities.sweep(|pid, name| proc.read(pid, name));
+        identities.sweep(&read);
         for _ in 0..2 {
-            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            let mut sweep = identities.sweep(&read);
             assert_eq!(sweep.holder_owner(a, 13, 0), None);
             assert_eq!(sweep.holder_owner(a, 13, 0), None);
-            assert_eq!(proc.taken(), reads(&[(13, "cgroup")]));
+            assert_eq!(proc.taken(), reads(&[(13, "cgroup"), (13, "stat")]));
         }
         proc.remove(13, "cgroup");
         for _ in 0..2 {
-            let mut sweep = identities.sweep(|pid, name| proc.read(pid, name));
+            let mut sweep = identities.sweep(&read);
             assert_eq!(sweep.holder_owner(a, 13, 200), None);
             assert_eq!(sweep.holder_owner(a, 13, 200), None);
-            assert_eq!(proc.taken(), reads(&[(13, "cgroup")]));
+            assert_eq!(proc.taken(), reads(&[(13, "cgroup"), (13, "stat")]));
         }
     }
 
@@ -626,7 +769,14 @@ mod tests {
         let dir = root.path().join("4242");
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(dir.join("cgroup"), format!("0::/kubepods/pod{UID}/{ID}\n")).unwrap();
-        let read = |pid| parse(&proc_file(root.path(), pid, "cgroup")?);
+        let read = |pid| {
+            let mut owner = None;
+            proc_lines(root.path(), pid, pid, "cgroup", &mut |line| {
+                owner = owner_of_line(line);
+                ControlFlow::Continue(())
+            })?;
+            owner
+        };
         assert_eq!(read(4242), owner(true));
         assert_eq!(read(4243), None, "gone");
     }

@@ -418,10 +418,10 @@ impl Enforcer {
     }
 }
 
-/// A process's start time in clock ticks since boot (/proc/PID/stat field 22).
+/// A process's start time in clock ticks since boot (/proc/PID/stat field
+/// 22), read as bytes: its command name may be anything.
 pub fn start_time(proc_root: &Path, pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    gpumem_layout::protocol::start_time_in_stat(&stat)
+    crate::node::processes::proc_stat(proc_root, pid).map(|stat| stat.start)
 }
 
 /// The system's uptime in clock ticks (the unit of start times), read from

@@ -119,8 +119,8 @@ pub type Attribution = Arc<Mutex<Whose>>;
 type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
 
 /// How long a slot holder on its way out is passed over: the driver's part
-/// of an exit takes seconds at most, and a process whose leader thread
-/// exited while the rest of it runs on must not hide longer.
+/// of an exit takes seconds at most, and a process that stays in its exit
+/// (a thread stuck in the driver) must not hide longer.
 const LEAVING_AT_MOST: Duration = Duration::from_secs(10);
 
 /// Where the processes NVML lists belong, beyond the slot holders.
@@ -201,12 +201,12 @@ impl<'a> Pods<'a> {
 /// the GPU (`pods`) is that container's, whatever its mounts say: a process
 /// that made its own mount namespace sheds the mounts, never the cgroup.
 /// Anything else is unmanaged. `who` reads what `/proc` says of them.
-fn attribute<R: Fn(u32, &str) -> Option<String>>(
+fn attribute(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
     last_holders: &LastHolders,
     memory: &ProcessMemory,
-    who: &mut attribution::Sweep<'_, R>,
+    who: &mut attribution::Sweep<'_>,
     pods: &mut Pods<'_>,
 ) -> Attributed {
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
@@ -237,8 +237,9 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
             // A slot holder of the last tick on its way out, its memory
             // about to go: neither its container's whole (its unreaped
             // slot still counts it) nor a stranger. Only one that held a
-            // slot, and for `LEAVING_AT_MOST`: a leader thread that exits
-            // alone looks the same while the rest of its process runs on.
+            // slot, all of whose threads are exiting (a leader that exited
+            // alone is a zombie while the rest runs on), for at most
+            // `LEAVING_AT_MOST`.
             if let Some(start) = who
                 .exiting(pid)
                 .filter(|&start| last_holders.contains_key(&(pid, start)))
@@ -273,7 +274,20 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
                     break;
                 }
             }
+            // Mounted elsewhere (an image whose `/var/run` links elsewhere):
+            // the container's where kubelet gave the directory to its pod.
+            let elsewhere = home.is_none().then(|| {
+                let owner = owner.as_ref()?;
+                let grants = pods.get()?;
+                who.mounted_elsewhere(pid)
+                    .iter()
+                    .filter(|name| grants.vouches(name, &owner.pod_uid))
+                    .filter_map(|name| by_dir.get(std::ffi::OsStr::new(name)).copied())
+                    .find_map(capping)
+            });
+            let elsewhere = elsewhere.flatten();
             let home = home
+                .or(elsewhere)
                 .or_else(|| {
                     let id = owner.as_ref()?.container_id.as_ref()?;
                     containers
@@ -304,7 +318,8 @@ fn attribute<R: Fn(u32, &str) -> Option<String>>(
             match home {
                 Some((index, dev)) => {
                     attributed.unslotted[index][dev].push((pid, bytes));
-                    if !mounted.contains(&index) && who.mounts_read(pid) {
+                    let found_mounted = mounted.contains(&index) || elsewhere.is_some();
+                    if !found_mounted && who.mounts_read(pid) {
                         let unmounted = (index, uuid.clone(), pid, bytes);
                         attributed.unmounted.push(unmounted);
                     }
@@ -357,10 +372,10 @@ fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
 /// hold it to the wrong cap. The order is the process's mount table's
 /// where it names the files (a claim mounted before claims had their own
 /// place is at the state path itself, and comes first), else the names'.
-fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
+fn charged_elsewhere(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
-    who: &mut attribution::Sweep<'_, R>,
+    who: &mut attribution::Sweep<'_>,
 ) -> Vec<Vec<HashSet<u32>>> {
     let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
         .iter()
@@ -404,9 +419,9 @@ fn charged_elsewhere<R: Fn(u32, &str) -> Option<String>>(
 }
 
 /// The files of each slot holder's container ID, in the shim's order.
-fn holder_containers<R: Fn(u32, &str) -> Option<String>>(
+fn holder_containers(
     loaded: &[(PathBuf, Processes)],
-    who: &mut attribution::Sweep<'_, R>,
+    who: &mut attribution::Sweep<'_>,
 ) -> HashMap<String, Vec<usize>> {
     let mut containers: HashMap<String, Vec<usize>> = HashMap::new();
     for (index, (file, processes)) in loaded.iter().enumerate() {
@@ -616,10 +631,7 @@ impl Reconciler {
             .collect();
         let (loaded, stood_in) = self.load(read, &memory);
         let (attributed, elsewhere) = {
-            let source = &self.source;
-            let mut who = self
-                .identities
-                .sweep(|pid, name| source.proc_file(pid, name));
+            let mut who = self.identities.sweep(&*self.source);
             let held = holders(&loaded);
             let mut pods = Pods::new(self.pods.as_ref());
             let attributed = attribute(
@@ -1086,6 +1098,8 @@ mod tests {
     /// A source that is never asked: `load` is given its sample.
     struct NoSource;
 
+    impl crate::node::processes::ProcFiles for NoSource {}
+
     impl ProcessUsage for NoSource {
         fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
             unreachable!("load takes the sample it is given")
@@ -1161,7 +1175,7 @@ mod tests {
             &holders(loaded),
             &LastHolders::new(),
             memory,
-            &mut attribution::Identities::default().sweep(read),
+            &mut attribution::Identities::default().sweep(&read),
             &mut Pods::new(None),
         )
     }
@@ -1319,7 +1333,7 @@ mod tests {
                 &holders(loaded),
                 &LastHolders::new(),
                 memory,
-                &mut identities.sweep(read),
+                &mut identities.sweep(&read),
                 &mut Pods::new(None),
             );
             attributed
@@ -1522,7 +1536,7 @@ mod tests {
                 &holders(loaded),
                 &LastHolders::new(),
                 &memory,
-                &mut attribution::Identities::default().sweep(read),
+                &mut attribution::Identities::default().sweep(&read),
                 &mut Pods::new(Some(&pod_dirs)),
             )
         };
@@ -1582,7 +1596,7 @@ mod tests {
         let mut identities = attribution::Identities::default();
         // Mounts that cannot be read: the order is the names'.
         let read = |pid: u32, name: &str| (name == "stat").then(|| stat(pid));
-        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(read));
+        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(&read));
         assert_eq!(elsewhere[0], [[10].into(), HashSet::new()]);
         assert_eq!(elsewhere[1], [HashSet::new()]);
         assert_eq!(
@@ -1615,7 +1629,7 @@ mod tests {
             _ => None,
         };
         let mut identities = attribution::Identities::default();
-        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(read));
+        let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(&read));
         assert_eq!(elsewhere[0], [HashSet::new(), HashSet::new()]);
         assert_eq!(elsewhere[1], [[10].into()]);
     }

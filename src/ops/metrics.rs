@@ -790,36 +790,58 @@ impl Collector for NodeCollector {
             |c| c.refused_allocations.map(ConstCounter::new),
         )?;
 
-        // Each process outside every gpumem container, with its pod where
-        // its cgroup names one: who to ask about unmanaged memory.
-        let strangers = whose.iter().flat_map(|w| &w.strangers).filter_map(|s| {
-            let gpu = status.gpus.iter().find(|g| g.uuid == s.gpu_uuid)?;
-            let mut labels = gpu_labels(gpu, hostname);
-            labels.push(("pid", s.pid.to_string()));
-            if let Some(owner) = &s.owner {
-                labels.push(("pod_uid", owner.pod_uid.clone()));
-                if let Some(id) = &owner.container_id {
-                    labels.push(("container_id", id.clone()));
+        // What processes outside every gpumem container hold, per GPU and
+        // per the pod and container their cgroup names (host processes
+        // together, without those labels): who to ask about unmanaged
+        // memory. Not per PID: a tenant cycling GPU processes would make a
+        // series of each. The log line and the `GPUMemoryUnmanaged` Event
+        // name each process.
+        let mut groups: Vec<(
+            &str,
+            Option<&crate::isolation::attribution::Owner>,
+            u64,
+            Vec<u32>,
+        )> = Vec::new();
+        for s in whose.iter().flat_map(|w| &w.strangers) {
+            let key = (s.gpu_uuid.as_str(), s.owner.as_ref());
+            match groups.iter_mut().find(|g| (g.0, g.1) == key) {
+                Some(group) => {
+                    group.2 = group.2.saturating_add(s.bytes);
+                    group.3.push(s.pid);
                 }
+                None => groups.push((key.0, key.1, s.bytes, vec![s.pid])),
             }
-            Some((labels, s))
-        });
-        let strangers: Vec<_> = strangers.collect();
+        }
+        let strangers: Vec<_> = groups
+            .into_iter()
+            .filter_map(|(uuid, owner, bytes, pids)| {
+                let gpu = status.gpus.iter().find(|g| g.uuid == uuid)?;
+                let mut labels = gpu_labels(gpu, hostname);
+                if let Some(owner) = owner {
+                    labels.push(("pod_uid", owner.pod_uid.clone()));
+                    if let Some(id) = &owner.container_id {
+                        labels.push(("container_id", id.clone()));
+                    }
+                }
+                Some((labels, uuid, bytes, pids))
+            })
+            .collect();
         family(
             e,
             "unmanaged_process_memory_bytes",
-            "GPU memory a process in no gpumem container holds",
+            "GPU memory processes in no gpumem container hold, per pod and container their \
+             cgroup names",
             strangers
                 .iter()
-                .map(|(labels, s)| (labels.clone(), ConstGauge::new(s.bytes))),
+                .map(|(labels, _, bytes, _)| (labels.clone(), ConstGauge::new(*bytes))),
         )?;
         family(
             e,
             "unmanaged_process_sm_utilization_ratio",
-            "Share of the GPU's SMs a process in no gpumem container kept busy over NVML's \
-             last sample period",
-            strangers.iter().map(|(labels, s)| {
-                let ratio = sm_ratio(sensors, &s.gpu_uuid, &[s.pid]);
+            "Share of the GPU's SMs processes in no gpumem container kept busy over NVML's \
+             last sample period, per pod and container their cgroup names",
+            strangers.iter().map(|(labels, uuid, _, pids)| {
+                let ratio = sm_ratio(sensors, uuid, pids);
                 (labels.clone(), ConstGauge::new(ratio))
             }),
         )?;
@@ -1008,20 +1030,27 @@ mod tests {
                 power_milliwatts: Some(61_250),
             },
         );
-        // Two processes of the container (one without the shim) and a
-        // stranger in another pod.
-        r.sensors.process_sm = [(T4.into(), [(10, 30), (11, 25), (12, 20)].into())].into();
+        // Two processes of the container (one without the shim), two
+        // strangers in a container of another pod, and a host process.
+        r.sensors.process_sm =
+            [(T4.into(), [(10, 30), (11, 25), (12, 20), (13, 10)].into())].into();
+        let stranger = |pid, mib, owner: Option<Owner>| Stranger {
+            gpu_uuid: T4.into(),
+            pid,
+            bytes: mib * MIB,
+            owner,
+        };
+        let pod = Owner {
+            pod_uid: "0a1b".into(),
+            container_id: Some("c0ffee".into()),
+        };
         r.whose = Some(Whose {
             containers: [("a-4u-1".into(), [(T4.into(), vec![10, 11])].into())].into(),
-            strangers: vec![Stranger {
-                gpu_uuid: T4.into(),
-                pid: 12,
-                bytes: 200 * MIB,
-                owner: Some(Owner {
-                    pod_uid: "0a1b".into(),
-                    container_id: Some("c0ffee".into()),
-                }),
-            }],
+            strangers: vec![
+                stranger(12, 200, Some(pod.clone())),
+                stranger(13, 100, Some(pod)),
+                stranger(14, 50, None),
+            ],
         });
         let text = Metrics::new(&Counters::default(), false).encode(r).unwrap();
         let gpu = format!("gpu=\"0\",UUID=\"{T4}\",modelName=\"Tesla T4\",Hostname=\"node-1\"");
@@ -1035,17 +1064,20 @@ mod tests {
             format!("gpumem_gpu_unmanaged_bytes{{{gpu}}} 209715200"),
             format!("gpumem_container_used_bytes{{{pod},{gpu}}} 1363148800"),
             format!("gpumem_container_sm_utilization_ratio{{{pod},{gpu}}} 0.55"),
+            // Per pod and container, not per process: no PID.
             format!(
-                "gpumem_unmanaged_process_memory_bytes{{{gpu},pid=\"12\",pod_uid=\"0a1b\",\
-                 container_id=\"c0ffee\"}} 209715200"
+                "gpumem_unmanaged_process_memory_bytes{{{gpu},pod_uid=\"0a1b\",\
+                 container_id=\"c0ffee\"}} 314572800"
             ),
             format!(
-                "gpumem_unmanaged_process_sm_utilization_ratio{{{gpu},pid=\"12\",\
-                 pod_uid=\"0a1b\",container_id=\"c0ffee\"}} 0.2"
+                "gpumem_unmanaged_process_sm_utilization_ratio{{{gpu},\
+                 pod_uid=\"0a1b\",container_id=\"c0ffee\"}} 0.3"
             ),
+            format!("gpumem_unmanaged_process_memory_bytes{{{gpu}}} 52428800"),
         ] {
             assert!(text.contains(&expected), "missing {expected}:\n{text}");
         }
+        assert!(!text.contains("pid="), "{text}");
         assert!(!text.contains("_mib"), "{text}");
     }
 

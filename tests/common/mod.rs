@@ -5,6 +5,7 @@
 
 pub mod cdi;
 pub mod daemon;
+pub mod tenant;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -493,6 +494,23 @@ impl Drop for Killed {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Compiles the C program `source` (with pthreads and libdl) in `dir`;
+/// returns the program's path.
+pub fn compile_c(source: &str, dir: &Path) -> PathBuf {
+    let src = dir.join("program.c");
+    std::fs::write(&src, source).unwrap();
+    let program = dir.join("program");
+    let status = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&program)
+        .arg(&src)
+        .args(["-ldl", "-lpthread"])
+        .status()
+        .expect("a C compiler (cc) is needed");
+    assert!(status.success());
+    program
 }
 
 /// Whether the tests run as root (CI does): what mounts needs.
