@@ -21,6 +21,7 @@ import (
 // schedulerPod is one replica: its scheduler and its extender.
 type schedulerPod struct {
 	name                string
+	ns                  string // the Deployment's, where its Lease is
 	scheduler, extender *proc
 }
 
@@ -58,7 +59,7 @@ func (s *suite) secondSchedulerManifest() (string, string, *corev1.PodSpec, erro
 // and the service account's kubeconfig.
 func (s *suite) startSecondScheduler(i int, config, ns string, spec *corev1.PodSpec) (*schedulerPod, error) {
 	c := s.c
-	r := &schedulerPod{name: fmt.Sprintf("gpumem-scheduler-%d", i)}
+	r := &schedulerPod{name: fmt.Sprintf("gpumem-scheduler-%d", i), ns: ns}
 	kc, err := c.tokenConfig(ns, spec.ServiceAccountName, r.name)
 	if err != nil {
 		return nil, err
@@ -241,7 +242,7 @@ func (s *suite) secondSchedulerHandover() (string, error) {
 	if len(s.second) != 2 {
 		return "", fmt.Errorf("the second scheduler is not running")
 	}
-	ns := "kube-system"
+	ns := s.second[0].ns
 	holder, err := s.leaseHolder(ns, "gpumem-scheduler", 10*time.Second)
 	if err != nil {
 		return "", err
