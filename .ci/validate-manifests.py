@@ -55,6 +55,13 @@ VARIANTS = {
     "cdi": {"deviceListStrategy": "cdi"},
     "kubelet-only": {"apiServer": False},
     "gpushare-extender": {"scheduler": "gpushare-extender", "extender": {"enabled": True}},
+    "second-scheduler": {"scheduler": "gpushare-extender", "secondScheduler": {"enabled": True}},
+    "second-scheduler-custom": {
+        "scheduler": "gpushare-extender",
+        "resourceName": "example.com/vram",
+        "secondScheduler": {"enabled": True, "name": "gpu-scheduler", "replicas": 3, "placement": "spread",
+                            "extenderPort": 23456, "image": "registry.example.com/kube-scheduler:v1.34.1"},
+    },
     "dra": {"frontEnd": "dra"},
     "adopter-settings": {
         "imagePullSecrets": [{"name": "regcred"}],
@@ -118,6 +125,11 @@ REFUSED = {
     "reconcile-string": ({"reconcileSecs": "2s"}, "/reconcileSecs"),
     "nested-typo": ({"metrics": {"serviceMonitor": {"enable": True}}}, "'enable' not allowed"),
     "ignore-xids-not-numbers": ({"ignoreXids": "13;x"}, "/ignoreXids"),
+    "second-scheduler-without-extender-mode": ({"secondScheduler": {"enabled": True}}, "needs scheduler: gpushare-extender"),
+    "second-scheduler-named-default": ({"scheduler": "gpushare-extender",
+                                        "secondScheduler": {"enabled": True, "name": "default-scheduler"}},
+                                       "/secondScheduler/name"),
+    "second-scheduler-key-typo": ({"secondScheduler": {"enable": True}}, "'enable' not allowed"),
 }
 
 # prometheus-operator's kinds: their CRDs are not in Kubernetes' schemas, so
@@ -194,8 +206,9 @@ EXTENDER_FIELDS = {
 EXTENDER_VERBS = {"filterVerb": "filter", "prioritizeVerb": "prioritize", "bindVerb": "bind"}
 
 
-def check_scheduler_config(name, config, extender_docs, resource, failures):
-    """The KubeSchedulerConfiguration reaches the extender as deployed."""
+def check_scheduler_config(name, config, extender_docs, resource, failures, url=None):
+    """The KubeSchedulerConfiguration reaches the extender as deployed: at
+    `url`, or at the NodePort of the Service among extender_docs."""
     if config.get("apiVersion") != "kubescheduler.config.k8s.io/v1" or config.get("kind") != "KubeSchedulerConfiguration":
         failures.append(f"{name}: not a kubescheduler.config.k8s.io/v1 KubeSchedulerConfiguration")
         return
@@ -221,10 +234,88 @@ def check_scheduler_config(name, config, extender_docs, resource, failures):
         failures.append(f"{name}: managedResources {managed} should be [{resource!r}]")
     if not ext.get("nodeCacheCapable"):
         failures.append(f"{name}: nodeCacheCapable should be true (the extender keeps a node cache)")
+    if url is not None:
+        if ext.get("urlPrefix") != url:
+            failures.append(f"{name}: urlPrefix {ext.get('urlPrefix')!r} does not reach the extender at {url}")
+        return
     port = next((p.get("nodePort") for d in extender_docs if d.get("kind") == "Service"
                  for p in d["spec"]["ports"]), None)
     if ext.get("urlPrefix") != f"http://127.0.0.1:{port}":
         failures.append(f"{name}: urlPrefix {ext.get('urlPrefix')!r} does not reach the Service's NodePort {port}")
+
+
+# The ClusterRoles any kube-scheduler needs (upstream "Configure Multiple
+# Schedulers"), bound to the second scheduler's service account.
+SCHEDULER_ROLES = {"system:kube-scheduler", "system:volume-scheduler"}
+
+
+def check_second_scheduler(name, docs, namespace, sched_name, resource, failures):
+    """The second scheduler's pod: kube-scheduler with the ConfigMap's
+    configuration (profile and Lease named sched_name, leader-elected) and
+    the extender it reaches on the pod's loopback, nothing exposed, and the
+    RBAC a kube-scheduler, its Lease and the extender need. Returns the
+    configuration and the Deployment, or (None, None)."""
+    deployments = [d for d in docs if d.get("kind") == "Deployment"
+                   and d["metadata"]["labels"].get("app.kubernetes.io/name") == "gpumem-scheduler"]
+    if len(deployments) != 1:
+        failures.append(f"{name}: {len(deployments)} second-scheduler Deployments, expected one")
+        return None, None
+    deployment = deployments[0]
+    pod = deployment["spec"]["template"]["spec"]
+    account = pod.get("serviceAccountName")
+    containers = {c["name"]: c for c in pod.get("containers") or []}
+    if set(containers) != {"kube-scheduler", "extender"}:
+        failures.append(f"{name}: the pod's containers are {sorted(containers)}, not kube-scheduler and extender")
+        return None, None
+    if deployment["spec"].get("replicas", 1) < 2:
+        failures.append(f"{name}: {deployment['spec'].get('replicas', 1)} replica: no other to take the Lease over")
+    listen = flags(containers["extender"].get("args") or []).get("--listen-addr", "")
+    if not listen.startswith("127.0.0.1:"):
+        failures.append(f"{name}: the extender listens on {listen!r}, not on the pod's loopback only")
+    if containers["extender"].get("ports") or containers["kube-scheduler"].get("ports"):
+        failures.append(f"{name}: a container port declared: nothing is to be exposed")
+    exposed = [d["metadata"]["name"] for d in docs if d.get("kind") == "Service"
+               and d["spec"].get("selector", {}).get("app.kubernetes.io/name") == "gpumem-scheduler"]
+    if exposed:
+        failures.append(f"{name}: Services {exposed} expose the second scheduler")
+    config_flag = next((w.split("=", 1)[1] for w in containers["kube-scheduler"].get("command", [])
+                        if w.startswith("--config=")), None)
+    mount = next((m for m in containers["kube-scheduler"].get("volumeMounts") or []
+                  if config_flag and config_flag.startswith(m["mountPath"].rstrip("/") + "/")), None)
+    volume = next((v for v in pod.get("volumes") or [] if mount and v["name"] == mount["name"]), {})
+    cm_name = (volume.get("configMap") or {}).get("name")
+    cm = next((d for d in docs if d.get("kind") == "ConfigMap" and d["metadata"]["name"] == cm_name), None)
+    key = posixpath.basename(config_flag or "")
+    if cm is None or key not in cm.get("data", {}):
+        failures.append(f"{name}: kube-scheduler's --config={config_flag} is not a key of a ConfigMap it mounts")
+        return None, None
+    config = yaml.safe_load(cm["data"][key])
+    check_scheduler_config(f"{name}: ConfigMap {cm_name}", config, [], resource, failures, url=f"http://{listen}")
+    if config.get("clientConnection", {}).get("kubeconfig"):
+        failures.append(f"{name}: the configuration names a kubeconfig; in a pod the service account's is used")
+    profiles = [p.get("schedulerName") for p in config.get("profiles") or []]
+    if profiles != [sched_name]:
+        failures.append(f"{name}: profiles {profiles}, expected [{sched_name!r}]")
+    election = config.get("leaderElection") or {}
+    want = {"leaderElect": True, "resourceLock": "leases", "resourceNamespace": namespace, "resourceName": sched_name}
+    if {k: election.get(k) for k in want} != want:
+        failures.append(f"{name}: leaderElection {election}, expected {want}")
+    subject = {"kind": "ServiceAccount", "name": account, "namespace": namespace}
+    bound = {d["roleRef"]["name"] for d in docs if d.get("kind") in ("ClusterRoleBinding", "RoleBinding")
+             and subject in d.get("subjects", [])}
+    missing = SCHEDULER_ROLES - bound
+    if missing:
+        failures.append(f"{name}: {account} not bound to {sorted(missing)}")
+    lease_rules = [r for d in docs if d.get("kind") == "Role" and d["metadata"].get("namespace") == namespace
+                   and d["metadata"]["name"] in bound for r in d.get("rules", [])
+                   if "leases" in r.get("resources", [])]
+    if not any(sched_name in r.get("resourceNames", []) and {"get", "update"} <= set(r["verbs"]) for r in lease_rules):
+        failures.append(f"{name}: no Role bound to {account} updates the Lease {namespace}/{sched_name}")
+    binds = [r for d in docs if d.get("kind") == "ClusterRole" and d["metadata"]["name"] in bound
+             for r in d.get("rules", []) if "pods/binding" in r.get("resources", [])]
+    if not binds:
+        failures.append(f"{name}: no ClusterRole of the extender's (pods/binding) bound to {account}")
+    return config, deployment
 
 
 def documents(name, text):
@@ -711,7 +802,7 @@ def main():
     commands += check_docs(image, image_failures)
 
     loaded = {}
-    for file, versions in (("gpumem.yaml", VERSIONS), ("extender.yaml", VERSIONS),
+    for file, versions in (("gpumem.yaml", VERSIONS), ("extender.yaml", VERSIONS), ("second-scheduler.yaml", VERSIONS),
                            ("gpumem-dra.yaml", DRA_VERSIONS), ("dra-example.yaml", DRA_VERSIONS)):
         manifest = ROOT / "daemonset" / file
         loaded[file] = []
@@ -734,6 +825,8 @@ def main():
     check_scheduler_config(str(config.relative_to(ROOT)), yaml.safe_load(config.read_text()),
                            extender_docs, "aliyun.com/gpu-mem", failures)
     checked += 1
+    plain_second = check_second_scheduler("daemonset/second-scheduler.yaml", loaded["second-scheduler.yaml"],
+                                          "kube-system", "gpumem-scheduler", "aliyun.com/gpu-mem", failures)
 
     chart = helm.Chart.load(ROOT / "deploy" / "helm" / "gpumem")
     selectors = {}
@@ -776,6 +869,30 @@ def main():
         for expected in node_selector.get("nodeSelector", {}):
             if not any(expected in text for text in rendered.values()):
                 failures.append(f"chart[{variant}]: nodeSelector {expected} not rendered")
+        second = values.get("secondScheduler", {})
+        if second.get("enabled"):
+            config, deployment = check_second_scheduler(
+                f"chart[{variant}]", docs, "kube-system", second.get("name", "gpumem-scheduler"),
+                values.get("resourceName", "aliyun.com/gpu-mem"), failures)
+            # The plain manifest is the chart's defaults.
+            if set(second) == {"enabled"} and config is not None and plain_second[0] is not None:
+                if config != plain_second[0]:
+                    failures.append(f"chart[{variant}]: the scheduler's configuration is not "
+                                    f"daemonset/second-scheduler.yaml's")
+                ours, plain = (d["spec"]["template"]["spec"]["containers"] for d in (deployment, plain_second[1]))
+                strip = [{k: v for k, v in c.items() if k not in ("image", "imagePullPolicy")} for c in ours]
+                if strip != [{k: v for k, v in c.items() if k != "image"} for c in plain]:
+                    failures.append(f"chart[{variant}]: the second scheduler's containers are not "
+                                    f"daemonset/second-scheduler.yaml's")
+            if deployment is not None:
+                images = {c["name"]: c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]}
+                if images["kube-scheduler"] != second.get("image", "registry.k8s.io/kube-scheduler:v1.37.2"):
+                    failures.append(f"chart[{variant}]: kube-scheduler image {images['kube-scheduler']}")
+                if deployment["spec"]["replicas"] != second.get("replicas", 2):
+                    failures.append(f"chart[{variant}]: {deployment['spec']['replicas']} replicas")
+        elif any(d.get("metadata", {}).get("labels", {}).get("app.kubernetes.io/name") == "gpumem-scheduler"
+                 for d in docs):
+            failures.append(f"chart[{variant}]: second-scheduler objects rendered with secondScheduler off")
         check_pod_settings(f"chart[{variant}]", values, docs, failures)
         bounded = values.get("isolation", "shim") == "shim" and values.get("boundedStateDirs", True)
         check_state_mounts(f"chart[{variant}]", docs, bounded, failures)

@@ -113,13 +113,19 @@ fn the_extender_deployments_pass_only_flags_the_extender_accepts() {
     for path in [
         "daemonset/extender.yaml",
         "deploy/helm/gpumem/templates/extender.yaml",
+        "daemonset/second-scheduler.yaml",
+        "deploy/helm/gpumem/templates/second-scheduler.yaml",
     ] {
         let manifest = read(path);
         assert!(
             manifest.contains(r#"command: ["/opt/gpumem/gpumem", "extender"]"#),
             "{path}"
         );
-        let args = plugin_args(&manifest);
+        // The second scheduler's pod: kube-scheduler's --config is not ours.
+        let args: Vec<String> = plugin_args(&manifest)
+            .into_iter()
+            .filter(|a| !a.starts_with("--config="))
+            .collect();
         assert!(args.len() >= 3, "{path}: {args:?}");
         for arg in &args {
             let flag = arg.split('=').next().unwrap();
@@ -131,16 +137,21 @@ fn the_extender_deployments_pass_only_flags_the_extender_accepts() {
     }
     // The plain manifest's values parse: the extender gets as far as the
     // kubeconfig, which does not exist.
-    let args = plugin_args(&read("daemonset/extender.yaml"));
-    let mut full: Vec<&str> = vec!["extender"];
-    full.extend(args.iter().map(String::as_str));
-    full.extend(["--kubeconfig", "/nonexistent/gpumem-deploy-test"]);
-    let (ok, text) = gpumem(&full);
-    assert!(!ok);
-    assert!(
-        text.contains("gpumem-deploy-test"),
-        "clap refused the Deployment's args: {text}"
-    );
+    for path in ["daemonset/extender.yaml", "daemonset/second-scheduler.yaml"] {
+        let args: Vec<String> = plugin_args(&read(path))
+            .into_iter()
+            .filter(|a| !a.starts_with("--config="))
+            .collect();
+        let mut full: Vec<&str> = vec!["extender"];
+        full.extend(args.iter().map(String::as_str));
+        full.extend(["--kubeconfig", "/nonexistent/gpumem-deploy-test"]);
+        let (ok, text) = gpumem(&full);
+        assert!(!ok);
+        assert!(
+            text.contains("gpumem-deploy-test"),
+            "{path}: clap refused the Deployment's args: {text}"
+        );
+    }
 }
 
 /// `GPUMEM_*` names a manifest sets in a container's env.

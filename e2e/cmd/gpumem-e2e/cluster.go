@@ -46,7 +46,10 @@ type config struct {
 	// daemonset/kube-scheduler-config.yaml; empty for the default scheduler.
 	extenderManifest string
 	schedulerConfig  string
-	memoryUnit       string // replaces the manifest's --memory-unit when set
+	// daemonset/second-scheduler.yaml: kube-scheduler and the extender in
+	// one pod, chosen by schedulerName (extender phase only).
+	secondScheduler string
+	memoryUnit      string // replaces the manifest's --memory-unit when set
 	// containerd and runc instead of the fake runtime; the probe and the
 	// fake driver go into the image its pods run (image.go).
 	containerd bool
@@ -64,6 +67,7 @@ type cluster struct {
 
 	etcd, apiserver, controllers, scheduler, kubelet, gpumem, extender *proc
 	extenderURL                                                        string
+	extra                                                              []*proc           // started by scenarios
 	runtime                                                            *recordingRuntime // nil with containerd
 	containerd                                                         *proc
 	snapshotter                                                        string
@@ -134,7 +138,7 @@ func up(cfg config) (*cluster, error) {
 }
 
 func (c *cluster) down() {
-	for _, p := range []*proc{c.gpumem, c.kubelet, c.scheduler, c.extender, c.controllers, c.apiserver, c.etcd} {
+	for _, p := range append(c.extra, c.gpumem, c.kubelet, c.scheduler, c.extender, c.controllers, c.apiserver, c.etcd) {
 		p.stop(10 * time.Second)
 	}
 	if c.runtime != nil {
@@ -460,8 +464,9 @@ func (c *cluster) runKubelet() error {
 // then the plugin with the container's command, args and env, the host
 // paths moved into this run's directory.
 // applyManifest creates the ServiceAccount and RBAC objects of a manifest
-// and returns its workload's namespace and pod spec (a DaemonSet's or a
-// Deployment's); Services are left out: the runner connects directly.
+// (Roles, ConfigMaps too) and returns its workload's namespace and pod spec
+// (a DaemonSet's or a Deployment's); Services are left out: the runner
+// connects directly.
 func (c *cluster) applyManifest(path string) (string, *corev1.PodSpec, error) {
 	ctx := context.Background()
 	data, err := os.ReadFile(path)
@@ -490,6 +495,12 @@ func (c *cluster) applyManifest(path string) (string, *corev1.PodSpec, error) {
 			_, err = c.admin.RbacV1().ClusterRoles().Create(ctx, o, metav1.CreateOptions{})
 		case *rbacv1.ClusterRoleBinding:
 			_, err = c.admin.RbacV1().ClusterRoleBindings().Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.Role:
+			_, err = c.admin.RbacV1().Roles(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *rbacv1.RoleBinding:
+			_, err = c.admin.RbacV1().RoleBindings(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
+		case *corev1.ConfigMap:
+			_, err = c.admin.CoreV1().ConfigMaps(o.Namespace).Create(ctx, o, metav1.CreateOptions{})
 		case *resourcev1.DeviceClass:
 			_, err = c.admin.ResourceV1().DeviceClasses().Create(ctx, o, metav1.CreateOptions{})
 		default:

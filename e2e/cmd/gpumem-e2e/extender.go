@@ -81,6 +81,11 @@ func (s *suite) extenderPlaced(name string, units int64) (string, error) {
 	if err := s.createPod(p); err != nil {
 		return "", err
 	}
+	return s.extenderRan(name, units)
+}
+
+// extenderRan is extenderPlaced for a pod already created.
+func (s *suite) extenderRan(name string, units int64) (string, error) {
 	pod, err := s.waitPhase(name, corev1.PodRunning, 60*time.Second)
 	if err != nil {
 		return "", err

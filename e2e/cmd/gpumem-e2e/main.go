@@ -47,6 +47,7 @@ func main() {
 	flag.StringVar(&extenderFixture, "extender-fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/v100x2.toml"), "the node's GPUs with gpushare's extender")
 	flag.StringVar(&cfg.manifest, "manifest", filepath.Join(repo, "daemonset/gpumem.yaml"), "the DaemonSet whose RBAC, command, args and env gpumem runs with")
 	flag.StringVar(&cfg.extenderManifest, "extender-manifest", filepath.Join(repo, "daemonset/extender.yaml"), "the extender's Deployment and RBAC")
+	flag.StringVar(&cfg.secondScheduler, "second-scheduler-manifest", filepath.Join(repo, "daemonset/second-scheduler.yaml"), "a second kube-scheduler with the extender in its pod, chosen by schedulerName")
 	flag.StringVar(&cfg.schedulerConfig, "scheduler-config", filepath.Join(repo, "daemonset/kube-scheduler-config.yaml"), "kube-scheduler's configuration with the extender")
 	flag.StringVar(&cfg.probe, "probe", filepath.Join(repo, "target/debug/gpumem-probe"), "the probe the real containers run")
 	flag.StringVar(&cfg.fakeDriver, "fake-driver", filepath.Join(repo, "target/debug/libgpumem_fakegpu.so"), "the fake driver the real containers load as libcuda.so.1 and libnvidia-ml.so.1")
@@ -71,7 +72,7 @@ func main() {
 	if containerd2 == "" {
 		containerd2 = filepath.Join(cfg.bin, "containerd-v2")
 	}
-	for _, f := range []*string{&containerd2, &cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &extenderFixture, &cfg.probe, &cfg.fakeDriver} {
+	for _, f := range []*string{&containerd2, &cfg.bin, &cfg.kubelet, &cfg.gpumem, &cfg.shim, &cfg.fixture, &cfg.manifest, &cfg.extenderManifest, &cfg.schedulerConfig, &cfg.secondScheduler, &extenderFixture, &cfg.probe, &cfg.fakeDriver} {
 		// kubelet runs in its own working directory.
 		if abs, err := filepath.Abs(*f); err == nil {
 			*f = abs
@@ -81,7 +82,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "gpumem-e2e: needs root (kubelet, mount namespaces)")
 		os.Exit(2)
 	}
-	need := []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, extenderFixture}
+	need := []string{cfg.kubelet, cfg.gpumem, cfg.shim, cfg.fixture, cfg.manifest, cfg.extenderManifest, cfg.schedulerConfig, cfg.secondScheduler, extenderFixture}
 	if (slices.Contains(phaseNames, "containerd") || slices.Contains(phaseNames, "containerd2")) && bench.restarts == 0 && bench.admissions == 0 {
 		need = append(need, cfg.probe, cfg.fakeDriver)
 	}
@@ -233,8 +234,9 @@ func kubeletVersion(c *cluster) string {
 type suite struct {
 	c              *cluster
 	passed, failed int
-	units          int64  // the node's, as gpumem advertises them
-	extenderGPU    string // where the extender put "small"
+	units          int64           // the node's, as gpumem advertises them
+	extenderGPU    string          // where the extender put "small"
+	second         []*schedulerPod // the second scheduler's replicas
 	draPods        []string
 	gateFailed     string // set when a phase's first scenario failed
 }
@@ -306,6 +308,8 @@ func (s *suite) runExtender() {
 		{"extender binds a 4-unit pod, the plugin gives it the extender's GPU", s.extenderBinds},
 		{"a second 4-unit pod joins the first (extender binpack, plugin spread)", s.extenderSameGPU},
 		{"a whole-GPU pod goes to the other GPU", s.extenderOtherGPU},
+		{"second scheduler (schedulerName): one of two holds the lease and binds through its extender; the default scheduler leaves the pod", s.secondScheduler},
+		{"second scheduler: the holder killed, the other takes the lease and binds", s.secondSchedulerHandover},
 	})
 }
 

@@ -91,3 +91,17 @@ livenessProbe:
   failureThreshold: 6
 {{- end }}
 {{- end -}}
+
+{{/* What `gpumem extender` does with the API server: read pods and nodes
+for its cache, bind pods (the Binding carries gpushare's annotations). */}}
+{{- define "gpumem.extenderRules" -}}
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: [""]
+  resources: ["pods/binding"]
+  verbs: ["create"]
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get", "list", "watch"]
+{{- end -}}
