@@ -262,6 +262,28 @@ fn without_nvml_the_error_points_to_fake_gpus() {
 }
 
 #[test]
+fn without_nvml_the_error_says_what_a_pod_needs_to_reach_the_gpu() {
+    // In a pod, NVML fails to load when the container runs without NVIDIA's
+    // runtime or the node lacks the driver: the error must send an operator
+    // there, not only to fake GPUs.
+    let dir = tempfile::tempdir().unwrap();
+    let (out, text) = run(gpumem()
+        .args(["plugin", "--kubelet-dir"])
+        .arg(dir.path())
+        .env("LD_LIBRARY_PATH", dir.path()));
+    assert!(!out.status.success(), "plugin started without GPUs: {text}");
+    for hint in [
+        "NVML is not usable",
+        "NVIDIA runtime",
+        "runtimeClassName: nvidia",
+        "NVIDIA driver",
+        "--fake-gpus",
+    ] {
+        assert!(text.contains(hint), "no {hint:?} in: {text}");
+    }
+}
+
+#[test]
 fn logs_written_to_a_pipe_carry_no_colour_codes() {
     // As under a DaemonSet: `kubectl logs` shows stderr as it was written.
     let (out, text) = run(gpumem()
