@@ -248,17 +248,26 @@ fn absurd_gpu_sizes_from_nvml_are_refused_naming_the_bound() {
 }
 
 #[test]
-fn without_nvml_the_error_points_to_fake_gpus() {
+fn without_nvml_the_error_says_what_a_pod_needs_and_points_to_fake_gpus() {
+    // In a pod, NVML fails to load when the container runs without NVIDIA's
+    // runtime or the node lacks the driver: the error must send an operator
+    // there, and a machine without GPUs to fake ones.
     let dir = tempfile::tempdir().unwrap();
     // An empty library path keeps a host NVML (if any) out of reach.
     let (out, text) = run(gpumem()
         .args(["plugin", "--kubelet-dir"])
         .arg(dir.path())
         .env("LD_LIBRARY_PATH", dir.path()));
-    if out.status.success() {
-        panic!("plugin started without GPUs: {text}");
+    assert!(!out.status.success(), "plugin started without GPUs: {text}");
+    for hint in [
+        "NVML is not usable",
+        "NVIDIA runtime",
+        "runtimeClassName: nvidia",
+        "NVIDIA driver",
+        "--fake-gpus",
+    ] {
+        assert!(text.contains(hint), "no {hint:?} in: {text}");
     }
-    assert!(text.contains("--fake-gpus"), "{text}");
 }
 
 #[test]

@@ -332,3 +332,98 @@ fn the_node_daemons_tolerate_the_startup_taint_and_may_remove_it() {
     assert_eq!(verbs.len(), 2, "{verbs:?}");
     assert!(verbs.iter().all(|v| v.contains(r#""patch""#)), "{verbs:?}");
 }
+
+/// The value of a top-level `key: value` line of a YAML file, unquoted.
+fn yaml_value<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.trim().trim_matches('"'))
+}
+
+/// The version of a workspace crate's `Cargo.toml`.
+fn crate_version(manifest: &str) -> String {
+    let text = read(manifest);
+    let version = text
+        .lines()
+        .find_map(|l| l.strip_prefix("version = "))
+        .unwrap_or_else(|| panic!("{manifest}: no version"));
+    version.trim_matches('"').to_owned()
+}
+
+#[test]
+fn the_version_is_the_changelogs_newest_release_everywhere_it_is_named() {
+    let version = env!("CARGO_PKG_VERSION");
+
+    // The crates that ship in the image carry the release's version: the
+    // binary, kubelet's protos and the shim, and the accounting layout both
+    // compile in.
+    for manifest in [
+        "proto/Cargo.toml",
+        "shim/Cargo.toml",
+        "shim/layout/Cargo.toml",
+    ] {
+        assert_eq!(crate_version(manifest), version, "{manifest}");
+    }
+
+    // The newest released section of the changelog is this version, dated,
+    // below the section that collects what is not released yet.
+    let changelog = read("CHANGELOG.md");
+    let mut sections = changelog.lines().filter(|l| l.starts_with("## "));
+    assert_eq!(sections.next(), Some("## [Unreleased]"));
+    let newest = sections
+        .next()
+        .expect("no released section in CHANGELOG.md");
+    let date = newest
+        .strip_prefix(&format!("## [{version}] - "))
+        .unwrap_or_else(|| {
+            panic!("CHANGELOG.md's newest release is {newest:?}, not `## [{version}] - <date>`")
+        });
+    let digits: Vec<&str> = date.split('-').collect();
+    assert!(
+        digits.len() == 3 && digits.iter().all(|d| d.chars().all(|c| c.is_ascii_digit())),
+        "CHANGELOG.md: {newest:?} is not dated YYYY-MM-DD"
+    );
+
+    // The chart: its own version and the app it installs.
+    let chart = read("deploy/helm/gpumem/Chart.yaml");
+    assert_eq!(
+        yaml_value(&chart, "version"),
+        Some(version),
+        "Chart.yaml version"
+    );
+    assert_eq!(
+        yaml_value(&chart, "appVersion"),
+        Some(version),
+        "Chart.yaml appVersion"
+    );
+
+    // Every tag that names a gpumem image, in the chart's values and the
+    // manifests (an image named without a tag is left to the user).
+    let values = read("deploy/helm/gpumem/values.yaml");
+    let tags = values
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("tag:"))
+        .map(|t| {
+            (
+                "values.yaml".to_owned(),
+                t.trim().trim_matches('"').to_owned(),
+            )
+        });
+    let mut named: Vec<(String, String)> = tags.filter(|(_, t)| !t.is_empty()).collect();
+    for manifest in ["gpumem.yaml", "gpumem-dra.yaml", "extender.yaml"] {
+        let text = read(&format!("daemonset/{manifest}"));
+        for image in text.lines().filter_map(|l| l.trim().strip_prefix("image:")) {
+            let image = image.trim();
+            let name = image.rsplit('/').next().unwrap_or(image);
+            if let Some((repo, tag)) = name.split_once(':') {
+                if repo == "gpumem" {
+                    named.push((manifest.to_owned(), tag.to_owned()));
+                }
+            }
+        }
+    }
+    assert!(!named.is_empty(), "no gpumem image tag found");
+    for (file, tag) in named {
+        assert_eq!(tag, version, "{file}: image tag");
+    }
+}

@@ -391,9 +391,9 @@ async fn every_dashboard_query_returns_its_series() {
     for (expr, expected) in [
         ("gpumem_container_used_bytes", "1363148800"),
         ("gpumem_container_sm_utilization_ratio", "0.4"),
-        ("gpumem_gpu_utilization_ratio * on (UUID, Hostname) group_right () (gpumem_container_cap_bytes > bool 0)", "0.87"),
-        ("gpumem_gpu_temperature_celsius * on (UUID, Hostname) group_right () (gpumem_container_cap_bytes > bool 0)", "64"),
-        ("gpumem_gpu_power_watts * on (UUID, Hostname) group_right () (gpumem_container_cap_bytes > bool 0)", "70"),
+        ("gpumem_gpu_utilization_ratio * on (UUID) group_right () (gpumem_container_cap_bytes > bool 0)", "0.87"),
+        ("gpumem_gpu_temperature_celsius * on (UUID) group_right () (gpumem_container_cap_bytes > bool 0)", "64"),
+        ("gpumem_gpu_power_watts * on (UUID) group_right () (gpumem_container_cap_bytes > bool 0)", "70"),
     ] {
         let series = query(prometheus_port, expr).await;
         assert_eq!(series.len(), 1, "{expr}: {series:?}");

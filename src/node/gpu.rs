@@ -77,13 +77,21 @@ pub enum GpuError {
         field: String,
         message: String,
     },
+    // In a pod NVML comes from the NVIDIA runtime, which mounts the host
+    // driver's libraries: a missing runtime or driver looks exactly like a
+    // machine without GPUs, so the error names both causes.
     #[error(
-        "NVML is not usable ({0}); on a node without NVIDIA drivers, pass --fake-gpus FILE \
+        "NVML is not usable ({0}); in a pod, check that it runs with the NVIDIA runtime \
+         (runtimeClassName: nvidia, the chart's `runtimeClassName`, or the NVIDIA Container \
+         Toolkit as the node's default runtime) and that the node has the NVIDIA driver \
+         (`nvidia-smi` on the host); on a machine without NVIDIA GPUs, pass --fake-gpus FILE \
          to describe GPUs in a TOML file"
     )]
     Nvml(String),
     #[error(
-        "NVML found no GPU on this node; pass --fake-gpus FILE to describe GPUs in a TOML file"
+        "NVML found no GPU on this node; in a pod, check that its container has \
+         NVIDIA_VISIBLE_DEVICES=all (the manifests and the chart set it); on a machine \
+         without NVIDIA GPUs, pass --fake-gpus FILE to describe GPUs in a TOML file"
     )]
     NoGpus,
     #[error("GPU {index} ({uuid}): NVML reports {}; is the driver healthy?", over_bound(*.memory_mib))]
