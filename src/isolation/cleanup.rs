@@ -316,6 +316,25 @@ mod tests {
         }
     }
 
+    /// Two clean-up passes with no grace, nothing live, and `taken` taken
+    /// again before each removal.
+    fn sweep_taken_again(containers: &Containers, specs: Option<&SpecDir>, taken: &ContainerName) {
+        let holders = TookAgain {
+            taken: taken.clone(),
+        };
+        let mut unused_since = UnusedSince::new();
+        for _ in 0..2 {
+            sweep(
+                containers,
+                specs,
+                &HashSet::new(),
+                &holders,
+                Duration::ZERO,
+                &mut unused_since,
+            );
+        }
+    }
+
     /// A directory the live set left out, but that its holder took again
     /// before the removal, stays; the others past their grace go.
     #[test]
@@ -329,20 +348,7 @@ mod tests {
         for name in [&kept, &gone] {
             std::fs::create_dir_all(containers.get(name.clone()).path).unwrap();
         }
-        let holders = TookAgain {
-            taken: kept.clone(),
-        };
-        let mut unused_since = UnusedSince::new();
-        for _ in 0..2 {
-            sweep(
-                &containers,
-                None,
-                &HashSet::new(),
-                &holders,
-                Duration::ZERO,
-                &mut unused_since,
-            );
-        }
+        sweep_taken_again(&containers, None, &kept);
         assert!(containers.get(kept).path.is_dir());
         assert!(!containers.get(gone).path.exists());
     }
@@ -369,20 +375,7 @@ mod tests {
             .unwrap();
             specs.write(&spec).unwrap();
         }
-        let holders = TookAgain {
-            taken: kept.clone(),
-        };
-        let mut unused_since = UnusedSince::new();
-        for _ in 0..2 {
-            sweep(
-                &containers,
-                Some(&specs),
-                &HashSet::new(),
-                &holders,
-                Duration::ZERO,
-                &mut unused_since,
-            );
-        }
+        sweep_taken_again(&containers, Some(&specs), &kept);
         assert!(
             specs.read(kept.as_str()).is_ok(),
             "the new container's spec went"
