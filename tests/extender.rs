@@ -650,6 +650,35 @@ async fn healthz_fails_while_relists_keep_failing() {
     assert!(log.contains(r#""retry_in":"1.6s""#), "{log}");
 }
 
+/// A watch whose resourceVersion is too old may be refused at its start
+/// with a plain HTTP 410, not an ERROR event: kube-runtime's watcher retried
+/// that same resourceVersion forever, and pods created since went unseen.
+#[tokio::test]
+async fn a_watch_refused_410_at_its_start_lists_afresh() {
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &[]).await;
+    cluster.api.compact(Kind::Pod);
+    cluster.api.end_watches();
+    extender
+        .wait_for("the refused watch to be logged", || async {
+            extender
+                .log()
+                .contains("starting the watch: 410 Expired")
+                .then_some(())
+        })
+        .await;
+    // Placed on the A10 since: its 16 free units are 6.
+    cluster.bound("late", 10, "a10-node", 0);
+    extender
+        .wait_for("the late pod's units to count", || async {
+            let result = extender.filter(10, &["a10-node"]).await;
+            (result["FailedNodes"]["a10-node"]
+                == "no single healthy GPU has 10 free units (free per GPU: GPU0 6)")
+                .then_some(())
+        })
+        .await;
+}
+
 #[tokio::test]
 async fn a_refused_bind_says_why_and_frees_its_booking() {
     let cluster = Cluster::start().await;

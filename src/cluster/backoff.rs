@@ -1,4 +1,5 @@
-//! Spacing a watcher's retries while the API server keeps failing it.
+//! Keeping a watcher going while the API server fails it: spacing its
+//! retries, and listing afresh when a watch is refused as too old.
 //!
 //! kube's `default_backoff` resets at every `Ok` item, and a list-then-watch
 //! watcher yields `Ok(Event::Init)` before each list it tries: against a
@@ -6,10 +7,14 @@
 //! logging each time. This one resets only on progress: an object, or a
 //! list complete.
 
+use std::fmt::Debug;
 use std::time::Duration;
 
+use futures_util::stream::BoxStream;
 use futures_util::{Stream, StreamExt};
 use kube::runtime::watcher::{self, Event};
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
 
 const FIRST: Duration = Duration::from_millis(800);
 const MOST: Duration = Duration::from_secs(30);
@@ -61,6 +66,42 @@ pub fn backed_off<K>(
         let wait = backoff.after(&item);
         Some(((item, wait), (events, backoff, wait)))
     })
+}
+
+/// kube-runtime's watcher for `api`, started again (so listing afresh)
+/// whenever the API server refuses a watch's start with 410 Gone.
+///
+/// The watcher relists after a 410 ERROR event inside a watch, but a watch
+/// refused at its start with a plain HTTP 410 (the server's history no
+/// longer reaches the resourceVersion asked for) leaves it on that same
+/// resourceVersion, retried forever, and nothing that changed since is
+/// ever seen. The refusal is still passed on, for the caller's backoff
+/// and log.
+pub fn relisting<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> impl Stream<Item = Result<Event<K>, watcher::Error>> + Send
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+{
+    let start = move || -> BoxStream<'static, Result<Event<K>, watcher::Error>> {
+        watcher::watcher(api.clone(), config.clone()).boxed()
+    };
+    let events = start();
+    futures_util::stream::unfold((start, events), |(start, mut events)| async move {
+        let item = events.next().await?;
+        if gone_at_start(&item) {
+            events = start();
+        }
+        Some((item, (start, events)))
+    })
+}
+
+fn gone_at_start<K>(item: &Result<Event<K>, watcher::Error>) -> bool {
+    matches!(
+        item,
+        Err(watcher::Error::WatchStartFailed(kube::Error::Api(status))) if status.code == 410
+    )
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{ListParams, Patch, PatchParams};
-use kube::runtime::watcher::{self, watcher, Event};
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -23,7 +23,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::cluster::backoff::backed_off;
+use crate::cluster::backoff::{backed_off, relisting};
 use crate::cluster::client::{describe, describe_watch};
 use crate::cluster::gpushare::GPU_COUNT;
 use crate::node::inventory::Inventory;
@@ -187,7 +187,7 @@ pub async fn run(
 ) {
     let nodes: Api<Node> = Api::all(client.clone());
     let config = watcher::Config::default().fields(&format!("metadata.name={node}"));
-    let mut seen = std::pin::pin!(backed_off(watcher(nodes, config)));
+    let mut seen = std::pin::pin!(backed_off(relisting(nodes, config)));
     // `stale`: the Node may not show the inventory; `due`: try now (a
     // failure waits RETRY).
     let (mut stale, mut due) = (true, true);

@@ -9,14 +9,14 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::core::Status;
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::watcher::{self, watcher, Event};
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::cluster::backoff::backed_off;
+use crate::cluster::backoff::{backed_off, relisting};
 use crate::cluster::client::describe_watch;
 
 /// Writes that lose a race with another writer are tried this often.
@@ -63,7 +63,7 @@ impl NodePods {
         let api: Api<Pod> = Api::all(client.clone());
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-        let stream = backed_off(reflector::reflector(writer, watcher(api.clone(), config)));
+        let stream = backed_off(reflector::reflector(writer, relisting(api.clone(), config)));
         tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             loop {

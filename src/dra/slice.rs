@@ -22,7 +22,7 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{DeleteParams, ListParams, PostParams, Preconditions};
-use kube::runtime::watcher::{self, watcher, Event};
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 use serde::Serialize;
 use serde_json::Value;
@@ -31,7 +31,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::cluster::backoff::backed_off;
+use crate::cluster::backoff::{backed_off, relisting};
 use crate::cluster::client::describe_watch;
 use crate::node::gpu::{Gpu, NodeFacts};
 use crate::node::inventory::Inventory;
@@ -300,7 +300,7 @@ pub async fn run(
     let name = publisher.name.clone();
     status.send_modify(|s| s.name = name);
     let config = watcher::Config::default().fields(&publisher.selector());
-    let events = backed_off(watcher(publisher.slices.clone(), config));
+    let events = backed_off(relisting(publisher.slices.clone(), config));
     let mut events = std::pin::pin!(events);
     let mut dirty = true;
     let mut retry_at: Option<Instant> = None;

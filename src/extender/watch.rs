@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::cluster::backoff::backed_off;
+use crate::cluster::backoff::{backed_off, relisting};
 use crate::cluster::client::describe_watch;
 use crate::cluster::gpushare::requested_units;
 use crate::extender::cache::Cache;
@@ -98,7 +98,7 @@ where
     K::DynamicType: Default,
 {
     let resource = lock(&cache).resource().to_owned();
-    let stream = backed_off(watcher::watcher(api, watcher::Config::default()));
+    let stream = backed_off(relisting(api, watcher::Config::default()));
     let mut stream = std::pin::pin!(stream);
     // A relist's objects, applied together once it is complete.
     let mut listing: Vec<K> = Vec::new();

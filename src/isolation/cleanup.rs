@@ -165,16 +165,28 @@ fn sweep(
         if since.elapsed() < grace {
             continue;
         }
-        // The spec first: a directory whose spec could not be removed stays
-        // and is tried again, so no spec is left without its directory.
-        if let Some(specs) = specs {
-            if let Err(err) = specs.remove(dir.name.as_str()) {
-                let spec = specs.path(dir.name.as_str());
-                warn!(spec = %spec.display(), err = %chain(&err), "cannot remove a finished container's CDI spec");
-                continue;
+        // The spec goes with its directory, under the front end's lock: a
+        // container given the same units since `live` answered has the same
+        // directory and CDI device name, and keeps both. The spec first: a
+        // directory whose spec could not be removed stays and is tried
+        // again, so no spec is left without its directory.
+        let mut spec_failed = false;
+        let mut remove = || {
+            if let Some(specs) = specs {
+                if let Err(err) = specs.remove(dir.name.as_str()) {
+                    let spec = specs.path(dir.name.as_str());
+                    warn!(spec = %spec.display(), err = %chain(&err), "cannot remove a finished container's CDI spec");
+                    spec_failed = true;
+                    return Ok(());
+                }
             }
+            dir.remove()
+        };
+        let removed = holders.remove_unless_taken(&dir.name, &mut remove);
+        if spec_failed {
+            continue;
         }
-        match holders.remove_unless_taken(&dir.name, &mut || dir.remove()) {
+        match removed {
             Some(Ok(())) => {
                 info!(dir = %dir.path.display(), "removed the accounting state of a finished container");
                 unused_since.remove(&dir.name);
@@ -304,6 +316,25 @@ mod tests {
         }
     }
 
+    /// Two clean-up passes with no grace, nothing live, and `taken` taken
+    /// again before each removal.
+    fn sweep_taken_again(containers: &Containers, specs: Option<&SpecDir>, taken: &ContainerName) {
+        let holders = TookAgain {
+            taken: taken.clone(),
+        };
+        let mut unused_since = UnusedSince::new();
+        for _ in 0..2 {
+            sweep(
+                containers,
+                specs,
+                &HashSet::new(),
+                &holders,
+                Duration::ZERO,
+                &mut unused_since,
+            );
+        }
+    }
+
     /// A directory the live set left out, but that its holder took again
     /// before the removal, stays; the others past their grace go.
     #[test]
@@ -317,21 +348,40 @@ mod tests {
         for name in [&kept, &gone] {
             std::fs::create_dir_all(containers.get(name.clone()).path).unwrap();
         }
-        let holders = TookAgain {
-            taken: kept.clone(),
-        };
-        let mut unused_since = UnusedSince::new();
-        for _ in 0..2 {
-            sweep(
-                &containers,
-                None,
-                &HashSet::new(),
-                &holders,
-                Duration::ZERO,
-                &mut unused_since,
-            );
-        }
+        sweep_taken_again(&containers, None, &kept);
         assert!(containers.get(kept).path.is_dir());
+        assert!(!containers.get(gone).path.exists());
+    }
+
+    /// A container given an ended one's units gets its directory and the
+    /// same CDI device name; a clean-up that found the directory unused
+    /// just before must leave the new container's spec, or the runtime
+    /// cannot resolve the device Allocate answered.
+    #[test]
+    fn a_spec_taken_again_before_its_removal_stays_with_its_directory() {
+        let state = tempfile::tempdir().unwrap();
+        let containers = Containers::in_state_dir(state.path());
+        let specs = SpecDir::new(state.path().join("cdi"));
+        let (kept, gone) = (
+            ContainerName::of_claim("11111111-aaaa").unwrap(),
+            ContainerName::of_claim("22222222-bbbb").unwrap(),
+        );
+        for name in [&kept, &gone] {
+            std::fs::create_dir_all(containers.get(name.clone()).path).unwrap();
+            let spec = crate::isolation::cdi::container_spec(
+                name.as_str(),
+                crate::isolation::cdi::ContainerEdits::default(),
+            )
+            .unwrap();
+            specs.write(&spec).unwrap();
+        }
+        sweep_taken_again(&containers, Some(&specs), &kept);
+        assert!(
+            specs.read(kept.as_str()).is_ok(),
+            "the new container's spec went"
+        );
+        assert!(containers.get(kept).path.is_dir());
+        assert!(!specs.path(gone.as_str()).exists());
         assert!(!containers.get(gone).path.exists());
     }
 }

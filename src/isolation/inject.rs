@@ -284,7 +284,8 @@ pub fn container_grant(
             // a spec whose content changes (other flags) is rewritten, and
             // runtimes reload on every change to the directory. Two live
             // containers never share a name (kubelet never gives a unit to
-            // two), and the spec goes only with the directory.
+            // two), and the spec goes only with the directory, under the
+            // lock Allocate holds here.
             let spec = cdi::container_spec(dir.name.as_str(), grant.edits())?;
             specs.write(&spec)?;
             devices.push(cdi::qualified_name(&spec.kind, dir.name.as_str()));

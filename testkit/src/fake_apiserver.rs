@@ -160,6 +160,8 @@ struct Store {
     forbidden: Vec<Kind>,
     /// Kinds whose watches from a resourceVersion are told it is too old.
     expired: Vec<Kind>,
+    /// Per kind, the oldest resourceVersion a watch may still resume from.
+    compacted: BTreeMap<Kind, u64>,
     /// Per kind, the newest resourceVersion a watch has sent live.
     delivered: BTreeMap<Kind, u64>,
 }
@@ -402,6 +404,17 @@ impl FakeApiServer {
         if on {
             store.expired.push(kind);
         }
+    }
+
+    /// Forgets the history of `kind` up to now, as etcd's compaction does:
+    /// a watch that resumes from a resourceVersion before the next write is
+    /// answered a plain HTTP 410 Gone (not a 200 with an ERROR event), as
+    /// the API server answers when its storage has moved on. A list, and a
+    /// watch from what it returned once something was written, still work.
+    pub fn compact(&self, kind: Kind) {
+        let mut store = self.shared.lock();
+        let next = store.version + 1;
+        store.compacted.insert(kind, next);
     }
 
     /// Answers lists and watches of `kind` with 403 Forbidden (`on`), as
@@ -1177,6 +1190,16 @@ fn list_or_watch(
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(format!("{gone}\n")))
             .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response());
+    }
+    let from: Option<u64> = q.get("resourceVersion").and_then(|v| v.parse().ok());
+    if let (true, Some(from), Some(&oldest)) = (watch, from, store.compacted.get(&kind)) {
+        if from != 0 && from < oldest {
+            return status_error(
+                StatusCode::GONE,
+                "Expired",
+                &format!("too old resource version: {from} ({oldest})"),
+            );
+        }
     }
     if store.forbidden.contains(&kind) {
         let verb = if watch { "watch" } else { "list" };
