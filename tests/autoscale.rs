@@ -7,10 +7,10 @@ mod common;
 
 use std::path::Path;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use common::wait::{eventually, POLL};
 use common::{fixture, gpumem_cmd, RESOURCE, WAIT};
 use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 use gpumem_testkit::simulator::KubeletSim;
@@ -99,19 +99,10 @@ impl Drop for Plugin {
 }
 
 async fn wait_for<T>(plugin: &Plugin, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(found) = check() {
-            return found;
-        }
-        if Instant::now() > deadline {
-            panic!(
-                "timed out waiting for {what}; plugin log:\n{}",
-                plugin.log()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(what, WAIT, POLL, async || {
+        check().ok_or_else(|| format!("plugin log:\n{}", plugin.log()))
+    })
+    .await
 }
 
 /// What the plugin advertises on `fixture_name`'s GPUs with `unit`: the

@@ -3,11 +3,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::Daemon;
+use common::wait::{eventually, POLL};
 use common::{shim_kit, swept_twice_past_the_grace, RESOURCE, WAIT};
 
 #[tokio::test]
@@ -26,7 +27,13 @@ async fn an_init_container_keeps_its_state_until_its_pod_ends() {
     // Its pod ends, and nothing else is allocated on the node: its state
     // still goes after the grace period.
     d.k().remove_pod("slow");
-    wait_until_removed(&dir, "an ended init container's state").await;
+    eventually(
+        "the removal of an ended init container's state",
+        WAIT,
+        POLL,
+        async || (!dir.exists()).then_some(()),
+    )
+    .await;
     d.stop().await;
 }
 
@@ -42,7 +49,13 @@ async fn a_kubelet_that_lists_ended_pods_still_lets_their_init_state_go() {
     swept_twice_past_the_grace(state.path()).await;
     assert!(dir.join("accounting").exists(), "removed while its pod ran");
     d.k().remove_pod("job");
-    wait_until_removed(&dir, "an ended pod's init container state").await;
+    eventually(
+        "the removal of an ended pod's init container state",
+        WAIT,
+        POLL,
+        async || (!dir.exists()).then_some(()),
+    )
+    .await;
     d.stop().await;
 }
 
@@ -52,18 +65,6 @@ async fn admit_init_container(d: &Daemon, pod: &str) -> PathBuf {
     d.k().declare_init_container(pod, "fetch-model");
     let init = d.k().admit(pod, "fetch-model", RESOURCE, 4).await.unwrap();
     PathBuf::from(&init.response.mounts[2].host_path)
-}
-
-/// Waits up to [`WAIT`] for `dir` to be removed.
-async fn wait_until_removed(dir: &Path, what: &str) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while dir.exists() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} was never removed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test]
@@ -86,7 +87,13 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
     d.k().remove_pod("done");
     d.k().remove_pod("orphan");
 
-    wait_until_removed(&done, "a finished container's state").await;
+    eventually(
+        "the removal of a finished container's state",
+        WAIT,
+        POLL,
+        async || (!done.exists()).then_some(()),
+    )
+    .await;
     // Sweeps past the grace period later, the others are still there.
     swept_twice_past_the_grace(state.path()).await;
     assert!(
@@ -100,7 +107,13 @@ async fn finished_containers_state_is_removed_after_the_grace_period_only() {
 
     holder.kill().unwrap();
     holder.wait().unwrap();
-    wait_until_removed(&orphan, "the orphan's state").await;
+    eventually(
+        "the removal of the orphan's state",
+        WAIT,
+        POLL,
+        async || (!orphan.exists()).then_some(()),
+    )
+    .await;
     assert!(running.exists());
     d.stop().await;
 }

@@ -5,6 +5,7 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use common::wait::{eventually_blocking, poll, poll_blocking};
 use common::{fixture, RESOURCE, WAIT};
 use gpumem_testkit::simulator::KubeletSim;
 use nix::sys::signal::{kill, Signal};
@@ -101,12 +102,10 @@ fn run_within(cmd: &mut Command, limit: Duration) -> (std::process::ExitStatus, 
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + limit;
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
+    let every = Duration::from_millis(20);
+    let status = match poll_blocking(limit, every, || child.try_wait().unwrap().ok_or(())) {
+        Ok(status) => status,
+        Err(()) => {
             let _ = child.kill();
             let _ = child.wait();
             panic!(
@@ -114,7 +113,6 @@ fn run_within(cmd: &mut Command, limit: Duration) -> (std::process::ExitStatus, 
                 std::fs::read_to_string(&err).unwrap_or_default()
             );
         }
-        std::thread::sleep(Duration::from_millis(20));
     };
     let text = std::fs::read_to_string(&out).unwrap() + &std::fs::read_to_string(&err).unwrap();
     (status, text)
@@ -431,17 +429,17 @@ async fn sigterm_stops_the_plugin_and_removes_its_socket() {
 
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
     let status = tokio::task::spawn_blocking(move || {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "plugin did not stop on SIGTERM"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        eventually_blocking(
+            "the plugin to stop",
+            WAIT,
+            Duration::from_millis(20),
+            || {
+                child
+                    .try_wait()
+                    .unwrap()
+                    .ok_or("plugin did not stop on SIGTERM")
+            },
+        )
     })
     .await
     .unwrap();
@@ -567,21 +565,17 @@ fn exec_holds_a_command_to_what_the_driver_shows_it_using() {
     let probe = |steps: &[&str]| {
         run(exec_probe("4308MiB", &shared, &["--reconcile-secs", "0"]).args(steps))
     };
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
+    eventually_blocking("reconciliation", WAIT, Duration::from_millis(100), || {
         let (out, text) = probe(&["info"]);
         assert!(out.status.success(), "{text}");
         let info = text.lines().find(|l| l.starts_with("info")).unwrap();
         // Less this probe's own context.
         if common::field(info, "free") == (4308 - 1600 - 300) * common::MIB {
-            break;
+            Ok(())
+        } else {
+            Err(format!("never reconciled: {info}"))
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never reconciled: {info}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    });
     let (_, text) = probe(&["alloc:2409", "alloc:2408"]);
     assert!(
         text.contains("alloc:2409 2 #0") && text.contains("alloc:2408 0 #1"),
@@ -1262,14 +1256,9 @@ fn inspect_says_when_no_plugin_answers_and_what_is_missing() {
 /// An HTTP/1.0 GET over TCP: the status code and the body.
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
-    let deadline = std::time::Instant::now() + WAIT;
-    let mut stream = loop {
-        match std::net::TcpStream::connect(addr) {
-            Ok(stream) => break stream,
-            Err(err) if std::time::Instant::now() > deadline => panic!("{addr}: {err}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
+    let every = Duration::from_millis(20);
+    let mut stream = poll_blocking(WAIT, every, || std::net::TcpStream::connect(addr))
+        .unwrap_or_else(|err| panic!("{addr}: {err}"));
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
     let mut answer = String::new();
     stream.read_to_string(&mut answer).unwrap();
@@ -1338,14 +1327,15 @@ async fn an_unreachable_api_server_is_named_backed_off_and_told_on_healthz() {
             .unwrap(),
     );
     assert!(kubelet.wait_for_devices(RESOURCE, 1, WAIT).await.is_some());
-    let deadline = std::time::Instant::now() + WAIT;
-    let text = loop {
+    let (Ok(text) | Err(text)) = poll(WAIT, Duration::from_millis(100), async || {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("retry_in=3.2s") || std::time::Instant::now() > deadline {
-            break text;
+        if text.contains("retry_in=3.2s") {
+            Ok(text)
+        } else {
+            Err(text)
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
     assert!(
         text.contains("watching this node's pods")
             && text.contains("retry_in=800ms")

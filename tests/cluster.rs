@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use common::fixture;
+use common::wait::{eventually, POLL};
 use gpumem::cluster::gpushare::annotation;
 use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
 use gpumem::deviceplugin::api::deviceplugin::{
@@ -123,16 +124,10 @@ impl Cluster {
     }
 
     async fn wait_for<T>(&self, what: &str, mut check: impl FnMut() -> Option<T>) -> T {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(found) = check() {
-                return found;
-            }
-            if Instant::now() > deadline {
-                panic!("timed out waiting for {what}; plugin log:\n{}", self.log());
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        eventually(what, WAIT, POLL, async || {
+            check().ok_or_else(|| format!("plugin log:\n{}", self.log()))
+        })
+        .await
     }
 
     fn socket(&self) -> PathBuf {

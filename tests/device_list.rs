@@ -9,9 +9,9 @@ use std::collections::BTreeSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::time::Duration;
 
 use common::cdi::check_cdi_spec;
+use common::wait::{eventually, POLL};
 use common::{RESOURCE, T4_UUID, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::ContainerAllocateResponse;
 use gpumem_testkit::simulator::{self, Allocation, KubeletSim};
@@ -357,19 +357,6 @@ async fn cdi_without_the_shim_names_the_gpu_and_leaves_the_env_in_the_response()
     assert!(host.cdi_files().is_empty(), "{:?}", host.cdi_files());
 }
 
-/// Waits until `done` holds, failing with `what` and the plugin's logs.
-async fn wait_until(plugin: &Plugin, what: &str, done: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !done() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what}\n{}",
-            plugin.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_cdi_spec_goes_with_the_containers_state_and_stays_while_it_does() {
     let host = Host::new();
@@ -399,15 +386,22 @@ async fn a_cdi_spec_goes_with_the_containers_state_and_stays_while_it_does() {
     std::fs::copy(spec(&running), spec(stray)).unwrap();
 
     plugin.kubelet.remove_pod("done");
-    wait_until(
-        &plugin,
-        "the finished container's state was never removed",
-        || !state(&done).exists(),
+    eventually(
+        "the finished container's state to go",
+        WAIT,
+        POLL,
+        async || {
+            (!state(&done).exists())
+                .then_some(())
+                .ok_or_else(|| plugin.logs())
+        },
     )
     .await;
     assert!(!spec(&done).exists(), "its spec outlived its state");
-    wait_until(&plugin, "a spec without state was kept", || {
-        !spec(stray).exists()
+    eventually("the spec without state to go", WAIT, POLL, async || {
+        (!spec(stray).exists())
+            .then_some(())
+            .ok_or_else(|| plugin.logs())
     })
     .await;
 
@@ -416,10 +410,16 @@ async fn a_cdi_spec_goes_with_the_containers_state_and_stays_while_it_does() {
     // answers) is written again, the same.
     let kept = std::fs::read(spec(&running)).unwrap();
     std::fs::remove_file(spec(&running)).unwrap();
-    wait_until(
-        &plugin,
-        "a live container's spec was not written again",
-        || spec(&running).is_file(),
+    eventually(
+        "a live container's spec written again",
+        WAIT,
+        POLL,
+        async || {
+            spec(&running)
+                .is_file()
+                .then_some(())
+                .ok_or_else(|| plugin.logs())
+        },
     )
     .await;
     assert_eq!(std::fs::read(spec(&running)).unwrap(), kept);
@@ -447,8 +447,12 @@ async fn a_plugin_started_after_a_reboot_writes_the_specs_of_its_containers_agai
             std::fs::remove_dir_all(host.cdi_dir()).unwrap()
         })
         .await;
-    wait_until(&plugin, "the spec was not written again at start", || {
-        host.cdi_dir().join(&file).is_file()
+    eventually("the spec written again at start", WAIT, POLL, async || {
+        host.cdi_dir()
+            .join(&file)
+            .is_file()
+            .then_some(())
+            .ok_or_else(|| plugin.logs())
     })
     .await;
     assert_eq!(std::fs::read(host.cdi_dir().join(&file)).unwrap(), kept);
@@ -491,10 +495,15 @@ async fn a_restarted_plugin_does_not_write_the_spec_of_a_container_that_ended() 
     plugin.kubelet.remove_pod("done");
     // The running plugin's clean-up has kubelet forget the pod and rewrite
     // its checkpoint, well within the grace period.
-    wait_until(
-        &plugin,
-        "kubelet's checkpoint still names the ended pod",
-        || !plugin.checkpoint().contains(&done.pod_uid()),
+    eventually(
+        "kubelet's checkpoint to forget the ended pod",
+        WAIT,
+        POLL,
+        async || {
+            (!plugin.checkpoint().contains(&done.pod_uid()))
+                .then_some(())
+                .ok_or_else(|| plugin.logs())
+        },
     )
     .await;
     assert!(state.is_dir() && spec.is_file());
@@ -506,10 +515,11 @@ async fn a_restarted_plugin_does_not_write_the_spec_of_a_container_that_ended() 
             || std::fs::remove_file(&spec).unwrap(),
         )
         .await;
-    wait_until(
-        &plugin,
-        "the ended container's state was never removed",
-        || !state.exists(),
+    eventually(
+        "the ended container's state to go",
+        WAIT,
+        POLL,
+        async || (!state.exists()).then_some(()).ok_or_else(|| plugin.logs()),
     )
     .await;
     let logs = plugin.logs();

@@ -17,6 +17,7 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 use serde_json::{json, Value};
 
 use common::cdi::check_cdi_spec;
+use common::wait::{eventually, poll, POLL};
 use common::{fixture, T4_UUID};
 use gpumem::dra::claims::{ClaimRef, Prepared};
 use gpumem_testkit::fake_apiserver::{allocated_claim, Allocated, FakeApiServer, Kind};
@@ -224,15 +225,20 @@ impl Driver {
             metrics,
         };
         // A killed driver's socket stays behind: wait for one that answers.
-        let deadline = Instant::now() + WAIT;
-        while std::os::unix::net::UnixStream::connect(host.registration_socket()).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "no registration socket; the driver's log:\n{}",
-                driver.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        eventually(
+            "a registration socket that answers",
+            WAIT,
+            POLL,
+            async || {
+                std::os::unix::net::UnixStream::connect(host.registration_socket()).map_err(|_| {
+                    format!(
+                        "no registration socket; the driver's log:\n{}",
+                        driver.log()
+                    )
+                })
+            },
+        )
+        .await;
         driver
     }
 
@@ -403,17 +409,6 @@ fn container_state(host: &Host, refs: &[ClaimRef]) -> PathBuf {
     state
 }
 
-async fn wait_until<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(value) = probe() {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn our_slice(api: &FakeApiServer) -> Option<Value> {
     api.list(Kind::ResourceSlice)
         .into_iter()
@@ -499,7 +494,7 @@ async fn publishes_the_nodes_slice_and_publishes_it_again_when_kubelet_deletes_i
     let host = Host::new();
     let api = api().await;
     let driver = Driver::start(&host, &api).await;
-    let slice = wait_until("the slice", || our_slice(&api)).await;
+    let slice = eventually("the slice", WAIT, POLL, async || our_slice(&api)).await;
     let golden: Value = serde_json::from_str(include_str!("fixtures/dra/slice-t4.json")).unwrap();
     assert_eq!(slice["metadata"]["name"], golden["metadata"]["name"]);
     assert_eq!(
@@ -524,7 +519,7 @@ async fn publishes_the_nodes_slice_and_publishes_it_again_when_kubelet_deletes_i
     // kubelet deletes the node's slices when it starts.
     assert!(!api.delete_node_slices(NODE, None).is_empty());
     assert!(our_slice(&api).is_none());
-    let again = wait_until("the slice again", || our_slice(&api)).await;
+    let again = eventually("the slice again", WAIT, POLL, async || our_slice(&api)).await;
     assert_eq!(again["spec"]["devices"], slice["spec"]["devices"]);
     let status = driver.status().await;
     assert_eq!(status["dra"]["consumable_capacity"], true, "{status}");
@@ -537,22 +532,23 @@ async fn an_api_server_gone_is_named_once_and_told_by_inspect() {
     let host = Host::new();
     let api = api().await;
     let driver = Driver::start(&host, &api).await;
-    wait_until("the slice", || our_slice(&api)).await;
+    eventually("the slice", WAIT, POLL, async || our_slice(&api)).await;
     let server = api.url();
     drop(api);
     // The first failure seen may be a watch cut mid-stream; the cause
     // shown is the latest, which becomes the refused connection.
-    let deadline = Instant::now() + WAIT;
-    let status = loop {
+    let (Ok(status) | Err(status)) = poll(WAIT, Duration::from_millis(100), async || {
         let status = driver.status().await;
         let refused = status["api_server_error"]
             .as_str()
             .is_some_and(|e| e.contains("Connection refused"));
-        if refused || Instant::now() > deadline {
-            break status;
+        if refused {
+            Ok(status)
+        } else {
+            Err(status)
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
     let error = status["api_server_error"].as_str().unwrap_or_default();
     assert!(
         error.starts_with(&format!("cannot reach the API server at {server} for"))
@@ -574,11 +570,11 @@ async fn an_api_server_without_consumable_capacity_is_detected_and_said() {
     let api = api().await;
     api.drop_consumable_capacity(true);
     let driver = Driver::start(&host, &api).await;
-    let slice = wait_until("the slice", || our_slice(&api)).await;
+    let slice = eventually("the slice", WAIT, POLL, async || our_slice(&api)).await;
     assert!(slice["spec"]["devices"][0]
         .get("allowMultipleAllocations")
         .is_none());
-    wait_until("the log to say so", || {
+    eventually("the log to say so", WAIT, POLL, async || {
         driver.log().contains("DRAConsumableCapacity").then_some(())
     })
     .await;
@@ -755,7 +751,7 @@ async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
     let dir = host
         .path("state/containers")
         .join(format!("claim-{}", refs[0].uid));
-    wait_until("the directory to be cleaned up", || {
+    eventually("the directory to be cleaned up", WAIT, POLL, async || {
         (!dir.exists()).then_some(())
     })
     .await;
@@ -833,13 +829,16 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     let mountinfo = common::mountinfo_with_claims(&[&dir]);
     common::list_fake_process(&gpus, rogue.id(), 5000, &[("mountinfo", &mountinfo)]);
 
-    let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
+    let status = eventually("the over-cap kill", WAIT, POLL, async || {
+        rogue.try_wait().unwrap()
+    })
+    .await;
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
     let expected = format!(
         "Killed process {} of ResourceClaim default/notebook (used by containers main, sidecar)",
         rogue.id()
     );
-    let event = wait_until("the pod's Event", || {
+    let event = eventually("the pod's Event", WAIT, POLL, async || {
         api.list(Kind::Event)
             .into_iter()
             .find(|e| e["reason"] == "GPUMemoryOverCap")
@@ -880,7 +879,10 @@ async fn a_claims_process_that_shed_its_mounts_is_held_by_its_cgroup() {
         5000,
         &[("cgroup", &cgroup), ("mountinfo", pivoted)],
     );
-    let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
+    let status = eventually("the over-cap kill", WAIT, POLL, async || {
+        rogue.try_wait().unwrap()
+    })
+    .await;
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
 }
 
@@ -936,7 +938,10 @@ async fn a_pod_that_joins_a_prepared_claim_is_held_to_its_cap() {
             ("mountinfo", &common::mountinfo_with_claims(&[&dir])),
         ],
     );
-    let status = wait_until("the over-cap kill", || rogue.try_wait().unwrap()).await;
+    let status = eventually("the over-cap kill", WAIT, POLL, async || {
+        rogue.try_wait().unwrap()
+    })
+    .await;
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
 }
 
@@ -1037,7 +1042,10 @@ async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() 
 
     // Killing the rogue brings B under its cap: one kill in the same
     // check, not two.
-    wait_until("the rogue's kill", || rogue.try_wait().unwrap()).await;
+    eventually("the rogue's kill", WAIT, POLL, async || {
+        rogue.try_wait().unwrap()
+    })
+    .await;
     // The check that killed it has finished.
     common::daemon::wait_for_checks(driver.metrics, 0).await;
     assert!(
@@ -1057,7 +1065,10 @@ async fn a_gpu_two_of_a_containers_claims_cap_is_held_to_the_first_claims_cap() 
     );
     assert_ne!(raised, text);
     common::rewrite_fake_gpus(&gpus, raised);
-    let status = wait_until("the kill past A's cap", || shimmed.try_wait().unwrap()).await;
+    let status = eventually("the kill past A's cap", WAIT, POLL, async || {
+        shimmed.try_wait().unwrap()
+    })
+    .await;
     assert_eq!(status.signal(), Some(9), "SIGKILL\n{}", driver.log());
     let log = driver.log();
     let last = log
@@ -1271,7 +1282,7 @@ async fn a_restarted_driver_unprepares_from_its_checkpoint_and_drops_another_boo
     record["bootId"] = json!("00000000-0000-0000-0000-000000000000");
     host.write_record(&record);
     let driver = Driver::start(&host, &api).await;
-    wait_until("the stale spec to go", || {
+    eventually("the stale spec to go", WAIT, POLL, async || {
         (!host.spec_file(&uid(2)).exists()).then_some(())
     })
     .await;
@@ -1352,7 +1363,7 @@ async fn a_prepare_cut_off_by_a_crash_is_rolled_back_at_start() {
     std::fs::write(host.path("cdi/nvidia.yaml"), b"kind: nvidia.com/gpu\n").unwrap();
 
     let driver = Driver::start(&host, &api).await;
-    wait_until("the half-made spec to go", || {
+    eventually("the half-made spec to go", WAIT, POLL, async || {
         (!host.spec_file(&uid(7)).exists()).then_some(())
     })
     .await;
@@ -1474,7 +1485,7 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
     let (driver, kubelet) = driver
         .restart(&host, &api, || damage(&host.checkpoint()))
         .await;
-    wait_until("the checkpoint to be reported", || {
+    eventually("the checkpoint to be reported", WAIT, POLL, async || {
         driver.log().contains(reported).then_some(())
     })
     .await;
@@ -1507,7 +1518,10 @@ async fn without_a_readable_checkpoint(reported: &str, damage: impl FnOnce(&Path
         .unwrap();
     unprepared[&uid(1)].as_ref().unwrap();
     assert!(!host.spec_file(&uid(1)).exists(), "{}", driver.log());
-    wait_until("the directory's clean-up", || (!dir.exists()).then_some(())).await;
+    eventually("the directory's clean-up", WAIT, POLL, async || {
+        (!dir.exists()).then_some(())
+    })
+    .await;
 }
 
 /// Health per `<pool>/<device>` as kubelet keys it: the node's two GPUs,
@@ -1587,7 +1601,7 @@ async fn device_health_reaches_kubelet_at_once_and_on_every_change() {
             "last updated {when}, now {before}"
         );
     }
-    let slice = wait_until("our slice", || our_slice(&api)).await;
+    let slice = eventually("our slice", WAIT, POLL, async || our_slice(&api)).await;
     assert_eq!(slice["spec"]["pool"]["name"], NODE);
     let published: Vec<String> = slice["spec"]["devices"]
         .as_array()
@@ -1735,9 +1749,12 @@ async fn the_startup_taint_goes_once_the_slice_offers_the_gpus() {
             .filter(|r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices"))
             .count()
     };
-    wait_until("the driver's tries to read its slice", || {
-        (slice_reads() >= 2).then_some(())
-    })
+    eventually(
+        "the driver's tries to read its slice",
+        WAIT,
+        POLL,
+        async || (slice_reads() >= 2).then_some(()),
+    )
     .await;
     assert!(our_slice(&api).is_none());
     assert_eq!(
@@ -1748,7 +1765,7 @@ async fn the_startup_taint_goes_once_the_slice_offers_the_gpus() {
     );
 
     api.forbid(Kind::ResourceSlice, false);
-    wait_until("the startup taint to go", || {
+    eventually("the startup taint to go", WAIT, POLL, async || {
         (taints() == json!([dedicated])).then_some(())
     })
     .await;

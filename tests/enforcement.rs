@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::{Admitted, Daemon, Holding, POD_UID, RECONCILE};
+use common::wait::{eventually, poll, POLL};
 use common::{shim_kit, WAIT};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem_testkit::fake_apiserver::Kind;
@@ -163,16 +164,16 @@ async fn a_context_being_made_is_not_untracked_usage() {
     );
     // Its slot is claimed before the context is made.
     let file = dir.join(gpumem_layout::FILE_NAME);
-    let deadline = std::time::Instant::now() + WAIT;
-    while !gpumem::isolation::accounting::processes(&file)
-        .unwrap()
-        .live
-        .iter()
-        .any(|p| p.pid == Some(maker.0.id()))
-    {
-        assert!(std::time::Instant::now() < deadline, "no slot claimed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("its slot", WAIT, Duration::from_millis(20), async || {
+        gpumem::isolation::accounting::processes(&file)
+            .unwrap()
+            .live
+            .iter()
+            .any(|p| p.pid == Some(maker.0.id()))
+            .then_some(())
+            .ok_or("no slot claimed")
+    })
+    .await;
     d.list_process(maker.0.id(), 300, &[]);
     // A process of the container without the shim, listed after: once its
     // 50 MiB are published, a sample has seen the context being made.
@@ -230,15 +231,15 @@ async fn a_holder_on_its_way_out_is_not_taken_for_a_stranger() {
             &[("cgroup", "0::/system.slice/monitoring.service\n")],
         );
         let expected = [200, 300][n];
-        let deadline = std::time::Instant::now() + WAIT;
-        let status = loop {
+        let status = eventually("the stranger shown", WAIT, POLL, async || {
             let status = d.status().await;
             if status.gpus[0].unmanaged_mib.is_some_and(|m| m >= expected) {
-                break status;
+                Ok(status)
+            } else {
+                Err(format!("{status:?}"))
             }
-            assert!(std::time::Instant::now() < deadline, "{status:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        })
+        .await;
         assert_eq!(status.gpus[0].unmanaged_mib, Some(expected), "{status:?}");
     }
     h.d.stop().await;
@@ -289,20 +290,18 @@ async fn a_process_that_shed_its_containers_mounts_is_held_by_its_cgroup() {
         &[("cgroup", &in_pod(&a.pod_uid, 'e')), ("mountinfo", PIVOTED)],
     );
     killed_as_its_containers(&a.d, &mut rogue).await;
-    let deadline = std::time::Instant::now() + WAIT;
     // The pod is told its container runs a process without gpumem's mounts.
     let api = a.d.api.as_ref().expect("started with an API server");
-    let event = loop {
-        let found = api.list(Kind::Event).into_iter().find(|e| {
-            e["reason"] == "GPUMemoryNotIsolated"
-                && e.pointer("/regarding/name") == Some(&"nb".into())
-        });
-        if let Some(event) = found {
-            break event;
-        }
-        assert!(std::time::Instant::now() < deadline, "no Event");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let event = eventually("the pod's Event", WAIT, POLL, async || {
+        api.list(Kind::Event)
+            .into_iter()
+            .find(|e| {
+                e["reason"] == "GPUMemoryNotIsolated"
+                    && e.pointer("/regarding/name") == Some(&"nb".into())
+            })
+            .ok_or("no Event")
+    })
+    .await;
     let note = event["note"].as_str().unwrap();
     let expected = format!("Process {} of container main holds 6300 MiB", rogue.id());
     assert!(note.contains(&expected), "{note}");
@@ -329,18 +328,15 @@ async fn a_mount_that_names_another_pods_container_is_not_believed() {
             ("mountinfo", &common::mountinfo_with_state_dir(dir)),
         ],
     );
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let status = loop {
+    let status = eventually("the memory unmanaged", WAIT, RECONCILE, async || {
         let status = d.status().await;
         if status.gpus[0].unmanaged_mib == Some(2500) {
-            break status;
+            Ok(status)
+        } else {
+            Err(format!("not unmanaged: {status:?}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not unmanaged: {status:?}"
-        );
-        tokio::time::sleep(RECONCILE).await;
-    };
+    })
+    .await;
     let c = &status.containers[0];
     assert_eq!(
         (c.used_mib, c.untracked_mib),
@@ -411,7 +407,8 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     stranger.wait().unwrap();
     // Both show on the pod as Events, as `kubectl describe pod` lists them.
     let api = d.api.as_ref().expect("started with an API server");
-    let (over, unmanaged) = loop {
+    let left = WAIT.saturating_sub(started.elapsed());
+    let (over, unmanaged) = eventually("both Events", left, POLL, async || {
         let events = api.list(Kind::Event);
         let reason = |r: &str| {
             events
@@ -419,14 +416,12 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
                 .find(|e| e["reason"] == r && e.pointer("/regarding/name") == Some(&"nb".into()))
                 .cloned()
         };
-        if let (Some(over), Some(unmanaged)) =
-            (reason("GPUMemoryOverCap"), reason("GPUMemoryUnmanaged"))
-        {
-            break (over, unmanaged);
+        match (reason("GPUMemoryOverCap"), reason("GPUMemoryUnmanaged")) {
+            (Some(over), Some(unmanaged)) => Ok((over, unmanaged)),
+            _ => Err(format!("no Events: {events:?}")),
         }
-        assert!(started.elapsed() < WAIT, "no Events: {events:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    })
+    .await;
     let note = over["note"].as_str().unwrap();
     let expected = match action {
         OverCapAction::Kill => format!("Killed process {} of container main", rogue.id()),
@@ -453,14 +448,12 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
         .and_then(|v| v.parse().ok())
         .unwrap();
     // The daemon's pod watch has been sent the change.
-    let deadline = std::time::Instant::now() + WAIT;
-    while api.watch_delivered(Kind::Pod) < touched {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pod watch never got the change"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the change", WAIT, Duration::from_millis(20), async || {
+        (api.watch_delivered(Kind::Pod) >= touched)
+            .then_some(())
+            .ok_or("the pod watch never got the change")
+    })
+    .await;
     let mut again = std::process::Command::new("sleep")
         .arg("60")
         .spawn()
@@ -470,18 +463,20 @@ async fn over_cap(action: OverCapAction) -> (std::process::ExitStatus, String) {
     let _ = again.kill();
     again.wait().unwrap();
     d.drop_process(again.id());
-    let repeated = loop {
+    let left = (2 * WAIT).saturating_sub(started.elapsed());
+    let repeated = eventually("the Event repeated", left, POLL, async || {
         let over: Vec<serde_json::Value> = api
             .list(Kind::Event)
             .into_iter()
             .filter(|e| e["reason"] == "GPUMemoryOverCap")
             .collect();
         if over.iter().any(|e| e.pointer("/series/count").is_some()) || over.len() > 1 {
-            break over;
+            Ok(over)
+        } else {
+            Err(format!("no repeat: {over:?}"))
         }
-        assert!(started.elapsed() < 2 * WAIT, "no repeat: {over:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    })
+    .await;
     assert_eq!(repeated.len(), 1, "one Event, counted: {repeated:?}");
     assert_eq!(repeated[0].pointer("/series/count"), Some(&2.into()));
     h.stop().await;
@@ -584,16 +579,12 @@ async fn a_rogue_is_found_by_its_mounts_and_killed(tamper: impl FnOnce(&Path)) {
 /// memory was taken for unmanaged.
 async fn killed_as_its_containers(d: &Daemon, rogue: &mut std::process::Child) {
     use std::os::unix::process::ExitStatusExt;
-    let deadline = std::time::Instant::now() + WAIT;
-    let status = loop {
-        if let Some(status) = rogue.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() >= deadline {
+    let status = match poll(WAIT, POLL, async || rogue.try_wait().unwrap().ok_or(())).await {
+        Ok(status) => status,
+        Err(()) => {
             let _ = rogue.kill();
             panic!("not killed; status: {:?}", d.status().await.gpus[0]);
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(status.signal(), Some(9));
     assert_eq!(d.status().await.gpus[0].unmanaged_mib, Some(0));
@@ -771,15 +762,15 @@ async fn a_slot_that_outlives_its_pod_is_not_the_next_pods() {
     assert!(live.is_empty(), "the neighbour's file has slots: {live:?}");
     let lines = common::probe(next_dir, &["alloc:3000"]);
     assert_eq!(common::line(&lines, "alloc:3000"), "alloc:3000 0 #0");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    let status = loop {
+    let status = eventually("the memory unmanaged", WAIT, RECONCILE, async || {
         let status = d.status().await;
         if status.gpus[0].unmanaged_mib == Some(4300) {
-            break status;
+            Ok(status)
+        } else {
+            Err(format!("{status:?}"))
         }
-        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
-        tokio::time::sleep(RECONCILE).await;
-    };
+    })
+    .await;
     let c = &status.containers[0];
     assert_eq!((c.used_mib, c.untracked_mib), (Some(0), Some(0)), "{c:?}");
     a.d.stop().await;
@@ -821,11 +812,12 @@ async fn a_checkpoint_rewritten_within_one_clock_tick_is_read_again() {
         ],
     );
     // Read while it did not name the pod: the process is no container's.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while a.d.status().await.gpus[0].unmanaged_mib != Some(6300) {
-        assert!(tokio::time::Instant::now() < deadline, "never unmanaged");
-        tokio::time::sleep(RECONCILE).await;
-    }
+    eventually("the memory unmanaged", WAIT, RECONCILE, async || {
+        (a.d.status().await.gpus[0].unmanaged_mib == Some(6300))
+            .then_some(())
+            .ok_or("never unmanaged")
+    })
+    .await;
     put(&with);
     killed_as_its_containers(&a.d, &mut rogue).await;
     a.d.stop().await;
@@ -917,16 +909,19 @@ async fn a_process_whose_leader_exited_is_held_by_its_other_threads() {
     );
     common::wait_for_line(&mut rogue, "ready");
     let pid = rogue.id();
-    let deadline = std::time::Instant::now() + WAIT;
+    let started = std::time::Instant::now();
     let zombie_leader = || {
         let stat = std::fs::read(format!("/proc/{pid}/stat")).unwrap();
         let stat = String::from_utf8_lossy(&stat).into_owned();
         stat[stat.rfind(')').unwrap()..].starts_with(") Z")
     };
-    while !zombie_leader() {
-        assert!(std::time::Instant::now() < deadline, "the leader lives");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "a zombie leader",
+        WAIT,
+        Duration::from_millis(20),
+        async || zombie_leader().then_some(()).ok_or("the leader lives"),
+    )
+    .await;
     // Seen holding its slot (its context charged), under the cap.
     a.d.list_process(pid, 1000, &[]);
     a.d.wait_for_container("seen holding its slot", |c| c.untracked_mib == Some(700))
@@ -940,10 +935,14 @@ async fn a_process_whose_leader_exited_is_held_by_its_other_threads() {
             .iter()
             .any(|p| p.pid == Some(pid))
     };
-    while holds() {
-        assert!(std::time::Instant::now() < deadline, "still holds its slot");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let left = WAIT.saturating_sub(started.elapsed());
+    eventually(
+        "its slot let go",
+        left,
+        Duration::from_millis(20),
+        async || (!holds()).then_some(()).ok_or("still holds its slot"),
+    )
+    .await;
     a.d.relist_process(pid, 6000, &[]);
     killed_as_its_containers(&a.d, &mut rogue).await;
     a.d.stop().await;
@@ -1002,8 +1001,7 @@ async fn a_state_mount_where_var_run_links_elsewhere_names_the_container() {
     );
     // Unmanaged, and not the container's (its killed process's memory
     // gone from it).
-    let deadline = std::time::Instant::now() + WAIT;
-    loop {
+    eventually("the agent unmanaged", WAIT, RECONCILE, async || {
         let status = a.d.status().await;
         let main = status
             .containers
@@ -1011,11 +1009,12 @@ async fn a_state_mount_where_var_run_links_elsewhere_names_the_container() {
             .find(|c| c.container.as_deref() == Some("main"));
         let untracked = main.and_then(|c| c.untracked_mib);
         if status.gpus[0].unmanaged_mib == Some(2000) && untracked == Some(0) {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{status:?}"))
         }
-        assert!(std::time::Instant::now() < deadline, "{status:?}");
-        tokio::time::sleep(RECONCILE).await;
-    }
+    })
+    .await;
     a.d.stop().await;
 }
 

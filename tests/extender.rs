@@ -3,6 +3,8 @@
 //! a `nodeCacheCapable` filter with NodeNames, one with whole Nodes, a
 //! prioritize and a bind, as kube-scheduler 1.3x writes them).
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -13,6 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use serde_json::{json, Value};
 
+use common::wait::{eventually, POLL};
 use gpumem::cluster::gpushare::annotation;
 use gpumem::cluster::node::GPUS_ANNOTATION;
 use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
@@ -233,19 +236,12 @@ impl Extender {
         what: &str,
         mut check: impl FnMut() -> F,
     ) -> T {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            if let Some(found) = check().await {
-                return found;
-            }
-            if Instant::now() > deadline {
-                panic!(
-                    "timed out waiting for {what}; extender log:\n{}",
-                    self.log()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        eventually(what, WAIT, POLL, async || {
+            check()
+                .await
+                .ok_or_else(|| format!("extender log:\n{}", self.log()))
+        })
+        .await
     }
 }
 

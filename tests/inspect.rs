@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::{gpumem_stdout, shim, Daemon};
+use common::wait::{eventually_blocking, POLL};
 use common::{shim_kit, RESOURCE};
 use gpumem::isolation::inject::Isolation;
 use gpumem::ops::status::NodeStatus;
@@ -197,11 +198,9 @@ fn inspect_says_when_the_plugin_is_not_registered_with_kubelet() {
             .spawn()
             .unwrap(),
     );
-    let deadline = std::time::Instant::now() + common::WAIT;
-    while !socket.exists() {
-        assert!(std::time::Instant::now() < deadline, "no status socket");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually_blocking("the status socket", common::WAIT, POLL, || {
+        socket.exists().then_some(()).ok_or("no status socket")
+    });
     let table = gpumem_stdout(&["inspect", "--status-socket", socket.to_str().unwrap()]);
     assert!(
         table.contains(

@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::{samples_over, shim, spawn_daemon, wait_for_checks};
+use common::wait::{poll, POLL};
 use common::{fixture, swept_past_the_grace, RESOURCE, WAIT};
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::node::units::MemoryUnit;
@@ -109,10 +110,11 @@ async fn a_change_of_memory_unit_under_a_running_container_is_said() {
     let mut mib = start("MiB", &logs[1]);
     let seen = async {
         kubelet.wait_for_devices(RESOURCE, 2, WAIT).await?;
-        let deadline = std::time::Instant::now() + WAIT;
-        while !log(1).contains(said) && std::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        // Not there in time: the count below says so, with the log.
+        let _ = poll(WAIT, POLL, async || {
+            log(1).contains(said).then_some(()).ok_or(())
+        })
+        .await;
         // More sweeps: said once.
         swept_past_the_grace(state.path(), "stray-2").await;
         Some(log(1))

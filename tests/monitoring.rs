@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::wait::{eventually, poll, POLL};
 use common::{shim_kit, Killed, RESOURCE, WAIT};
 use gpumem_testkit::simulator::KubeletSim;
 use serde_json::Value;
@@ -269,13 +270,17 @@ async fn query_until(
     started: Instant,
     done: impl Fn(&[BTreeMap<String, String>]) -> bool,
 ) -> Vec<BTreeMap<String, String>> {
-    loop {
+    let left = PROMETHEUS_WAIT.saturating_sub(started.elapsed());
+    let (Ok(series) | Err(series)) = poll(left, Duration::from_millis(250), async || {
         let series = query(port, expr).await;
-        if done(&series) || started.elapsed() > PROMETHEUS_WAIT {
-            return series;
+        if done(&series) {
+            Ok(series)
+        } else {
+            Err(series)
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    })
+    .await;
+    series
 }
 
 /// A `scrape_configs:` section scraping the plugin's metrics on `port`.
@@ -680,30 +685,30 @@ async fn nvml_readings_and_each_pods_sm_use_reach_the_metrics() {
         ("gpumem_container_sm_utilization_ratio", &[pod, &gpu], "0.4"),
         ("gpumem_container_used_bytes", &[pod, &gpu], "1363148800"),
     ];
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let scrape = get(metrics_port, "/metrics")
-            .await
-            .map(|(_, body)| body)
-            .unwrap_or_default();
-        let missing: Vec<_> = expected
-            .iter()
-            .filter(|(name, labels, value)| sample(&scrape, name, labels) != Some(*value))
-            .collect();
-        if missing.is_empty() {
+    eventually(
+        "every sample",
+        WAIT,
+        Duration::from_millis(100),
+        async || {
+            let scrape = get(metrics_port, "/metrics")
+                .await
+                .map(|(_, body)| body)
+                .unwrap_or_default();
+            let missing: Vec<_> = expected
+                .iter()
+                .filter(|(name, labels, value)| sample(&scrape, name, labels) != Some(*value))
+                .collect();
+            if !missing.is_empty() {
+                return Err(format!("{missing:?} not in:\n{scrape}\n{}", plugin.log()));
+            }
             // NVML's used memory counts the pod's process too.
             let used = sample(&scrape, "gpumem_gpu_memory_used_bytes", &[&gpu]);
             let used: u64 = used.and_then(|v| v.parse().ok()).unwrap_or(0);
             assert!(used >= 1300 << 20, "{scrape}");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{missing:?} not in:\n{scrape}\n{}",
-            plugin.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+            Ok(())
+        },
+    )
+    .await;
 }
 
 /// Whether `series` is what a panel with legend `legend` should show: at
@@ -862,16 +867,13 @@ async fn the_hostname_label_is_gpumems_setting_not_the_pods_node_name() {
             .env("NODE_NAME", "not-this-node")
     })
     .await;
-    let deadline = Instant::now() + WAIT;
-    let scrape = loop {
-        if let Some((200, body)) = get(plugin.metrics_port, "/metrics").await {
-            if body.contains("gpumem_gpu_units{") {
-                break body;
-            }
+    let scrape = eventually("the metrics", WAIT, POLL, async || {
+        match get(plugin.metrics_port, "/metrics").await {
+            Some((200, body)) if body.contains("gpumem_gpu_units{") => Ok(body),
+            _ => Err(format!("no metrics:\n{}", plugin.log())),
         }
-        assert!(Instant::now() < deadline, "no metrics:\n{}", plugin.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    })
+    .await;
     let units = sample(
         &scrape,
         "gpumem_gpu_units",

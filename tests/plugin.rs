@@ -6,6 +6,7 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
+use common::wait::{eventually, POLL};
 use common::{Node, RESOURCE, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest, Empty,
@@ -409,19 +410,18 @@ async fn a_socket_that_cannot_be_bound_again_is_retried() {
     std::fs::create_dir(&socket).unwrap();
     std::fs::write(socket.join("in-the-way"), "").unwrap();
 
-    let deadline = std::time::Instant::now() + WAIT;
-    while read_log()
-        .matches("cannot serve a new plugin socket; retrying")
-        .count()
-        < 2
-    {
-        assert!(
-            std::time::Instant::now() < deadline && plugin.try_wait().unwrap().is_none(),
-            "no second try, or the plugin stopped; log:\n{}",
-            read_log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("a second try", WAIT, POLL, async || {
+        let tries = read_log()
+            .matches("cannot serve a new plugin socket; retrying")
+            .count();
+        let failed = || format!("no second try, or the plugin stopped; log:\n{}", read_log());
+        if tries >= 2 {
+            return Ok(());
+        }
+        assert!(plugin.try_wait().unwrap().is_none(), "{}", failed());
+        Err(failed())
+    })
+    .await;
     std::fs::remove_dir_all(&socket).unwrap();
     let again = kubelet.wait_for_devices(RESOURCE, 2, WAIT).await;
     let _ = plugin.kill();
@@ -472,13 +472,14 @@ async fn waits_for_kubelet_and_registers_when_it_appears() {
     let dir = tempfile::tempdir().unwrap();
     let mut node = Node::without_kubelet(dir, "t4", MemoryUnit::GiB, Policy::Binpack);
     // The plugin serves its socket and keeps retrying Register meanwhile.
-    tokio::time::timeout(WAIT, async {
-        while !node.socket().exists() {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+    let every = Duration::from_millis(20);
+    eventually("the plugin socket", WAIT, every, async || {
+        node.socket()
+            .exists()
+            .then_some(())
+            .ok_or("plugin socket created without a kubelet")
     })
-    .await
-    .expect("plugin socket created without a kubelet");
+    .await;
     assert!(
         !node.plugin.is_finished(),
         "plugin does not exit while kubelet is missing"

@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use std::process::Stdio;
 use std::time::Duration;
 
+use common::wait::poll;
 use common::{capped_dir, field, fixture, run_lines, shim_kit, Node, RESOURCE, WAIT};
 use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
@@ -73,14 +74,17 @@ async fn a_hundred_kubelet_restarts_leak_nothing() {
     // open and close their own descriptors meanwhile (the count is the
     // process's): allow a few stragglers and wait for the neighbours, but a
     // leak of one per restart (+100) never drains.
-    let deadline = std::time::Instant::now() + WAIT;
-    let (fds_after, tasks_after) = loop {
-        let now = (open_fds(), metrics.num_alive_tasks());
-        if (now.0 <= fds + 8 && now.1 <= tasks + 8) || std::time::Instant::now() > deadline {
-            break now;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let every = Duration::from_millis(200);
+    let (Ok((fds_after, tasks_after)) | Err((fds_after, tasks_after))) =
+        poll(WAIT, every, async || {
+            let now = (open_fds(), metrics.num_alive_tasks());
+            if now.0 <= fds + 8 && now.1 <= tasks + 8 {
+                Ok(now)
+            } else {
+                Err(now)
+            }
+        })
+        .await;
     assert!(
         fds_after <= fds + 8,
         "file descriptors grew from {fds} to {fds_after}"

@@ -5,6 +5,7 @@ mod common;
 
 use std::process::Stdio;
 
+use common::wait::eventually_blocking;
 use common::{
     capped_dir, field, line, nth, probe, run_lines, shim_kit, FAKE_CONTEXT as CONTEXT, MIB, T4_UUID,
 };
@@ -836,17 +837,14 @@ fn shrink_under_a_running_probe(dir: &std::path::Path, file: &std::path::Path) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = std::time::Instant::now() + common::WAIT;
-    while !std::fs::read_to_string(&output)
-        .unwrap()
-        .contains("alloc:100 0")
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the probe never allocated"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let every = std::time::Duration::from_millis(10);
+    eventually_blocking("the probe's allocation", common::WAIT, every, || {
+        std::fs::read_to_string(&output)
+            .unwrap()
+            .contains("alloc:100 0")
+            .then_some(())
+            .ok_or("the probe never allocated")
+    });
     std::fs::OpenOptions::new()
         .write(true)
         .open(file)

@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::{shim, Daemon};
+use common::wait::{eventually, POLL};
 use common::{shim_kit, RESOURCE, WAIT};
 use gpumem::isolation::inject::Isolation;
 use gpumem_testkit::simulator::KubeletSim;
@@ -112,14 +113,13 @@ async fn healthz_fails_while_not_registered() {
     assert_eq!(d.get("/healthz").await.0, 200);
     // kubelet goes away (and kubelet.sock with it): we are no longer registered.
     d.kubelet.take().unwrap().stop().await;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while d.get("/healthz").await.0 != 503 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "healthz kept passing"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let started = std::time::Instant::now();
+    eventually("healthz to fail", WAIT, POLL, async || {
+        (d.get("/healthz").await.0 == 503)
+            .then_some(())
+            .ok_or("healthz kept passing")
+    })
+    .await;
     let (_, body) = d.get("/metrics").await;
     assert!(body.contains("gpumem_registered 0"), "{body}");
     // It comes back, we register again, the probe passes again.
@@ -128,13 +128,13 @@ async fn healthz_fails_while_not_registered() {
         .wait_for_devices(RESOURCE, 1, WAIT)
         .await
         .expect("registered again");
-    while d.get("/healthz").await.0 != 200 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "healthz did not recover"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let left = WAIT.saturating_sub(started.elapsed());
+    eventually("healthz to pass", left, POLL, async || {
+        (d.get("/healthz").await.0 == 200)
+            .then_some(())
+            .ok_or("healthz did not recover")
+    })
+    .await;
     d.stop().await;
 }
 

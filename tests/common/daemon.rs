@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use super::wait::{eventually, POLL};
 use super::{fixture, shim_kit, RESOURCE, WAIT};
 use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::isolation::enforce::OverCapAction;
@@ -225,18 +226,15 @@ impl Daemon {
 
     /// Waits until `/metrics` has `line`; returns the page.
     pub async fn wait_for_metric(&self, line: &str) -> String {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
+        eventually("the metric line", WAIT, POLL, async || {
             let (_, metrics) = self.get("/metrics").await;
             if metrics.contains(line) {
-                return metrics;
+                Ok(metrics)
+            } else {
+                Err(format!("no {line}:\n{metrics}"))
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "no {line}:\n{metrics}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 
     /// Waits until the one container's status passes `check`.
@@ -245,19 +243,14 @@ impl Daemon {
         what: &str,
         check: impl Fn(&gpumem::ops::status::ContainerStatus) -> bool,
     ) -> gpumem::ops::status::ContainerStatus {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
+        eventually("the container", WAIT, RECONCILE, async || {
             let status = self.status().await;
-            if let Some(c) = status.containers.iter().find(|c| check(c)) {
-                return c.clone();
+            match status.containers.iter().find(|c| check(c)) {
+                Some(c) => Ok(c.clone()),
+                None => Err(format!("{what}: {:?}", status.containers)),
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{what}: {:?}",
-                status.containers
-            );
-            tokio::time::sleep(RECONCILE).await;
-        }
+        })
+        .await
     }
 
     pub async fn stop(self) {
@@ -461,16 +454,13 @@ pub async fn over_cap_checks(addr: std::net::SocketAddr) -> u64 {
 /// only it is waited for (or, with none under way, the next).
 pub async fn wait_for_checks(addr: std::net::SocketAddr, samples: u64) {
     let target = over_cap_checks(addr).await + 1 + samples;
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
+    eventually("the over-cap checks", WAIT, POLL, async || {
         let checks = over_cap_checks(addr).await;
         if checks >= target {
-            return;
+            Ok(())
+        } else {
+            Err(format!("{checks} over-cap checks, waited for {target}"))
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{checks} over-cap checks, waited for {target}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await
 }

@@ -6,6 +6,7 @@
 pub mod cdi;
 pub mod daemon;
 pub mod tenant;
+pub mod wait;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -606,15 +607,14 @@ pub fn free_bytes(pid: u32, path: &Path) -> u64 {
 pub async fn swept_past_the_grace(state: &Path, name: &str) {
     let stray = state.join("containers").join(name);
     std::fs::create_dir_all(&stray).unwrap();
-    let deadline = std::time::Instant::now() + WAIT;
-    while stray.exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} was never cleaned up",
-            stray.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait::eventually("the clean-up", WAIT, wait::POLL, async || {
+        if stray.exists() {
+            Err(format!("{} was never cleaned up", stray.display()))
+        } else {
+            Ok(())
+        }
+    })
+    .await;
 }
 
 /// Waits until clean-up has swept `state` past its grace twice: a stray
