@@ -40,7 +40,8 @@ use crate::node::placement;
 use crate::node::processes::{self, ProcessUsage};
 use crate::node::sensors::Sensors;
 use crate::node::units::MemoryUnit;
-use crate::ops::metrics::{self, FrontEnd, Observed};
+use crate::ops::metrics;
+use crate::ops::observed::{FrontEnd, Observed};
 use crate::ops::status_socket;
 
 pub struct DaemonConfig {
