@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod claims;
 pub mod health;
 pub mod prepare;
+pub mod recovery;
 pub mod registration;
 pub mod service;
 pub mod sharing;

@@ -8,6 +8,7 @@ pub mod demo;
 pub mod exec;
 pub mod inspect;
 pub mod metrics;
+pub mod observed;
 pub mod status;
 pub mod status_socket;
 pub mod template;

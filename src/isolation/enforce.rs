@@ -5,7 +5,8 @@
 //! allocations precisely; this is the backstop for what does not go through
 //! it, as the kernel's OOM killer is for a container's memory limit. Time
 //! over is summed within the window, not an unbroken run of samples, so
-//! bursts with pauses under the cap between them add up (issue 29).
+//! bursts with pauses under the cap between them add up: a tenant over for
+//! 9 s, under for 2.3 s, repeated, never makes an unbroken run long enough.
 
 use crate::error_text::chain;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -535,10 +536,11 @@ mod tests {
             .map(|&(t, _)| t)
     }
 
-    /// Issue 29: 9 s over, 2.3 s under, repeated, sampled every 2 s (the
-    /// default `--reconcile-secs`) at any phase. No run of samples over
-    /// reaches the grace period, but the time over does, within the
-    /// window: acted on in its second burst, and said once before.
+    /// A tenant that dodges an unbroken run: 9 s over, 2.3 s under,
+    /// repeated, sampled every 2 s (the default `--reconcile-secs`) at any
+    /// phase. No run of samples over reaches the grace period, but the
+    /// time over does, within the window: acted on in its second burst, and
+    /// said once before.
     #[test]
     fn a_container_over_its_cap_in_bursts_is_acted_on() {
         for tenth in 0..20 {

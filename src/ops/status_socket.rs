@@ -5,13 +5,16 @@ use crate::error_text::chain;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use axum::extract::State;
+use axum::http::StatusCode;
 use axum::routing::get;
-use axum::Router;
+use axum::{Json, Router};
 use tokio::net::UnixListener;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
 
-use crate::ops::metrics::{self, Observed};
+use crate::ops::observed::Observed;
+use crate::ops::status::NodeStatus;
 
 /// The socket's name in the state dir, where no `--status-socket` is given.
 pub const DEFAULT_NAME: &str = "status.sock";
@@ -85,8 +88,20 @@ pub fn bind(path: &Path) -> Result<UnixListener, StatusSocketError> {
 
 pub fn router(observed: Observed) -> Router {
     Router::new()
-        .route("/status", get(metrics::status))
+        .route("/status", get(status))
         .with_state(observed)
+}
+
+/// `/status`: who holds what, with their pods' names, for this socket,
+/// never the network port.
+async fn status(State(observed): State<Observed>) -> Result<Json<NodeStatus>, StatusCode> {
+    match observed.status().await {
+        Ok(status) => Ok(Json(status)),
+        Err(err) => {
+            error!(err = %chain(&err), "cannot read the node status");
+            Err(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
 }
 
 /// Serves `/status` on `listener` (bound at `path`) until `shutdown`, then

@@ -1,7 +1,7 @@
 // Benchmarks, not tests, on the real kubelet: kubelet restart → the node's
 // allocatable back, as the device count (GiB or MiB units) and the units a
-// pod holds grow (issue 33, finding 3); and pod created → container
-// created, through each front end. Run by hand; the figures go to
+// pod holds grow (kubelet's handling of the list grows with both); and
+// pod created → container created, through each front end. Run by hand; the figures go to
 // docs/BENCHMARKS.md.
 package main
 

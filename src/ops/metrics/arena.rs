@@ -17,7 +17,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::metrics::gauge::ConstGauge;
 
-use super::{bytes, family, Labels, NodeCollector, Reading};
+use super::encode::{bytes, family, Labels, NodeCollector, Reading};
 use crate::ops::status::GpuStatus;
 use crate::sync::LockExt;
 
