@@ -7,7 +7,7 @@ its interpreter; the config running what the Dockerfile runs; the SBOM
 listing each file with its hash, the Debian packages with dpkg's versions
 and the crates with Cargo.lock's; and the same inputs giving the same bytes.
 
-  python3 .ci/test_build_image.py [--gpumem FILE --shim FILE --arch ARCH]
+  python3 .ci/test_build_image.py [--gpumem FILE --shim FILE --arch ARCH --expect-version V]
 
 Without files it builds from this machine's /bin/true (any ELF of the
 architecture will do: the checks are about the archive, not gpumem).
@@ -184,6 +184,28 @@ class Archive(unittest.TestCase):
         self.assertIn(("tokio", tokio), pkgs)
         self.assertIn(("gpumem-shim", next(p["version"] for p in lock if p["name"] == "gpumem-shim")), pkgs)
 
+    def test_gpumem_runs_on_the_image_libraries(self):
+        """`gpumem --version` in the image's root: chroot on this machine's
+        architecture, qemu-user with the image as the sysroot on another."""
+        if not ARGS.expect_version:
+            self.skipTest("no --expect-version: the inputs are not gpumem")
+        with tempfile.TemporaryDirectory() as root:
+            with tarfile.open(fileobj=io.BytesIO(gzip.decompress(self.chain()[4]))) as tar:
+                tar.extractall(root, filter="tar")
+            gpumem = f"{root}/opt/gpumem/gpumem"
+            host = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True).stdout.strip()
+            if host == ARGS.arch:
+                # Nothing of this machine's: the image's root is the root
+                # (a user namespace's, where this is not root).
+                argv = ["unshare", "--map-root-user", "chroot", root, "/opt/gpumem/gpumem"]
+            else:
+                # qemu-user looks in the image first, then this machine's
+                # (the arm64 libraries installed to build the image).
+                argv = [{"arm64": "qemu-aarch64", "amd64": "qemu-x86_64"}[ARGS.arch], "-L", root, gpumem]
+            done = subprocess.run(argv + ["--version"], capture_output=True, text=True)
+            self.assertEqual(done.returncode, 0, f"{argv}: {done.stderr}")
+            self.assertTrue(done.stdout.startswith(f"gpumem {ARGS.expect_version} "), done.stdout)
+
     def test_same_inputs_same_bytes(self):
         self.assertEqual(self.out.read_bytes(), self.again.read_bytes())
 
@@ -202,6 +224,7 @@ def main():
     p.add_argument("--gpumem", default="/bin/true")
     p.add_argument("--shim", default="/bin/true")
     p.add_argument("--arch", default="amd64")
+    p.add_argument("--expect-version", help="run the image's gpumem --version and expect this version")
     ARGS, rest = p.parse_known_args()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
 
