@@ -1,7 +1,10 @@
 # gpumem image: the plugin binary and the shim, built for old glibc.
 #
 #   docker build --build-arg GPUMEM_COMMIT=$(git rev-parse --short=12 HEAD) \
-#     -t ghcr.io/gpumem/gpumem:0.1.0 .
+#     -t registry.example.com/gpumem:0.2.0 .
+#
+# CI builds the same image without Docker: .ci/build-image.py (README,
+# "Deploying it").
 #
 # The shim is loaded into every process of capped containers, whose images
 # go back to glibc 2.17 (CentOS 7): it is linked against glibc 2.17 with

@@ -26,9 +26,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "prometheus" / "operator-scrape-configs.json"
+# The chart names no image of its own: a render must give one.
+IMAGE = {"image": {"repository": "registry.example.com/gpumem"}}
 MONITORS = {
-    "ServiceMonitor": {"metrics": {"serviceMonitor": {"enabled": True}}},
-    "PodMonitor": {"metrics": {"podMonitor": {"enabled": True}}},
+    "ServiceMonitor": {**IMAGE, "metrics": {"serviceMonitor": {"enabled": True}}},
+    "PodMonitor": {**IMAGE, "metrics": {"podMonitor": {"enabled": True}}},
 }
 
 

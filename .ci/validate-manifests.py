@@ -104,8 +104,18 @@ VARIANTS = {
     },
 }
 
+# The chart names no image of its own: every render gives one, as a user
+# must (a variant's own image.repository wins).
+IMAGE = {"repository": "registry.example.com/gpumem"}
+
+
+def with_image(values):
+    return {**values, "image": {**IMAGE, **values.get("image", {})}}
+
+
 # Values the chart must refuse, and a word of the message it refuses them with.
 REFUSED = {
+    "no-image": ({}, "image.repository is required"),
     "front-end-typo": ({"frontEnd": "DRA"}, "/frontEnd"),
     "dra-without-api-server": ({"frontEnd": "dra", "apiServer": False}, "needs apiServer"),
     "dra-with-gpushare-extender": ({"frontEnd": "dra", "scheduler": "gpushare-extender"}, "frontEnd: devicePlugin"),
@@ -831,7 +841,7 @@ def main():
     chart = helm.Chart.load(ROOT / "deploy" / "helm" / "gpumem")
     selectors = {}
     for variant, values in VARIANTS.items():
-        rendered = chart.render(values, name="gpumem", namespace="kube-system", is_install=True)
+        rendered = chart.render(with_image(values), name="gpumem", namespace="kube-system", is_install=True)
         is_dra = values.get("frontEnd") == "dra"
         docs = []
         for path, text in sorted(rendered.items()):
@@ -908,7 +918,8 @@ def main():
                         f"nodeSelector {selectors['defaults']}: a node runs one front end")
     for variant, (values, message) in REFUSED.items():
         try:
-            chart.render(values, name="gpumem", namespace="kube-system", is_install=True)
+            chart.render(with_image(values) if variant != "no-image" else values,
+                         name="gpumem", namespace="kube-system", is_install=True)
             failures.append(f"chart[{variant}]: rendered {values}, which it should refuse")
         except (helm.HelmRenderError, helm.HelmValuesError) as err:
             if message not in str(err):

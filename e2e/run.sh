@@ -44,8 +44,14 @@ fake=$repo/target/debug/libgpumem_fakegpu.so
 if [ ! -x "$gpumem" ] || [ ! -f "$shim" ] || [ ! -x "$probe" ] || [ ! -f "$fake" ]; then
     (cd "$repo" && cargo build --workspace --locked)
 fi
+# The release image's archive, where .ci/run (or .ci/build-image.py) built
+# it: the containerd phase imports it and runs gpumem from it.
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$repo/Cargo.toml" | head -n 1)
+image=()
+archive=$repo/target/image/gpumem-$version-amd64.oci.tar
+[ "$(uname -m)" != x86_64 ] || [ ! -f "$archive" ] || image=(--image "$archive")
 run() {
-    "$bin/gpumem-e2e" --bin "$bin" --gpumem "$gpumem" --shim "$shim" --probe "$probe" --fake-driver "$fake" \
+    "$bin/gpumem-e2e" "${image[@]}" --bin "$bin" --gpumem "$gpumem" --shim "$shim" --probe "$probe" --fake-driver "$fake" \
         --fake-gpus "$repo/tests/fixtures/gpus/t4.toml" --manifest "$repo/daemonset/gpumem.yaml" "$@"
 }
 # Every phase on the release's own kubelet, then the device plugin and the

@@ -58,6 +58,9 @@ type config struct {
 	// With containerd: the directory of containerd 2.x's containerd, ctr
 	// and runc shim, which run with CDI on; empty for Debian's 1.6.
 	containerd2 string
+	// With containerd: the release image's OCI archive (.ci/build-image.py),
+	// imported and run; empty leaves that scenario out.
+	image string
 }
 
 type cluster struct {
@@ -74,7 +77,10 @@ type cluster struct {
 	stateShared                                                        bool
 
 	server string // https://127.0.0.1:port
-	admin  *kubernetes.Clientset
+	// The manifest's init containers (install-shim), which run from the
+	// release image too when cfg.image is set.
+	initContainers []corev1.Container
+	admin          *kubernetes.Clientset
 
 	kubeletRoot   string // bound at /var/lib/kubelet in kubelet's namespace
 	kubeletLogDir string // bound at /var/log
@@ -610,6 +616,7 @@ func (c *cluster) startGpumem() error {
 		}
 		return hostPaths.Replace(arg)
 	}
+	c.initContainers = spec.InitContainers
 	for _, init := range spec.InitContainers {
 		argv := []string{c.cfg.gpumem}
 		for _, a := range append(init.Command[1:], init.Args...) {

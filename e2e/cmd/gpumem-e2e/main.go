@@ -53,6 +53,7 @@ func main() {
 	flag.StringVar(&cfg.fakeDriver, "fake-driver", filepath.Join(repo, "target/debug/libgpumem_fakegpu.so"), "the fake driver the real containers load as libcuda.so.1 and libnvidia-ml.so.1")
 	var containerd2 string
 	flag.StringVar(&containerd2, "containerd2", "", "directory of containerd 2.x's containerd, ctr and containerd-shim-runc-v2 for the containerd2 phase (default: --bin's containerd-v2)")
+	flag.StringVar(&cfg.image, "image", "", "the release image's OCI archive (.ci/build-image.py) for the containerd phase to import and run gpumem from")
 	flag.BoolVar(&noContainerd, "no-containerd", false, "leave out the real containers (containerd and runc): the containerd and containerd2 phases")
 	flag.BoolVar(&keep, "keep", false, "keep the run's directory (logs, configs) after the run")
 	var bench benchConfig

@@ -28,7 +28,13 @@ var probeSteps = []string{"nvml", "alloc:4000", "alloc:100"}
 const cudaOutOfMemory = 2
 
 func (s *suite) runContainers() {
-	s.run([]scenario{
+	var release []scenario
+	if s.c.cfg.image != "" {
+		release = append(release, scenario{"release image: containerd imports the archive; install-shim and gpumem --version run from it", s.releaseImage})
+	} else {
+		fmt.Println("no release image archive (--image): build it with .ci/build-image.py to run gpumem from it")
+	}
+	s.run(append([]scenario{
 		{"plugin registers with kubelet", s.registers},
 		{"real container, envvar: the shim caps NVML and CUDA at 4 units", func() (string, error) {
 			return s.capped("real-envvar", "")
@@ -38,7 +44,7 @@ func (s *suite) runContainers() {
 		{"real container, volume-mounts: the shim caps NVML and CUDA at 4 units", func() (string, error) {
 			return s.capped("real-vm", "volume-mounts")
 		}},
-	})
+	}, release...))
 }
 
 func (s *suite) runCDIContainers() {

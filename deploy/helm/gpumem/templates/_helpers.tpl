@@ -4,7 +4,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "gpumem.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{ required "image.repository is required: the registry you pushed gpumem's image to (README, \"Deploying it\"), e.g. --set image.repository=registry.example.com/gpumem" .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
 
 {{- define "gpumem.securityContext" -}}
