@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use tonic::transport::Channel;
+
 use serde_json::{json, Value};
 
 use common::fixture;
@@ -16,8 +18,8 @@ use common::wait::{eventually, POLL};
 use gpumem::cluster::gpushare::annotation;
 use gpumem::deviceplugin::api::deviceplugin::device_plugin_client::DevicePluginClient;
 use gpumem::deviceplugin::api::deviceplugin::{
-    AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
-    PreferredAllocationRequest,
+    AllocateRequest, AllocateResponse, ContainerAllocateRequest,
+    ContainerPreferredAllocationRequest, PreferredAllocationRequest,
 };
 use gpumem::isolation::inject::env;
 use gpumem::kubelet::unix;
@@ -79,6 +81,52 @@ impl Cluster {
             panic!("plugin did not register; its log:\n{}", cluster.log());
         }
         cluster
+    }
+
+    /// kubelet's GetPreferredAllocation for one container of `size` units,
+    /// from every device the plugin lists.
+    async fn preferred(&self, client: &mut DevicePluginClient<Channel>, size: i32) -> Vec<String> {
+        let available = self
+            .kubelet
+            .devices(RESOURCE)
+            .unwrap()
+            .into_iter()
+            .map(|d| d.id)
+            .collect();
+        client
+            .get_preferred_allocation(PreferredAllocationRequest {
+                container_requests: vec![ContainerPreferredAllocationRequest {
+                    available_device_i_ds: available,
+                    must_include_device_i_ds: Vec::new(),
+                    allocation_size: size,
+                }],
+            })
+            .await
+            .unwrap_or_else(|err| panic!("{err}; log:\n{}", self.log()))
+            .into_inner()
+            .container_responses
+            .remove(0)
+            .device_i_ds
+    }
+
+    /// kubelet's Allocate of `ids` for one container, which must succeed.
+    async fn allocate(
+        &self,
+        client: &mut DevicePluginClient<Channel>,
+        ids: Vec<String>,
+    ) -> AllocateResponse {
+        client
+            .allocate(AllocateRequest {
+                container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+            })
+            .await
+            .unwrap_or_else(|err| {
+                panic!(
+                    "Allocate refused the preferred IDs: {err}; log:\n{}",
+                    self.log()
+                )
+            })
+            .into_inner()
     }
 
     fn log(&self) -> String {
@@ -255,28 +303,8 @@ async fn preferred_allocation_and_allocate_agree_while_the_watch_lags_a_bind() {
 
     // kubelet admits A's container: GetPreferredAllocation, then the watch
     // catches up, then Allocate with the IDs kubelet took from the answer.
-    let available: Vec<String> = c
-        .kubelet
-        .devices(RESOURCE)
-        .unwrap()
-        .into_iter()
-        .map(|d| d.id)
-        .collect();
     let mut client = DevicePluginClient::new(unix::connect(&c.socket()).await.unwrap());
-    let preferred = client
-        .get_preferred_allocation(PreferredAllocationRequest {
-            container_requests: vec![ContainerPreferredAllocationRequest {
-                available_device_i_ds: available,
-                must_include_device_i_ds: Vec::new(),
-                allocation_size: 4,
-            }],
-        })
-        .await
-        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()))
-        .into_inner()
-        .container_responses
-        .remove(0)
-        .device_i_ds;
+    let preferred = c.preferred(&mut client, 4).await;
     c.api.hold_watch_events(Kind::Pod, false);
     let a_version: u64 = c.api.get(Kind::Pod, "default", "a-first").unwrap()["metadata"]
         ["resourceVersion"]
@@ -288,20 +316,7 @@ async fn preferred_allocation_and_allocate_agree_while_the_watch_lags_a_bind() {
         (c.api.watch_delivered(Kind::Pod) >= a_version).then_some(())
     })
     .await;
-    let allocated = client
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: preferred,
-            }],
-        })
-        .await
-        .unwrap_or_else(|err| {
-            panic!(
-                "Allocate refused the preferred IDs: {err}; log:\n{}",
-                c.log()
-            )
-        })
-        .into_inner();
+    let allocated = c.allocate(&mut client, preferred).await;
     assert_eq!(
         allocated.container_responses[0].envs[env::ALIYUN_IDX],
         "0",
@@ -315,45 +330,12 @@ async fn preferred_allocation_and_allocate_agree_while_the_watch_lags_a_bind() {
 async fn a_pod_assumed_earlier_but_bound_late_does_not_turn_away_kubelets_ids() {
     let c = Cluster::start(&["--scheduler", "gpushare-extender"]).await;
     c.assumed_by_extender("b-second", 4, 1, 200);
-    let available: Vec<String> = c
-        .kubelet
-        .devices(RESOURCE)
-        .unwrap()
-        .into_iter()
-        .map(|d| d.id)
-        .collect();
     let mut client = DevicePluginClient::new(unix::connect(&c.socket()).await.unwrap());
-    let preferred = client
-        .get_preferred_allocation(PreferredAllocationRequest {
-            container_requests: vec![ContainerPreferredAllocationRequest {
-                available_device_i_ds: available,
-                must_include_device_i_ds: Vec::new(),
-                allocation_size: 4,
-            }],
-        })
-        .await
-        .unwrap_or_else(|err| panic!("{err}; log:\n{}", c.log()))
-        .into_inner()
-        .container_responses
-        .remove(0)
-        .device_i_ds;
+    let preferred = c.preferred(&mut client, 4).await;
     // Pod A was assumed first, on GPU 0, but its bind reaches the API
     // server only now, between the two calls for B's container.
     c.assumed_by_extender("a-first", 4, 0, 100);
-    let allocated = client
-        .allocate(AllocateRequest {
-            container_requests: vec![ContainerAllocateRequest {
-                devices_ids: preferred,
-            }],
-        })
-        .await
-        .unwrap_or_else(|err| {
-            panic!(
-                "Allocate refused the preferred IDs: {err}; log:\n{}",
-                c.log()
-            )
-        })
-        .into_inner();
+    let allocated = c.allocate(&mut client, preferred).await;
     assert_eq!(allocated.container_responses[0].envs[env::ALIYUN_IDX], "1");
     assert_eq!(c.annotations("b-second")[annotation::ASSIGNED], "true");
     assert_eq!(c.annotations("a-first")[annotation::ASSIGNED], "false");
