@@ -9,9 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use tonic::transport::Channel;
-
 use serde_json::{json, Value};
+use tonic::transport::Channel;
 
 use common::fixture;
 use common::wait::{eventually, POLL};
