@@ -561,8 +561,10 @@ async fn the_node_shows_its_gpu_count_and_each_gpus_units() {
     let c = Cluster::start(&[]).await;
     let node = c
         .wait_for("the node's GPU count", || {
+            // The annotation is published first, then the count.
             let node = c.api.get(Kind::Node, "", NODE)?;
             node.pointer("/metadata/annotations/gpumem.io~1gpus")?;
+            node.pointer("/status/capacity/aliyun.com~1gpu-count")?;
             Some(node)
         })
         .await;
