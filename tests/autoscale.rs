@@ -296,8 +296,11 @@ async fn the_startup_taint_goes_once_kubelet_shows_the_gpus_allocatable() {
 
     // kubelet reports the devices allocatable, as its node status does.
     api.put(node(taints(&api), Some(devices.len() as u64)));
+    // The plugin says so once the API server has answered its write, a
+    // moment after the write shows.
     wait_for(&plugin, "the startup taint to go", || {
-        (taints(&api) == json!([dedicated])).then_some(())
+        (taints(&api) == json!([dedicated]) && plugin.log().contains("removed the startup taint"))
+            .then_some(())
     })
     .await;
     assert!(

@@ -1765,8 +1765,11 @@ async fn the_startup_taint_goes_once_the_slice_offers_the_gpus() {
     );
 
     api.forbid(Kind::ResourceSlice, false);
+    // The driver says so once the API server has answered its write, a
+    // moment after the write shows.
     eventually("the startup taint to go", WAIT, POLL, async || {
-        (taints() == json!([dedicated])).then_some(())
+        (taints() == json!([dedicated]) && driver.log().contains("removed the startup taint"))
+            .then_some(())
     })
     .await;
     assert!(our_slice(&api).is_some());
