@@ -852,7 +852,7 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     assert_eq!(event.pointer("/regarding/name"), Some(&"nb".into()));
 }
 
-/// Issue 29, item 2, for claims: a process of a claim's pod that made a
+/// A claim's escape by shedding mounts: a process of a claim's pod that made a
 /// mount namespace of its own and left the claim's directory behind, in a
 /// pod where no process holds a slot, is found by its cgroup (the pod the
 /// claim was reserved for) and killed over the claim's cap.
@@ -1674,7 +1674,7 @@ async fn device_health_is_served_to_v1_and_v1beta1_kubelets_until_shutdown() {
     assert!(status.success(), "{status}\n{}", driver.log());
 }
 
-/// Issue 29, item 3, for claims: a tenant that writes all it can into its
+/// A claim's tenant filling its state: a tenant that writes all it can into its
 /// claim's directory (a file beside the accounting file, and the file
 /// grown) fills only a bounded tmpfs of its own. The next claim is still
 /// prepared (its accounting file and the checkpoint written), its
