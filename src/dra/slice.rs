@@ -852,7 +852,8 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::node::gpu::{FakeGpus, GpuSource};
+    use crate::node::fake::FakeGpus;
+    use crate::node::gpu::GpuSource;
     use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 
     const NODE: &str = "gpu-node-1";

@@ -276,7 +276,8 @@ impl ContainerDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::gpu::{FakeGpus, GpuSource};
+    use crate::node::fake::FakeGpus;
+    use crate::node::gpu::GpuSource;
     use crate::node::units::MemoryUnit;
 
     fn t4() -> Inventory {

@@ -1,13 +1,11 @@
 //! The one door hardware enters through: NVML, initialised at most once per
 //! process, or a fake GPU file standing in for it; chosen once, in main.
 
-use crate::error_text::one_line;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
-use nvml_wrapper::Nvml;
-
-use crate::node::gpu::{FakeGpus, Gpu, GpuError, GpuSource, NodeFacts, NvmlGpus};
+use crate::node::fake::FakeGpus;
+use crate::node::gpu::{Gpu, GpuError, GpuSource, NodeFacts};
+use crate::node::nvml::{LazyNvml, NvmlGpus};
 use crate::node::sensors::Sensors;
 
 /// Where the node's GPUs, their health and their processes are read.
@@ -54,31 +52,5 @@ impl Hardware {
             Hardware::Fake(path) => Ok(FakeGpus::from_file(path)?.facts()),
             Hardware::Nvml(nvml) => Ok(NvmlGpus::new(nvml.get()).facts()),
         }
-    }
-}
-
-/// NVML, initialised at the first question and kept for the life of the
-/// process (the health watch's event set borrows it); never initialised
-/// where nothing asks (`gpumem inspect` answered by the running plugin).
-#[derive(Default)]
-pub struct LazyNvml(OnceLock<Result<&'static Nvml, String>>);
-
-impl LazyNvml {
-    /// The process's NVML, or why it is not usable (NVML's own words).
-    pub fn get(&self) -> Result<&'static Nvml, &str> {
-        self.0
-            .get_or_init(|| {
-                Nvml::init()
-                    .map(|nvml| &*Box::leak(Box::new(nvml)))
-                    .map_err(|err| one_line(&err))
-            })
-            .as_ref()
-            .copied()
-            .map_err(String::as_str)
-    }
-
-    /// [`get`](Self::get), as the error discovery gives.
-    pub fn usable(&self) -> Result<&'static Nvml, GpuError> {
-        self.get().map_err(|err| GpuError::Nvml(err.to_owned()))
     }
 }

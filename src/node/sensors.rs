@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
 use tracing::debug;
 
-use crate::node::gpu::{FakeGpus, GpuError};
+use crate::node::fake::FakeGpus;
+use crate::node::gpu::GpuError;
 
 /// One GPU's readings. Each is optional: a GPU or driver that does not
 /// support one (power on some boards, temperature under vGPU) leaves it out
