@@ -853,7 +853,6 @@ mod tests {
 
     use super::*;
     use crate::node::fake::FakeGpus;
-    use crate::node::gpu::GpuSource;
     use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 
     const NODE: &str = "gpu-node-1";
@@ -863,7 +862,7 @@ mod tests {
 
     fn t4() -> Vec<Gpu> {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpus/t4.toml");
-        FakeGpus::from_file(&path).unwrap().discover().unwrap()
+        FakeGpus::from_file(&path).unwrap().gpus()
     }
 
     fn gpu(index: u32, memory_mib: u64) -> Gpu {

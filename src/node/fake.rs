@@ -1,5 +1,6 @@
-//! The fake GPU file (`--fake-gpus`) standing in for NVML: its health and
-//! per-process usage, re-read at each look so tests can edit it live.
+//! The fake GPU file (`--fake-gpus`) as the node's hardware: its GPUs,
+//! facts, readings, health and processes, re-read at each look so tests can
+//! edit it live. The file's text is read in `file`.
 
 mod file;
 
@@ -8,14 +9,73 @@ pub use file::FakeGpus;
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::node::gpu::{GpuError, GpuSource, ProcessMemory};
+use crate::node::gpu::{Gpu, GpuError, NodeFacts, ProcessMemory};
+use crate::node::hardware::Hardware;
 use crate::node::health::{HealthChange, HealthWatch};
 use crate::node::processes::{
     exiting_in_stat, proc_lines, proc_stat, read_lines_from, ProcFiles, ProcStat, ProcessUsage,
     Read,
 };
+use crate::node::sensors::{Readings, Sensors};
+
+/// A node described in a fake GPU file, read again by each question, so
+/// tests can change it while the daemon runs. Ignored XIDs and the recovery
+/// time mean nothing here: a GPU's health is what the file says.
+pub struct FakeHardware {
+    path: PathBuf,
+}
+
+impl FakeHardware {
+    pub fn new(path: &Path) -> Self {
+        FakeHardware {
+            path: path.to_owned(),
+        }
+    }
+}
+
+impl Hardware for FakeHardware {
+    fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
+        Ok(FakeGpus::from_file(&self.path)?.gpus())
+    }
+
+    fn facts(&self) -> Result<NodeFacts, GpuError> {
+        Ok(FakeGpus::from_file(&self.path)?.facts())
+    }
+
+    fn sensors(&self) -> Option<Arc<dyn Sensors>> {
+        Some(Arc::new(FakeSensors::new(&self.path)))
+    }
+
+    fn health(&self, _ignored: &[u64], _recovery: Duration) -> Option<Box<dyn HealthWatch>> {
+        Some(Box::new(FakeHealth::new(&self.path)))
+    }
+
+    fn processes(&self) -> Option<Box<dyn ProcessUsage>> {
+        Some(Box::new(FakeProcesses::new(&self.path)))
+    }
+}
+
+/// The sensor readings of a fake GPU file, read again at every look.
+pub struct FakeSensors {
+    path: PathBuf,
+}
+
+impl FakeSensors {
+    pub fn new(path: &Path) -> Self {
+        FakeSensors {
+            path: path.to_owned(),
+        }
+    }
+}
+
+impl Sensors for FakeSensors {
+    fn read(&self) -> Result<Readings, GpuError> {
+        Ok(FakeGpus::from_file(&self.path)?.readings().clone())
+    }
+}
 
 /// Health from the fake GPU file: edit `healthy = false` in it and the GPU
 /// goes Unhealthy; set it back and it recovers.
@@ -37,7 +97,7 @@ impl FakeHealth {
     /// Re-reads the (small) file every tick.
     fn read(&mut self) -> Vec<HealthChange> {
         // A half-written or broken edit is ignored until it parses.
-        let Ok(gpus) = FakeGpus::from_file(&self.path).and_then(|f| f.discover()) else {
+        let Ok(gpus) = FakeGpus::from_file(&self.path).map(|f| f.gpus()) else {
             return Vec::new();
         };
         let mut changes = Vec::new();

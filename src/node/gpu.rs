@@ -1,6 +1,5 @@
-//! Where GPUs come from: the `GpuSource` seam, with NVML for real nodes
-//! (`nvml`) and a TOML-described fake node (`fake`) for the demo, tests and
-//! GPU-less development.
+//! What a GPU is to the node model (identity, memory, the driver's facts,
+//! processes' memory) and why GPUs cannot be read, whatever the hardware.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -92,19 +91,6 @@ pub enum GpuError {
         uuid: String,
         memory_mib: u64,
     },
-}
-
-/// The seam where hardware enters: everything above it runs without a GPU.
-pub trait GpuSource: Send + Sync {
-    /// The node's GPUs, ordered by index.
-    fn discover(&self) -> Result<Vec<Gpu>, GpuError>;
-
-    /// What else the node says about its GPUs, for selectors (a DRA
-    /// ResourceSlice's attributes). Best effort: a fact the source cannot
-    /// tell is left out rather than failing discovery.
-    fn facts(&self) -> NodeFacts {
-        NodeFacts::default()
-    }
 }
 
 /// Facts about the node's GPUs beyond what [`Gpu`] holds (which many callers

@@ -11,7 +11,6 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::node::hardware::Hardware;
 use crate::node::inventory::Inventory;
 
 /// XIDs caused by applications, not hardware: the GPU stays usable. The
@@ -187,7 +186,7 @@ impl NvmlHealth {
         let nvml_err =
             |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(one_line(&e));
         let count = nvml.device_count().map_err(nvml_err)?;
-        // A GPU that cannot be read is not advertised (see `NvmlGpus`):
+        // A GPU that cannot be read is not advertised (see `NvmlHardware`):
         // the others are watched.
         let (indices, uuids): (Vec<u32>, Vec<String>) = (0..count)
             .filter_map(|index| {
@@ -583,27 +582,6 @@ fn applied(inv: &Inventory, change: &HealthChange) -> Option<Inventory> {
         warn!(uuid = %change.uuid, reason = %change.reason, "GPU unhealthy: its units stop receiving pods");
     }
     inv.with_health(&change.uuid, change.healthy)
-}
-
-/// The health watch for the hardware: the fake file, or NVML.
-pub fn watch_for(
-    hardware: &Hardware,
-    ignored: &[u64],
-    recovery: Duration,
-) -> Option<Box<dyn HealthWatch>> {
-    match hardware {
-        Hardware::Fake(path) => Some(Box::new(crate::node::fake::FakeHealth::new(path))),
-        Hardware::Nvml(nvml) => match nvml
-            .usable()
-            .and_then(|nvml| NvmlHealth::new(nvml, ignored, recovery))
-        {
-            Ok(watch) => Some(Box::new(watch)),
-            Err(err) => {
-                warn!(err = %chain(&err), "GPU health checks disabled");
-                None
-            }
-        },
-    }
 }
 
 #[cfg(test)]

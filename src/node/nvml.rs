@@ -1,23 +1,31 @@
-//! The node's GPUs through NVML: initialised at most once per process, and
-//! what it says of the GPUs and the driver.
+//! The node's hardware through NVML, initialised at most once per process:
+//! its GPUs and driver, and the sensors, health and processes read through it.
 
 use crate::error_text::{chain, one_line};
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use nvml_wrapper::Nvml;
+use tracing::warn;
 
-use crate::node::gpu::{Gpu, GpuError, GpuSource, NodeFacts, MAX_GPU_MEMORY_MIB};
+use crate::node::gpu::{Gpu, GpuError, NodeFacts, MAX_GPU_MEMORY_MIB};
+use crate::node::hardware::Hardware;
+use crate::node::health::{HealthWatch, NvmlHealth};
+use crate::node::processes::{NvmlProcesses, ProcessUsage};
+use crate::node::sensors::{NvmlSensors, Sensors};
 
-/// NVML, initialised at the first question and kept for the life of the
-/// process (the health watch's event set borrows it); never initialised
-/// where nothing asks (`gpumem inspect` answered by the running plugin).
+/// The real node, through NVML: initialised at the first question and kept
+/// for the life of the process (the health watch's event set borrows it);
+/// never initialised where nothing asks (`gpumem inspect` answered by the
+/// running plugin). libnvidia-ml is loaded at run time, so the binary
+/// starts on machines without it and can say what to do instead.
 #[derive(Default)]
-pub struct LazyNvml(OnceLock<Result<&'static Nvml, String>>);
+pub struct NvmlHardware(OnceLock<Result<&'static Nvml, String>>);
 
-impl LazyNvml {
+impl NvmlHardware {
     /// The process's NVML, or why it is not usable (NVML's own words).
-    pub fn get(&self) -> Result<&'static Nvml, &str> {
+    fn get(&self) -> Result<&'static Nvml, &str> {
         self.0
             .get_or_init(|| {
                 Nvml::init()
@@ -30,28 +38,14 @@ impl LazyNvml {
     }
 
     /// [`get`](Self::get), as the error discovery gives.
-    pub fn usable(&self) -> Result<&'static Nvml, GpuError> {
+    fn usable(&self) -> Result<&'static Nvml, GpuError> {
         self.get().map_err(|err| GpuError::Nvml(err.to_owned()))
     }
 }
 
-/// The real node, through NVML (libnvidia-ml is loaded at run time, so the
-/// binary starts on machines without it and can say what to do instead).
-pub struct NvmlGpus<'a> {
-    /// The process's NVML, or why it could not be initialised.
-    nvml: Result<&'a nvml_wrapper::Nvml, &'a str>,
-}
-
-impl<'a> NvmlGpus<'a> {
-    /// Reads through the process's NVML ([`LazyNvml`]).
-    pub fn new(nvml: Result<&'a nvml_wrapper::Nvml, &'a str>) -> Self {
-        NvmlGpus { nvml }
-    }
-}
-
-impl GpuSource for NvmlGpus<'_> {
+impl Hardware for NvmlHardware {
     fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
-        let nvml = self.nvml.map_err(|e| GpuError::Nvml(e.to_owned()))?;
+        let nvml = self.usable()?;
         let count = nvml
             .device_count()
             .map_err(|e| GpuError::Nvml(one_line(&e)))?;
@@ -96,13 +90,13 @@ impl GpuSource for NvmlGpus<'_> {
         }
     }
 
-    fn facts(&self) -> NodeFacts {
+    fn facts(&self) -> Result<NodeFacts, GpuError> {
         use nvml_wrapper::{cuda_driver_version_major, cuda_driver_version_minor};
-        let nvml = match self.nvml {
+        let nvml = match self.get() {
             Ok(nvml) => nvml,
             Err(err) => {
-                tracing::warn!(%err, "NVML is not usable; publishing GPUs without driver facts");
-                return NodeFacts::default();
+                warn!(%err, "NVML is not usable; publishing GPUs without driver facts");
+                return Ok(NodeFacts::default());
             }
         };
         let mut facts = NodeFacts {
@@ -126,6 +120,34 @@ impl GpuSource for NvmlGpus<'_> {
                 facts.compute_capability.insert(uuid, (major, minor));
             }
         }
-        facts
+        Ok(facts)
+    }
+
+    fn sensors(&self) -> Option<Arc<dyn Sensors>> {
+        let nvml = self.get().ok()?;
+        Some(Arc::new(NvmlSensors::new(nvml)))
+    }
+
+    fn health(&self, ignored: &[u64], recovery: Duration) -> Option<Box<dyn HealthWatch>> {
+        match self
+            .usable()
+            .and_then(|nvml| NvmlHealth::new(nvml, ignored, recovery))
+        {
+            Ok(watch) => Some(Box::new(watch)),
+            Err(err) => {
+                warn!(err = %chain(&err), "GPU health checks disabled");
+                None
+            }
+        }
+    }
+
+    fn processes(&self) -> Option<Box<dyn ProcessUsage>> {
+        match self.usable() {
+            Ok(nvml) => Some(Box::new(NvmlProcesses::new(nvml))),
+            Err(err) => {
+                warn!(err = %chain(&err), "untracked GPU memory is not reconciled");
+                None
+            }
+        }
     }
 }

@@ -6,10 +6,9 @@ use std::io::BufRead;
 use std::ops::ControlFlow;
 use std::path::Path;
 
-use tracing::{debug, warn};
+use tracing::debug;
 
 use crate::node::gpu::{GpuError, ProcessMemory};
-use crate::node::hardware::Hardware;
 
 /// The most bytes read of any one `/proc/<pid>/<name>` file. A process can
 /// make its own files long (20,000 stacked mounts make a 145 MiB
@@ -228,7 +227,7 @@ pub struct NvmlProcesses {
 }
 
 impl NvmlProcesses {
-    /// Reads through the process's NVML ([`Hardware`](crate::node::hardware::Hardware)'s).
+    /// Reads through the process's NVML ([`NvmlHardware`](crate::node::nvml::NvmlHardware)'s).
     pub fn new(nvml: &'static nvml_wrapper::Nvml) -> Self {
         NvmlProcesses { nvml }
     }
@@ -265,20 +264,6 @@ impl ProcessUsage for NvmlProcesses {
             }
         }
         Ok(memory)
-    }
-}
-
-/// The per-process usage source for the hardware: the fake file, or NVML.
-pub fn source_for(hardware: &Hardware) -> Option<Box<dyn ProcessUsage>> {
-    match hardware {
-        Hardware::Fake(path) => Some(Box::new(crate::node::fake::FakeProcesses::new(path))),
-        Hardware::Nvml(nvml) => match nvml.usable() {
-            Ok(nvml) => Some(Box::new(NvmlProcesses::new(nvml))),
-            Err(err) => {
-                warn!(err = %chain(&err), "untracked GPU memory is not reconciled");
-                None
-            }
-        },
     }
 }
 

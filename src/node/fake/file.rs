@@ -12,8 +12,7 @@ use nix::libc;
 use serde::Deserialize;
 
 use crate::node::gpu::{
-    over_bound, Gpu, GpuError, GpuSource, NodeFacts, ProcessMemory, MAX_FAKE_FILE_BYTES,
-    MAX_GPU_MEMORY_MIB,
+    over_bound, Gpu, GpuError, NodeFacts, ProcessMemory, MAX_FAKE_FILE_BYTES, MAX_GPU_MEMORY_MIB,
 };
 use crate::node::sensors::{GpuReading, Readings};
 
@@ -338,6 +337,16 @@ impl FakeGpus {
         })
     }
 
+    /// The GPUs the file describes, ordered by index.
+    pub fn gpus(&self) -> Vec<Gpu> {
+        self.gpus.clone()
+    }
+
+    /// What the file says of the driver and each GPU's compute capability.
+    pub fn facts(&self) -> NodeFacts {
+        self.facts.clone()
+    }
+
     /// The sensor readings the file describes.
     pub fn readings(&self) -> &Readings {
         &self.readings
@@ -357,22 +366,12 @@ impl FakeGpus {
     }
 }
 
-impl GpuSource for FakeGpus {
-    fn discover(&self) -> Result<Vec<Gpu>, GpuError> {
-        Ok(self.gpus.clone())
-    }
-
-    fn facts(&self) -> NodeFacts {
-        self.facts.clone()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<Vec<Gpu>, GpuError> {
-        FakeGpus::parse(text, Path::new("node.toml")).and_then(|f| f.discover())
+        FakeGpus::parse(text, Path::new("node.toml")).map(|f| f.gpus())
     }
 
     #[test]
