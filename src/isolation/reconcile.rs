@@ -1089,8 +1089,8 @@ pub async fn run(
 mod tests {
     use super::*;
     use crate::isolation::accounting::{LiveProcess, Usage};
+    use crate::node::fake::FakeProcesses;
     use crate::node::gpu::GpuError;
-    use crate::node::processes::FakeProcesses;
 
     const MIB: u64 = 1 << 20;
     const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";

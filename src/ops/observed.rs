@@ -75,7 +75,7 @@ pub struct Observed {
     /// Whose each GPU process is, where reconciled.
     pub attribution: Option<Attribution>,
     /// The GPUs' sensors, where they can be read.
-    pub sensors: Option<Sensors>,
+    pub sensors: Option<Arc<dyn Sensors>>,
     /// The node's name (`Hostname` on every GPU's series, as dcgm-exporter
     /// labels its own, so the two join).
     pub hostname: String,
@@ -94,7 +94,7 @@ impl Observed {
         pod_resources: PodResources,
         isolation: Arc<Isolation>,
         reconciler: Option<&Reconciler>,
-        sensors: Option<Sensors>,
+        sensors: Option<Arc<dyn Sensors>>,
         hostname: String,
     ) -> Self {
         Observed {

@@ -122,7 +122,7 @@ impl Reading {
                 a.checks.load(std::sync::atomic::Ordering::Acquire),
             )
         });
-        let sensors = match observed.sensors.as_ref().map(Sensors::read) {
+        let sensors = match observed.sensors.as_deref().map(Sensors::read) {
             Some(Ok(readings)) => readings,
             Some(Err(err)) => {
                 debug!(err = %chain(&err), "no GPU readings for this scrape");
