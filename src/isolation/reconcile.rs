@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::isolation::accounting::{self, Processes};
-use crate::isolation::attribution::{self, Owner};
+use crate::isolation::identity::{self, Owner};
 use crate::isolation::enforce::{
     self, Actions, Enforcer, Footprint, Notice, Noticed, Notices, OverCapAction,
 };
@@ -206,7 +206,7 @@ fn attribute(
     held: &HashMap<u32, Vec<usize>>,
     last_holders: &LastHolders,
     memory: &ProcessMemory,
-    who: &mut attribution::Sweep<'_>,
+    who: &mut identity::Sweep<'_>,
     pods: &mut Pods<'_>,
 ) -> Attributed {
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
@@ -375,7 +375,7 @@ fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
 fn charged_elsewhere(
     loaded: &[(PathBuf, Processes)],
     held: &HashMap<u32, Vec<usize>>,
-    who: &mut attribution::Sweep<'_>,
+    who: &mut identity::Sweep<'_>,
 ) -> Vec<Vec<HashSet<u32>>> {
     let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
         .iter()
@@ -421,7 +421,7 @@ fn charged_elsewhere(
 /// The files of each slot holder's container ID, in the shim's order.
 fn holder_containers(
     loaded: &[(PathBuf, Processes)],
-    who: &mut attribution::Sweep<'_>,
+    who: &mut identity::Sweep<'_>,
 ) -> HashMap<String, Vec<usize>> {
     let mut containers: HashMap<String, Vec<usize>> = HashMap::new();
     for (index, (file, processes)) in loaded.iter().enumerate() {
@@ -514,7 +514,7 @@ pub struct Reconciler {
     /// bytes, where the daemon knows it; else the file's cap is used.
     granted: Option<GrantedCap>,
     /// What `/proc` says of the processes NVML lists, kept while they live.
-    identities: attribution::Identities,
+    identities: identity::Identities,
     /// Where over-cap actions and unmanaged processes are told.
     notices: Option<Notices>,
     /// Each pod's containers, where known: attribution by cgroup.
@@ -545,7 +545,7 @@ impl Reconciler {
             last_holders: LastHolders::new(),
             enforcer: None,
             granted: None,
-            identities: attribution::Identities::default(),
+            identities: identity::Identities::default(),
             notices: None,
             pods: None,
             told_unmounted: HashSet::new(),
@@ -1175,7 +1175,7 @@ mod tests {
             &holders(loaded),
             &LastHolders::new(),
             memory,
-            &mut attribution::Identities::default().sweep(&read),
+            &mut identity::Identities::default().sweep(&read),
             &mut Pods::new(None),
         )
     }
@@ -1322,7 +1322,7 @@ mod tests {
             (OTHER.to_owned(), [(50, 6 * MIB)].into()),
         ]
         .into();
-        let mut identities = attribution::Identities::default();
+        let mut identities = identity::Identities::default();
         let mut sweep = |loaded: &[(PathBuf, Processes)], memory: &ProcessMemory| {
             let read = |pid, name: &str| {
                 reads.borrow_mut().push((pid, name.to_owned()));
@@ -1536,7 +1536,7 @@ mod tests {
                 &holders(loaded),
                 &LastHolders::new(),
                 &memory,
-                &mut attribution::Identities::default().sweep(&read),
+                &mut identity::Identities::default().sweep(&read),
                 &mut Pods::new(Some(&pod_dirs)),
             )
         };
@@ -1593,7 +1593,7 @@ mod tests {
         ]
         .into();
         let stat = |pid: u32| format!("{pid} (p) {} 7\n", "1 ".repeat(19));
-        let mut identities = attribution::Identities::default();
+        let mut identities = identity::Identities::default();
         // Mounts that cannot be read: the order is the names'.
         let read = |pid: u32, name: &str| (name == "stat").then(|| stat(pid));
         let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(&read));
@@ -1628,7 +1628,7 @@ mod tests {
             "mountinfo" => Some(mounts.to_owned()),
             _ => None,
         };
-        let mut identities = attribution::Identities::default();
+        let mut identities = identity::Identities::default();
         let elsewhere = charged_elsewhere(&loaded, &holders(&loaded), &mut identities.sweep(&read));
         assert_eq!(elsewhere[0], [HashSet::new(), HashSet::new()]);
         assert_eq!(elsewhere[1], [[10].into()]);

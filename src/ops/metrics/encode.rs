@@ -446,7 +446,7 @@ fn unmanaged_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Resul
     // name each process.
     let mut groups: Vec<(
         &str,
-        Option<&crate::isolation::attribution::Owner>,
+        Option<&crate::isolation::identity::Owner>,
         u64,
         Vec<u32>,
     )> = Vec::new();
@@ -634,7 +634,7 @@ mod tests {
 
     #[test]
     fn gpus_and_their_processes_carry_dcgm_exporters_labels() {
-        use crate::isolation::attribution::Owner;
+        use crate::isolation::identity::Owner;
         use crate::isolation::reconcile::Stranger;
         use crate::node::sensors::GpuReading;
 
