@@ -17,7 +17,7 @@ use tracing::debug;
 
 use super::arena;
 use crate::deviceplugin::service::Counters;
-use crate::isolation::reconcile::Whose;
+use crate::isolation::reconcile::attribution::Whose;
 use crate::kubelet::podresources::{Holding, PodResourcesError};
 use crate::node::sensors::{Readings, Sensors};
 use crate::ops::observed::Observed;
@@ -635,7 +635,7 @@ mod tests {
     #[test]
     fn gpus_and_their_processes_carry_dcgm_exporters_labels() {
         use crate::isolation::identity::Owner;
-        use crate::isolation::reconcile::Stranger;
+        use crate::isolation::reconcile::attribution::Stranger;
         use crate::node::sensors::GpuReading;
 
         let mut r = reading(vec![container(Some("nb"), "a-4u-1", 0)]);
