@@ -27,8 +27,8 @@ use crate::sync::LockExt;
 pub mod attribution;
 
 use attribution::{
-    attribute, charged_elsewhere, holders, position, Attributed, Attribution, LastHolders, PodDirs,
-    Pods, Stranger, Whose,
+    attribute, charged_elsewhere, holders, position, Attribution, LastHolders, PodDirs, Pods,
+    SharedSnapshot, Snapshot, Stranger,
 };
 
 /// The live processes of a file that NVML lists on its device `dev`, as
@@ -157,7 +157,7 @@ pub struct Reconciler {
     footprints: Footprints,
     overheads: Overheads,
     unmanaged: Unmanaged,
-    whose: Attribution,
+    snapshot: SharedSnapshot,
     /// Unmanaged processes already logged, so each is said once.
     reported: HashSet<(String, u32)>,
     /// Files stood in for by their grant (see `load`) already logged.
@@ -197,7 +197,7 @@ impl Reconciler {
             footprints: Footprints::default(),
             overheads: Overheads::default(),
             unmanaged: Unmanaged::default(),
-            whose: Attribution::default(),
+            snapshot: SharedSnapshot::default(),
             reported: HashSet::new(),
             stood_in: HashSet::new(),
             publish_failing: HashSet::new(),
@@ -251,8 +251,8 @@ impl Reconciler {
     }
 
     /// Whose each GPU process is, kept current by `tick`.
-    pub fn attribution(&self) -> Attribution {
-        self.whose.clone()
+    pub fn attribution(&self) -> SharedSnapshot {
+        self.snapshot.clone()
     }
 
     /// The per-GPU overhead estimate, kept current by `tick`.
@@ -289,11 +289,11 @@ impl Reconciler {
             .map(|file| (file, accounting::processes(file)))
             .collect();
         let (loaded, stood_in) = self.load(read, &memory);
-        let (attributed, elsewhere) = {
+        let (attribution, elsewhere) = {
             let mut who = self.identities.sweep(&*self.source);
             let held = holders(&loaded);
             let mut pods = Pods::new(self.pods.as_ref());
-            let attributed = attribute(
+            let attribution = attribute(
                 &loaded,
                 &held,
                 &self.last_holders,
@@ -301,14 +301,14 @@ impl Reconciler {
                 &mut who,
                 &mut pods,
             );
-            (attributed, charged_elsewhere(&loaded, &held, &mut who))
+            (attribution, charged_elsewhere(&loaded, &held, &mut who))
         };
         let mut holders: LastHolders = loaded
             .iter()
             .flat_map(|(_, processes)| &processes.live)
             .filter_map(|p| Some(((p.pid?, p.start_time), None)))
             .collect();
-        for &key in &attributed.leaving {
+        for &key in &attribution.leaving {
             let since = self.last_holders.get(&key).copied().flatten();
             let since = since.unwrap_or_else(std::time::Instant::now);
             if since.elapsed() < LEAVING_AT_MOST {
@@ -316,15 +316,15 @@ impl Reconciler {
             }
         }
         self.last_holders = holders;
-        self.report_unmanaged(&attributed);
-        self.report_unmounted(&loaded, &attributed);
-        self.publish_whose(&loaded, &memory, &attributed, &elsewhere);
-        self.warn_of_stand_ins(&loaded, &stood_in, &attributed);
-        self.enforce(&loaded, &memory, &attributed, &elsewhere, sampled_at);
+        self.report_unmanaged(&attribution);
+        self.report_unmounted(&loaded, &attribution);
+        self.publish_snapshot(&loaded, &memory, &attribution, &elsewhere);
+        self.warn_of_stand_ins(&loaded, &stood_in, &attribution);
+        self.enforce(&loaded, &memory, &attribution, &elsewhere, sampled_at);
         let mut seen = HashSet::new();
         for ((((file, processes), unslotted), elsewhere), stood_in) in loaded
             .iter()
-            .zip(&attributed.unslotted)
+            .zip(&attribution.unslotted)
             .zip(&elsewhere)
             .zip(&stood_in)
         {
@@ -484,7 +484,7 @@ impl Reconciler {
         &mut self,
         loaded: &[(PathBuf, Processes)],
         stood_in: &[Option<String>],
-        attributed: &Attributed,
+        attribution: &Attribution,
     ) {
         // Said once for as long as the file is stood in for.
         let still: HashSet<&PathBuf> = loaded
@@ -494,7 +494,7 @@ impl Reconciler {
             .map(|((file, _), _)| file)
             .collect();
         self.stood_in.retain(|file| still.contains(file));
-        for (((file, _), why), unslotted) in loaded.iter().zip(stood_in).zip(&attributed.unslotted)
+        for (((file, _), why), unslotted) in loaded.iter().zip(stood_in).zip(&attribution.unslotted)
         {
             let (Some(why), true) = (why, unslotted.iter().any(|dev| !dev.is_empty())) else {
                 continue;
@@ -517,7 +517,7 @@ impl Reconciler {
         &mut self,
         loaded: &[(PathBuf, Processes)],
         memory: &ProcessMemory,
-        attributed: &Attributed,
+        attribution: &Attribution,
         elsewhere: &[Vec<HashSet<u32>>],
         sampled_at: Option<u64>,
     ) {
@@ -525,7 +525,7 @@ impl Reconciler {
             return;
         };
         let mut footprints = Vec::new();
-        let files = loaded.iter().zip(&attributed.unslotted).zip(elsewhere);
+        let files = loaded.iter().zip(&attribution.unslotted).zip(elsewhere);
         for (((file, processes), unslotted), elsewhere) in files {
             for (dev, device) in processes.devices.iter().enumerate() {
                 let Some(listed) = listed(processes, memory, dev, &elsewhere[dev]) else {
@@ -548,9 +548,9 @@ impl Reconciler {
 
     /// Keeps the per-GPU unmanaged figures current and logs each process
     /// that holds GPU memory outside every gpumem container, once.
-    fn report_unmanaged(&mut self, attributed: &Attributed) {
+    fn report_unmanaged(&mut self, attribution: &Attribution) {
         let mut present = HashSet::new();
-        for (uuid, pid, bytes, owner) in &attributed.strangers {
+        for (uuid, pid, bytes, owner) in &attribution.strangers {
             let key = (uuid.clone(), *pid);
             if !self.reported.contains(&key) {
                 let (pod_uid, container_id) = owner.as_ref().map_or(("", ""), |o| {
@@ -579,17 +579,17 @@ impl Reconciler {
             present.insert(key);
         }
         self.reported = present;
-        *self.unmanaged.lock_unpoisoned() = attributed.unmanaged.clone();
+        *self.unmanaged.lock_unpoisoned() = attribution.unmanaged.clone();
     }
 
     /// Logs, and tells `notices`, once per container, that one of its
     /// processes is on a GPU without the container's mounts: the runtime
     /// did not apply Allocate's answer (a `cdi` strategy on a runtime
     /// without CDI), or the process left them. Either way no shim caps it.
-    fn report_unmounted(&mut self, loaded: &[(PathBuf, Processes)], attributed: &Attributed) {
+    fn report_unmounted(&mut self, loaded: &[(PathBuf, Processes)], attribution: &Attribution) {
         self.told_unmounted
             .retain(|file| loaded.iter().any(|(f, _)| f == file));
-        for (index, uuid, pid, bytes) in &attributed.unmounted {
+        for (index, uuid, pid, bytes) in &attribution.unmounted {
             let file = &loaded[*index].0;
             if !self.told_unmounted.insert(file.clone()) {
                 continue;
@@ -618,15 +618,15 @@ impl Reconciler {
     }
 
     /// Publishes whose each listed process is, for the metrics endpoint.
-    fn publish_whose(
+    fn publish_snapshot(
         &self,
         loaded: &[(PathBuf, Processes)],
         memory: &ProcessMemory,
-        attributed: &Attributed,
+        attribution: &Attribution,
         elsewhere: &[Vec<HashSet<u32>>],
     ) {
-        let mut whose = Whose {
-            strangers: attributed
+        let mut snapshot = Snapshot {
+            strangers: attribution
                 .strangers
                 .iter()
                 .map(|(uuid, pid, bytes, owner)| Stranger {
@@ -636,15 +636,15 @@ impl Reconciler {
                     owner: owner.clone(),
                 })
                 .collect(),
-            ..Whose::default()
+            ..Snapshot::default()
         };
         for (((file, processes), unslotted), elsewhere) in
-            loaded.iter().zip(&attributed.unslotted).zip(elsewhere)
+            loaded.iter().zip(&attribution.unslotted).zip(elsewhere)
         {
             let Some(name) = file.parent().and_then(Path::file_name) else {
                 continue;
             };
-            let per_gpu = whose
+            let per_gpu = snapshot
                 .containers
                 .entry(name.to_string_lossy().into_owned())
                 .or_default();
@@ -655,7 +655,7 @@ impl Reconciler {
                 pids.extend(unslotted[dev].iter().map(|&(pid, _)| pid));
             }
         }
-        *self.whose.lock_unpoisoned() = whose;
+        *self.snapshot.lock_unpoisoned() = snapshot;
     }
 
     /// Remembers what each live process holds beyond what it was charged.

@@ -13,7 +13,7 @@ use crate::node::gpu::ProcessMemory;
 /// metrics endpoint, which pairs it with NVML's per-process SM samples:
 /// only attribution from outside can give each pod its share of a GPU.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Whose {
+pub struct Snapshot {
     /// By accounting directory name, then GPU UUID: the container's
     /// processes there, slot holders and processes without the shim alike.
     pub containers: HashMap<String, HashMap<String, Vec<u32>>>,
@@ -31,8 +31,8 @@ pub struct Stranger {
     pub owner: Option<Owner>,
 }
 
-/// [`Whose`], kept current by [`Reconciler::tick`](super::Reconciler::tick).
-pub type Attribution = Arc<Mutex<Whose>>;
+/// The [`Snapshot`], kept current by [`Reconciler::tick`](super::Reconciler::tick).
+pub type SharedSnapshot = Arc<Mutex<Snapshot>>;
 
 /// Slot holders of the last tick by PID and start time, with since when
 /// each one that let go of its slot has been exiting.
@@ -40,7 +40,7 @@ pub(super) type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
 
 /// Where the processes NVML lists belong, beyond the slot holders.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub(super) struct Attributed {
+pub(super) struct Attribution {
     /// Per file and device: the processes of that container that hold no
     /// slot (they did not load the shim), with what they use there.
     pub(super) unslotted: Vec<Vec<Vec<(u32, u64)>>>,
@@ -123,7 +123,7 @@ pub(super) fn attribute(
     memory: &ProcessMemory,
     who: &mut identity::Sweep<'_>,
     pods: &mut Pods<'_>,
-) -> Attributed {
+) -> Attribution {
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
         .iter()
         .enumerate()
@@ -133,17 +133,17 @@ pub(super) fn attribute(
     // The slot holders' cgroups are read only once a process's mounts did
     // not name its container.
     let mut containers: Option<HashMap<String, Vec<usize>>> = None;
-    let mut attributed = Attributed {
+    let mut attribution = Attribution {
         unslotted: loaded
             .iter()
             .map(|(_, p)| vec![Vec::new(); p.devices.len()])
             .collect(),
-        ..Attributed::default()
+        ..Attribution::default()
     };
     for (uuid, per_pid) in memory {
         // The file `index` with its position of this GPU, if it caps it.
         let capping = |index: usize| Some((index, position(&loaded[index].1, uuid)?));
-        let unmanaged = attributed.unmanaged.entry(uuid.clone()).or_default();
+        let unmanaged = attribution.unmanaged.entry(uuid.clone()).or_default();
         for (&pid, &bytes) in per_pid {
             let files = held.get(&pid).map_or(&[][..], Vec::as_slice);
             if files.iter().any(|&index| capping(index).is_some()) {
@@ -159,7 +159,7 @@ pub(super) fn attribute(
                 .exiting(pid)
                 .filter(|&start| last_holders.contains_key(&(pid, start)))
             {
-                attributed.leaving.push((pid, start));
+                attribution.leaving.push((pid, start));
                 continue;
             }
             let mounted: Vec<usize> = who
@@ -232,22 +232,24 @@ pub(super) fn attribute(
                 });
             match home {
                 Some((index, dev)) => {
-                    attributed.unslotted[index][dev].push((pid, bytes));
+                    attribution.unslotted[index][dev].push((pid, bytes));
                     let found_mounted = mounted.contains(&index) || elsewhere.is_some();
                     if !found_mounted && who.mounts_read(pid) {
                         let unmounted = (index, uuid.clone(), pid, bytes);
-                        attributed.unmounted.push(unmounted);
+                        attribution.unmounted.push(unmounted);
                     }
                 }
                 None => {
                     *unmanaged = unmanaged.saturating_add(bytes);
                     let owner = owner.or_else(|| who.owner(pid));
-                    attributed.strangers.push((uuid.clone(), pid, bytes, owner));
+                    attribution
+                        .strangers
+                        .push((uuid.clone(), pid, bytes, owner));
                 }
             }
         }
     }
-    attributed
+    attribution
 }
 
 /// Where file `processes` records GPU `uuid`, if it caps it.
@@ -380,7 +382,7 @@ pub(crate) mod tests {
         loaded: &[(PathBuf, Processes)],
         memory: &ProcessMemory,
         read: impl Fn(u32, &str) -> Option<String>,
-    ) -> Attributed {
+    ) -> Attribution {
         attribute(
             loaded,
             &holders(loaded),
@@ -483,7 +485,7 @@ pub(crate) mod tests {
             (attributed, taken)
         };
         let expected = |thirty: Option<u64>| {
-            let mut attributed = Attributed {
+            let mut attributed = Attribution {
                 unslotted: vec![
                     vec![thirty.map(|b| (30, b)).into_iter().collect()],
                     vec![vec![(40, 4 * MIB)]],

@@ -17,7 +17,7 @@ use tracing::debug;
 
 use super::arena;
 use crate::deviceplugin::service::Counters;
-use crate::isolation::reconcile::attribution::Whose;
+use crate::isolation::reconcile::attribution::Snapshot;
 use crate::kubelet::podresources::{Holding, PodResourcesError};
 use crate::node::sensors::{Readings, Sensors};
 use crate::ops::observed::Observed;
@@ -100,7 +100,7 @@ pub(super) struct Reading {
     pub(super) over_cap: Option<(u64, u64, u64)>,
     pub(super) sensors: Readings,
     /// Whose each GPU process is, where reconciled.
-    pub(super) whose: Option<Whose>,
+    pub(super) whose: Option<Snapshot>,
     pub(super) hostname: String,
 }
 
@@ -673,7 +673,7 @@ mod tests {
             pod_uid: "0a1b".into(),
             container_id: Some("c0ffee".into()),
         };
-        r.whose = Some(Whose {
+        r.whose = Some(Snapshot {
             containers: [("a-4u-1".into(), [(T4.into(), vec![10, 11])].into())].into(),
             strangers: vec![
                 stranger(12, 200, Some(pod.clone())),
