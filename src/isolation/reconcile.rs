@@ -28,7 +28,7 @@ pub mod attribution;
 
 use attribution::{
     attribute, charged_elsewhere, holders, position, Attribution, LastHolders, PodDirs, Pods,
-    SharedSnapshot, Snapshot, Stranger,
+    SharedSnapshot, Snapshot, Stranger, Unmounted,
 };
 
 /// The live processes of a file that NVML lists on its device `dev`, as
@@ -550,7 +550,13 @@ impl Reconciler {
     /// that holds GPU memory outside every gpumem container, once.
     fn report_unmanaged(&mut self, attribution: &Attribution) {
         let mut present = HashSet::new();
-        for (uuid, pid, bytes, owner) in &attribution.strangers {
+        for stranger in &attribution.strangers {
+            let Stranger {
+                gpu_uuid: uuid,
+                pid,
+                bytes,
+                owner,
+            } = stranger;
             let key = (uuid.clone(), *pid);
             if !self.reported.contains(&key) {
                 let (pod_uid, container_id) = owner.as_ref().map_or(("", ""), |o| {
@@ -589,7 +595,13 @@ impl Reconciler {
     fn report_unmounted(&mut self, loaded: &[(PathBuf, Processes)], attribution: &Attribution) {
         self.told_unmounted
             .retain(|file| loaded.iter().any(|(f, _)| f == file));
-        for (index, uuid, pid, bytes) in &attribution.unmounted {
+        for unmounted in &attribution.unmounted {
+            let Unmounted {
+                file: index,
+                gpu_uuid: uuid,
+                pid,
+                bytes,
+            } = unmounted;
             let file = &loaded[*index].0;
             if !self.told_unmounted.insert(file.clone()) {
                 continue;
@@ -626,16 +638,7 @@ impl Reconciler {
         elsewhere: &[Vec<HashSet<u32>>],
     ) {
         let mut snapshot = Snapshot {
-            strangers: attribution
-                .strangers
-                .iter()
-                .map(|(uuid, pid, bytes, owner)| Stranger {
-                    gpu_uuid: uuid.clone(),
-                    pid: *pid,
-                    bytes: *bytes,
-                    owner: owner.clone(),
-                })
-                .collect(),
+            strangers: attribution.strangers.clone(),
             ..Snapshot::default()
         };
         for (((file, processes), unslotted), elsewhere) in

@@ -46,14 +46,24 @@ pub(super) struct Attribution {
     pub(super) unslotted: Vec<Vec<Vec<(u32, u64)>>>,
     /// Per GPU UUID: what processes in no gpumem container use.
     pub(super) unmanaged: HashMap<String, u64>,
-    /// Those processes: GPU UUID, PID, bytes, and their pod if any.
-    pub(super) strangers: Vec<(String, u32, u64, Option<Owner>)>,
+    /// Those processes.
+    pub(super) strangers: Vec<Stranger>,
     /// Slot holders on their way out, by PID and start time: passed over,
     /// and again at the next sample while they still are.
     pub(super) leaving: Vec<(u32, u64)>,
     /// Processes found by their cgroup whose mount table, read, lacks
-    /// their container's directory: file index, GPU UUID, PID, bytes.
-    pub(super) unmounted: Vec<(usize, String, u32, u64)>,
+    /// their container's directory.
+    pub(super) unmounted: Vec<Unmounted>,
+}
+
+/// A gpumem container's process on a GPU without the container's mounts.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Unmounted {
+    /// Its container's accounting file, by index.
+    pub(super) file: usize,
+    pub(super) gpu_uuid: String,
+    pub(super) pid: u32,
+    pub(super) bytes: u64,
 }
 
 /// Which pods the accounting directories now granted on the node belong
@@ -235,16 +245,23 @@ pub(super) fn attribute(
                     attribution.unslotted[index][dev].push((pid, bytes));
                     let found_mounted = mounted.contains(&index) || elsewhere.is_some();
                     if !found_mounted && who.mounts_read(pid) {
-                        let unmounted = (index, uuid.clone(), pid, bytes);
-                        attribution.unmounted.push(unmounted);
+                        attribution.unmounted.push(Unmounted {
+                            file: index,
+                            gpu_uuid: uuid.clone(),
+                            pid,
+                            bytes,
+                        });
                     }
                 }
                 None => {
                     *unmanaged = unmanaged.saturating_add(bytes);
                     let owner = owner.or_else(|| who.owner(pid));
-                    attribution
-                        .strangers
-                        .push((uuid.clone(), pid, bytes, owner));
+                    attribution.strangers.push(Stranger {
+                        gpu_uuid: uuid.clone(),
+                        pid,
+                        bytes,
+                        owner,
+                    });
                 }
             }
         }
@@ -479,10 +496,16 @@ pub(crate) mod tests {
             );
             attributed
                 .strangers
-                .sort_unstable_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+                .sort_unstable_by(|a, b| (&a.gpu_uuid, a.pid).cmp(&(&b.gpu_uuid, b.pid)));
             let mut taken = std::mem::take(&mut *reads.borrow_mut());
             taken.sort_unstable();
             (attributed, taken)
+        };
+        let stranger = |uuid: &str, pid, bytes| Stranger {
+            gpu_uuid: uuid.to_owned(),
+            pid,
+            bytes,
+            owner: None,
         };
         let expected = |thirty: Option<u64>| {
             let mut attributed = Attribution {
@@ -491,19 +514,19 @@ pub(crate) mod tests {
                     vec![vec![(40, 4 * MIB)]],
                 ],
                 unmanaged: [(T4.to_owned(), 5 * MIB), (OTHER.to_owned(), 6 * MIB)].into(),
-                strangers: vec![
-                    (T4.to_owned(), 50, 5 * MIB, None),
-                    (OTHER.to_owned(), 50, 6 * MIB, None),
-                ],
+                strangers: vec![stranger(T4, 50, 5 * MIB), stranger(OTHER, 50, 6 * MIB)],
                 leaving: Vec::new(),
                 // 40, nested, has none of B's mounts.
-                unmounted: vec![(1, T4.to_owned(), 40, 4 * MIB)],
+                unmounted: vec![Unmounted {
+                    file: 1,
+                    gpu_uuid: T4.to_owned(),
+                    pid: 40,
+                    bytes: 4 * MIB,
+                }],
             };
             if thirty.is_none() {
                 *attributed.unmanaged.get_mut(T4).unwrap() += 3 * MIB;
-                attributed
-                    .strangers
-                    .insert(0, (T4.to_owned(), 30, 3 * MIB, None));
+                attributed.strangers.insert(0, stranger(T4, 30, 3 * MIB));
             }
             attributed
         };
@@ -545,7 +568,7 @@ pub(crate) mod tests {
         let (attributed, taken) = sweep(&replaced, &memory);
         assert!(taken.contains(&(20, "cgroup".into())), "{taken:?}");
         assert_eq!(attributed.unslotted[1], [vec![]]);
-        assert!(attributed.strangers.iter().any(|s| s.1 == 40));
+        assert!(attributed.strangers.iter().any(|s| s.pid == 40));
         // Only processes whose mounts name their container: the holders'
         // cgroups are not read.
         let mounted: ProcessMemory = [(T4.to_owned(), [(10, MIB), (31, MIB)].into())].into();
