@@ -145,6 +145,61 @@ impl Footprints {
     }
 }
 
+/// An accounting file as a tick reads it.
+#[derive(Debug, Clone)]
+struct Loaded {
+    path: PathBuf,
+    processes: Processes,
+    /// Why its directory's grant stands in for it, where it does (see
+    /// [`Reconciler::load`]): nothing is published into it then.
+    stood_in: Option<String>,
+}
+
+/// An accounting file in a tick, with what attribution found of it.
+struct Tally<'a> {
+    file: &'a Loaded,
+    /// Per device: the processes of its container that hold no slot, with
+    /// what each uses there (see [`Attribution::unslotted`]).
+    unslotted: &'a [Vec<(u32, u64)>],
+    /// Per device: its slot holders whose use of that GPU another file is
+    /// charged (see [`charged_elsewhere`]).
+    charged_elsewhere: &'a [HashSet<u32>],
+}
+
+impl<'a> Tally<'a> {
+    /// Each of `files` with what attribution found of it.
+    fn each(
+        files: &'a [Loaded],
+        attribution: &'a Attribution,
+        charged_elsewhere: &'a [Vec<HashSet<u32>>],
+    ) -> Vec<Tally<'a>> {
+        files
+            .iter()
+            .zip(&attribution.unslotted)
+            .zip(charged_elsewhere)
+            .map(|((file, unslotted), charged_elsewhere)| Tally {
+                file,
+                unslotted,
+                charged_elsewhere,
+            })
+            .collect()
+    }
+
+    /// [`listed`] on its device `dev`.
+    fn listed(
+        &self,
+        memory: &'a ProcessMemory,
+        dev: usize,
+    ) -> Option<impl Iterator<Item = (u32, u64, u64)> + 'a> {
+        listed(
+            &self.file.processes,
+            memory,
+            dev,
+            &self.charged_elsewhere[dev],
+        )
+    }
+}
+
 /// One daemon's reconciliation state.
 pub struct Reconciler {
     source: Box<dyn ProcessUsage>,
@@ -288,7 +343,7 @@ impl Reconciler {
             .iter()
             .map(|file| (file, accounting::processes(file)))
             .collect();
-        let (loaded, stood_in) = self.load(read, &memory);
+        let loaded = self.load(read, &memory);
         let (attribution, elsewhere) = {
             let mut who = self.identities.sweep(&*self.source);
             let held = holders(&loaded);
@@ -305,7 +360,7 @@ impl Reconciler {
         };
         let mut holders: LastHolders = loaded
             .iter()
-            .flat_map(|(_, processes)| &processes.live)
+            .flat_map(|file| &file.processes.live)
             .filter_map(|p| Some(((p.pid?, p.start_time), None)))
             .collect();
         for &key in &attribution.leaving {
@@ -318,27 +373,24 @@ impl Reconciler {
         self.last_holders = holders;
         self.report_unmanaged(&attribution);
         self.report_unmounted(&loaded, &attribution);
-        self.publish_snapshot(&loaded, &memory, &attribution, &elsewhere);
-        self.warn_of_stand_ins(&loaded, &stood_in, &attribution);
-        self.enforce(&loaded, &memory, &attribution, &elsewhere, sampled_at);
+        let tallies = Tally::each(&loaded, &attribution, &elsewhere);
+        self.publish_snapshot(&tallies, &memory, &attribution);
+        self.warn_of_stand_ins(&tallies);
+        self.enforce(&tallies, &memory, sampled_at);
         let mut seen = HashSet::new();
-        for ((((file, processes), unslotted), elsewhere), stood_in) in loaded
-            .iter()
-            .zip(&attribution.unslotted)
-            .zip(&elsewhere)
-            .zip(&stood_in)
-        {
-            if stood_in.is_some() {
+        for tally in &tallies {
+            if tally.file.stood_in.is_some() {
                 // Nothing to publish into, or nothing the shims read right.
                 continue;
             }
+            let (file, processes) = (&tally.file.path, &tally.file.processes);
             self.warn_if_hidden(file, processes);
-            self.note_footprints(processes, &memory, elsewhere);
-            let samples = untracked(processes, &memory, elsewhere);
+            self.note_footprints(processes, &memory, tally.charged_elsewhere);
+            let samples = untracked(processes, &memory, tally.charged_elsewhere);
             for (dev, sample) in samples.into_iter().enumerate() {
                 // Processes of the container that did not load the shim
                 // count whole: nothing charged them.
-                let shimless = unslotted[dev].iter().map(|&(_, b)| b);
+                let shimless = tally.unslotted[dev].iter().map(|&(_, b)| b);
                 let Some(sample) = sample.map(|s| shimless.fold(s, u64::saturating_add)) else {
                     continue;
                 };
@@ -384,15 +436,13 @@ impl Reconciler {
     /// with no slot holders: the file is mounted writable, and a container
     /// process that removed or rewrote it must not leave its container
     /// unseen. Its processes are then found by their mounts, counted whole
-    /// and held to the granted cap. Beside each file, why it was stood in
-    /// for.
+    /// and held to the granted cap.
     fn load(
         &self,
         read: Vec<(&PathBuf, std::io::Result<Processes>)>,
         memory: &ProcessMemory,
-    ) -> (Vec<(PathBuf, Processes)>, Vec<Option<String>>) {
+    ) -> Vec<Loaded> {
         let mut loaded = Vec::new();
-        let mut stood_in = Vec::new();
         for (file, read) in read {
             let (processes, why) = match read {
                 Ok(processes) => {
@@ -411,10 +461,13 @@ impl Reconciler {
                     }
                 },
             };
-            loaded.push((file.clone(), processes));
-            stood_in.push(why);
+            loaded.push(Loaded {
+                path: file.clone(),
+                processes,
+                stood_in: why,
+            });
         }
-        (loaded, stood_in)
+        loaded
     }
 
     /// How the GPUs the file caps differ from those its directory was
@@ -480,22 +533,16 @@ impl Reconciler {
     /// Says once, per file, that a container runs without a file the shim
     /// can use: only where processes of it were found, so a directory made
     /// a moment before its file, or one being removed, is not mistaken.
-    fn warn_of_stand_ins(
-        &mut self,
-        loaded: &[(PathBuf, Processes)],
-        stood_in: &[Option<String>],
-        attribution: &Attribution,
-    ) {
+    fn warn_of_stand_ins(&mut self, tallies: &[Tally<'_>]) {
         // Said once for as long as the file is stood in for.
-        let still: HashSet<&PathBuf> = loaded
+        let still: HashSet<&PathBuf> = tallies
             .iter()
-            .zip(stood_in)
-            .filter(|(_, why)| why.is_some())
-            .map(|((file, _), _)| file)
+            .filter(|tally| tally.file.stood_in.is_some())
+            .map(|tally| &tally.file.path)
             .collect();
         self.stood_in.retain(|file| still.contains(file));
-        for (((file, _), why), unslotted) in loaded.iter().zip(stood_in).zip(&attribution.unslotted)
-        {
+        for tally in tallies {
+            let (file, why, unslotted) = (&tally.file.path, &tally.file.stood_in, tally.unslotted);
             let (Some(why), true) = (why, unslotted.iter().any(|dev| !dev.is_empty())) else {
                 continue;
             };
@@ -513,22 +560,15 @@ impl Reconciler {
 
     /// Each container's footprint on each GPU as NVML counts it: its slot
     /// holders and its processes without the shim.
-    fn enforce(
-        &mut self,
-        loaded: &[(PathBuf, Processes)],
-        memory: &ProcessMemory,
-        attribution: &Attribution,
-        elsewhere: &[Vec<HashSet<u32>>],
-        sampled_at: Option<u64>,
-    ) {
+    fn enforce(&mut self, tallies: &[Tally<'_>], memory: &ProcessMemory, sampled_at: Option<u64>) {
         let Some(enforcer) = self.enforcer.as_mut() else {
             return;
         };
         let mut footprints = Vec::new();
-        let files = loaded.iter().zip(&attribution.unslotted).zip(elsewhere);
-        for (((file, processes), unslotted), elsewhere) in files {
-            for (dev, device) in processes.devices.iter().enumerate() {
-                let Some(listed) = listed(processes, memory, dev, &elsewhere[dev]) else {
+        for tally in tallies {
+            let (file, unslotted) = (&tally.file.path, tally.unslotted);
+            for (dev, device) in tally.file.processes.devices.iter().enumerate() {
+                let Some(listed) = tally.listed(memory, dev) else {
                     continue;
                 };
                 let mut members: Vec<(u32, u64)> =
@@ -592,9 +632,9 @@ impl Reconciler {
     /// processes is on a GPU without the container's mounts: the runtime
     /// did not apply Allocate's answer (a `cdi` strategy on a runtime
     /// without CDI), or the process left them. Either way no shim caps it.
-    fn report_unmounted(&mut self, loaded: &[(PathBuf, Processes)], attribution: &Attribution) {
+    fn report_unmounted(&mut self, loaded: &[Loaded], attribution: &Attribution) {
         self.told_unmounted
-            .retain(|file| loaded.iter().any(|(f, _)| f == file));
+            .retain(|file| loaded.iter().any(|f| &f.path == file));
         for unmounted in &attribution.unmounted {
             let Unmounted {
                 file: index,
@@ -602,7 +642,7 @@ impl Reconciler {
                 pid,
                 bytes,
             } = unmounted;
-            let file = &loaded[*index].0;
+            let file = &loaded[*index].path;
             if !self.told_unmounted.insert(file.clone()) {
                 continue;
             }
@@ -632,30 +672,27 @@ impl Reconciler {
     /// Publishes whose each listed process is, for the metrics endpoint.
     fn publish_snapshot(
         &self,
-        loaded: &[(PathBuf, Processes)],
+        tallies: &[Tally<'_>],
         memory: &ProcessMemory,
         attribution: &Attribution,
-        elsewhere: &[Vec<HashSet<u32>>],
     ) {
         let mut snapshot = Snapshot {
             strangers: attribution.strangers.clone(),
             ..Snapshot::default()
         };
-        for (((file, processes), unslotted), elsewhere) in
-            loaded.iter().zip(&attribution.unslotted).zip(elsewhere)
-        {
-            let Some(name) = file.parent().and_then(Path::file_name) else {
+        for tally in tallies {
+            let Some(name) = tally.file.path.parent().and_then(Path::file_name) else {
                 continue;
             };
             let per_gpu = snapshot
                 .containers
                 .entry(name.to_string_lossy().into_owned())
                 .or_default();
-            for (dev, device) in processes.devices.iter().enumerate() {
+            for (dev, device) in tally.file.processes.devices.iter().enumerate() {
                 let pids = per_gpu.entry(device.uuid.clone()).or_default();
-                let holders = listed(processes, memory, dev, &elsewhere[dev]);
+                let holders = tally.listed(memory, dev);
                 pids.extend(holders.into_iter().flatten().map(|(pid, _, _)| pid));
-                pids.extend(unslotted[dev].iter().map(|&(pid, _)| pid));
+                pids.extend(tally.unslotted[dev].iter().map(|&(pid, _)| pid));
             }
         }
         *self.snapshot.lock_unpoisoned() = snapshot;
@@ -751,7 +788,7 @@ pub async fn run(
 mod tests {
     use super::*;
     use crate::isolation::accounting::LiveProcess;
-    use crate::isolation::reconcile::attribution::tests::{live, usage, MIB, T4};
+    use crate::isolation::reconcile::attribution::tests::{as_read, live, usage, MIB, T4};
     use crate::node::fake::FakeProcesses;
     use crate::node::gpu::GpuError;
 
@@ -790,9 +827,10 @@ mod tests {
         let read = |caps: &[accounting::Cap]| {
             let file = accounting::prepare(dir.path(), caps).unwrap();
             let read = accounting::processes(&file);
-            let (loaded, why) = reconciler.load(vec![(&file, read)], &memory);
-            let uuids: Vec<String> = loaded[0].1.devices.iter().map(|d| d.uuid.clone()).collect();
-            (uuids, why[0].clone())
+            let loaded = reconciler.load(vec![(&file, read)], &memory);
+            let devices = &loaded[0].processes.devices;
+            let uuids: Vec<String> = devices.iter().map(|d| d.uuid.clone()).collect();
+            (uuids, loaded[0].stood_in.clone())
         };
         assert_eq!(
             read(&[cap(A), cap(B)]),
@@ -807,9 +845,12 @@ mod tests {
         // Without a grant, the file as it reads.
         let ungranted = Reconciler::new(Box::new(NoSource));
         let file = accounting::prepare(dir.path(), &[cap(C)]).unwrap();
-        let (loaded, why) = ungranted.load(vec![(&file, accounting::processes(&file))], &memory);
+        let loaded = ungranted.load(vec![(&file, accounting::processes(&file))], &memory);
         assert_eq!(
-            (loaded[0].1.devices[0].uuid.as_str(), why[0].as_deref()),
+            (
+                loaded[0].processes.devices[0].uuid.as_str(),
+                loaded[0].stood_in.as_deref()
+            ),
             (C, None)
         );
     }
@@ -882,7 +923,7 @@ mod tests {
         assert_eq!(untracked(&processes, &memory, &none), [Some(500 * MIB)]);
         let listed: Vec<_> = listed(&processes, &memory, 0, &none[0]).unwrap().collect();
         assert_eq!(listed, [(10, 2000 * MIB, 1500 * MIB)]);
-        let loaded = [(PathBuf::from("/s/containers/a/accounting"), processes)];
+        let loaded = [as_read("/s/containers/a/accounting", processes)];
         assert_eq!(holders(&loaded)[&10], [0], "in this file, once");
     }
 
@@ -916,8 +957,8 @@ mod tests {
         };
         // Listed B first: the order that counts is the shim's (by name).
         let loaded = [
-            (PathBuf::from("/s/containers/claim-b/accounting"), b),
-            (PathBuf::from("/s/containers/claim-a/accounting"), a),
+            as_read("/s/containers/claim-b/accounting", b),
+            as_read("/s/containers/claim-a/accounting", a),
         ];
         let memory: ProcessMemory = [
             (T4.to_owned(), [(10, 2300 * MIB)].into()),
@@ -932,20 +973,20 @@ mod tests {
         assert_eq!(elsewhere[0], [[10].into(), HashSet::new()]);
         assert_eq!(elsewhere[1], [HashSet::new()]);
         assert_eq!(
-            untracked(&loaded[0].1, &memory, &elsewhere[0]),
+            untracked(&loaded[0].processes, &memory, &elsewhere[0]),
             [Some(0), Some(300 * MIB)],
             "B: nothing of X, Y's context"
         );
         assert_eq!(
-            untracked(&loaded[1].1, &memory, &elsewhere[1]),
+            untracked(&loaded[1].processes, &memory, &elsewhere[1]),
             [Some(300 * MIB)],
             "A: X's context"
         );
         // The overhead estimate takes X's figure from A alone: B charged
         // nothing there, and would make the whole 2300 MiB look like overhead.
         let mut reconciler = Reconciler::new(Box::new(FakeProcesses::new(Path::new("/none"))));
-        for ((_, processes), elsewhere) in loaded.iter().zip(&elsewhere) {
-            reconciler.note_footprints(processes, &memory, elsewhere);
+        for (file, elsewhere) in loaded.iter().zip(&elsewhere) {
+            reconciler.note_footprints(&file.processes, &memory, elsewhere);
         }
         let overheads = reconciler.footprints.medians();
         assert_eq!(overheads[T4], 300 * MIB);

@@ -2,12 +2,14 @@
 //! outside at every tick, whether or not the process loaded the shim.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use crate::isolation::accounting::Processes;
 use crate::isolation::identity::{self, Owner};
 use crate::node::gpu::ProcessMemory;
+
+use super::Loaded;
 
 /// Whose each process NVML listed at the last tick is. Shared with the
 /// metrics endpoint, which pairs it with NVML's per-process SM samples:
@@ -127,7 +129,7 @@ impl<'a> Pods<'a> {
 /// that made its own mount namespace sheds the mounts, never the cgroup.
 /// Anything else is unmanaged. `who` reads what `/proc` says of them.
 pub(super) fn attribute(
-    loaded: &[(PathBuf, Processes)],
+    loaded: &[Loaded],
     held: &HashMap<u32, Vec<usize>>,
     last_holders: &LastHolders,
     memory: &ProcessMemory,
@@ -137,22 +139,22 @@ pub(super) fn attribute(
     let by_dir: HashMap<&std::ffi::OsStr, usize> = loaded
         .iter()
         .enumerate()
-        .filter_map(|(index, (file, _))| Some((file.parent()?.file_name()?, index)))
+        .filter_map(|(index, file)| Some((file.path.parent()?.file_name()?, index)))
         .collect();
-    let dir_name = |index: usize| loaded[index].0.parent()?.file_name()?.to_str();
+    let dir_name = |index: usize| loaded[index].path.parent()?.file_name()?.to_str();
     // The slot holders' cgroups are read only once a process's mounts did
     // not name its container.
     let mut containers: Option<HashMap<String, Vec<usize>>> = None;
     let mut attribution = Attribution {
         unslotted: loaded
             .iter()
-            .map(|(_, p)| vec![Vec::new(); p.devices.len()])
+            .map(|file| vec![Vec::new(); file.processes.devices.len()])
             .collect(),
         ..Attribution::default()
     };
     for (uuid, per_pid) in memory {
         // The file `index` with its position of this GPU, if it caps it.
-        let capping = |index: usize| Some((index, position(&loaded[index].1, uuid)?));
+        let capping = |index: usize| Some((index, position(&loaded[index].processes, uuid)?));
         let unmanaged = attribution.unmanaged.entry(uuid.clone()).or_default();
         for (&pid, &bytes) in per_pid {
             let files = held.get(&pid).map_or(&[][..], Vec::as_slice);
@@ -276,10 +278,10 @@ pub(super) fn position(processes: &Processes, uuid: &str) -> Option<usize> {
 
 /// The files each live slot holder has a slot in, each once: a process
 /// holding two slots of one file is in that file, not in another one.
-pub(super) fn holders(loaded: &[(PathBuf, Processes)]) -> HashMap<u32, Vec<usize>> {
+pub(super) fn holders(loaded: &[Loaded]) -> HashMap<u32, Vec<usize>> {
     let mut held: HashMap<u32, Vec<usize>> = HashMap::new();
-    for (index, (_, processes)) in loaded.iter().enumerate() {
-        for pid in processes.live.iter().filter_map(|p| p.pid) {
+    for (index, file) in loaded.iter().enumerate() {
+        for pid in file.processes.live.iter().filter_map(|p| p.pid) {
             let files = held.entry(pid).or_default();
             if files.last() != Some(&index) {
                 files.push(index);
@@ -307,23 +309,23 @@ fn shim_order(file: &Path) -> (bool, Option<&std::ffi::OsStr>) {
 /// where it names the files (a claim mounted before claims had their own
 /// place is at the state path itself, and comes first), else the names'.
 pub(super) fn charged_elsewhere(
-    loaded: &[(PathBuf, Processes)],
+    loaded: &[Loaded],
     held: &HashMap<u32, Vec<usize>>,
     who: &mut identity::Sweep<'_>,
 ) -> Vec<Vec<HashSet<u32>>> {
     let mut elsewhere: Vec<Vec<HashSet<u32>>> = loaded
         .iter()
-        .map(|(_, p)| vec![HashSet::new(); p.devices.len()])
+        .map(|file| vec![HashSet::new(); file.processes.devices.len()])
         .collect();
     // Whether a file before the `k`th of `files` caps GPU `uuid`.
     let before = |files: &[usize], k: usize, uuid: &str| {
         files[..k]
             .iter()
-            .any(|&e| position(&loaded[e].1, uuid).is_some())
+            .any(|&e| position(&loaded[e].processes, uuid).is_some())
     };
     for (&pid, files) in held {
         let shared = files.iter().enumerate().any(|(k, &index)| {
-            let devices = &loaded[index].1.devices;
+            let devices = &loaded[index].processes.devices;
             devices.iter().any(|d| before(files, k, &d.uuid))
         });
         // Mounts are read only for the rare process this concerns.
@@ -332,7 +334,7 @@ pub(super) fn charged_elsewhere(
         }
         let mounted = who.mounted(pid).to_vec();
         let rank = |index: usize| {
-            let file = &loaded[index].0;
+            let file = &loaded[index].path;
             let name = file.parent().and_then(Path::file_name);
             let at = mounted
                 .iter()
@@ -342,7 +344,7 @@ pub(super) fn charged_elsewhere(
         let mut files = files.clone();
         files.sort_by_key(|&index| rank(index));
         for (k, &index) in files.iter().enumerate() {
-            for (dev, device) in loaded[index].1.devices.iter().enumerate() {
+            for (dev, device) in loaded[index].processes.devices.iter().enumerate() {
                 if before(&files, k, &device.uuid) {
                     elsewhere[index][dev].insert(pid);
                 }
@@ -354,11 +356,19 @@ pub(super) fn charged_elsewhere(
 
 /// The files of each slot holder's container ID, in the shim's order.
 fn holder_containers(
-    loaded: &[(PathBuf, Processes)],
+    loaded: &[Loaded],
     who: &mut identity::Sweep<'_>,
 ) -> HashMap<String, Vec<usize>> {
     let mut containers: HashMap<String, Vec<usize>> = HashMap::new();
-    for (index, (file, processes)) in loaded.iter().enumerate() {
+    for (
+        index,
+        Loaded {
+            path: file,
+            processes,
+            ..
+        },
+    ) in loaded.iter().enumerate()
+    {
         for p in &processes.live {
             let Some(pid) = p.pid else { continue };
             let owner = who.holder_owner(file, pid, p.start_time);
@@ -371,7 +381,7 @@ fn holder_containers(
         }
     }
     for files in containers.values_mut() {
-        files.sort_by_key(|&index| shim_order(&loaded[index].0));
+        files.sort_by_key(|&index| shim_order(&loaded[index].path));
     }
     containers
 }
@@ -393,10 +403,22 @@ pub(crate) mod tests {
         }
     }
 
+    /// A file as read, stood in for by no grant.
+    pub(in crate::isolation::reconcile) fn as_read(
+        path: impl Into<std::path::PathBuf>,
+        processes: Processes,
+    ) -> Loaded {
+        Loaded {
+            path: path.into(),
+            processes,
+            stood_in: None,
+        }
+    }
+
     /// `attribute` with nothing remembered from earlier sweeps (no last
     /// holders, no identities) and no pod directories to read.
     fn attribute_afresh(
-        loaded: &[(PathBuf, Processes)],
+        loaded: &[Loaded],
         memory: &ProcessMemory,
         read: impl Fn(u32, &str) -> Option<String>,
     ) -> Attribution {
@@ -435,8 +457,7 @@ pub(crate) mod tests {
                 devices: vec![usage(T4, 4308, 1000)],
                 live: vec![live(Some(holder), 1000)],
             };
-            let path = PathBuf::from(format!("/s/containers/{name}/accounting"));
-            (path, processes)
+            as_read(format!("/s/containers/{name}/accounting"), processes)
         };
         let loaded = [file("a", 10), file("b", 20)];
         let cgroup = |id: char| {
@@ -481,7 +502,7 @@ pub(crate) mod tests {
         ]
         .into();
         let mut identities = identity::Identities::default();
-        let mut sweep = |loaded: &[(PathBuf, Processes)], memory: &ProcessMemory| {
+        let mut sweep = |loaded: &[Loaded], memory: &ProcessMemory| {
             let read = |pid, name: &str| {
                 reads.borrow_mut().push((pid, name.to_owned()));
                 files.borrow().get(&(pid, name)).cloned()
@@ -563,7 +584,7 @@ pub(crate) mod tests {
         // that replaced B (same units, same file): its slot names a new
         // start time, its cgroup is read again, and 40 is B's no more.
         let mut replaced = loaded.clone();
-        replaced[1].1.live[0].start_time = 21;
+        replaced[1].processes.live[0].start_time = 21;
         set(20, "cgroup", cgroup('c'));
         let (attributed, taken) = sweep(&replaced, &memory);
         assert!(taken.contains(&(20, "cgroup".into())), "{taken:?}");
@@ -589,8 +610,7 @@ pub(crate) mod tests {
                 devices: vec![usage(uuid, 4308, 0)],
                 live: holders,
             };
-            let path = PathBuf::from(format!("/s/containers/{name}/accounting"));
-            (path, processes)
+            as_read(format!("/s/containers/{name}/accounting"), processes)
         };
         let loaded = [
             file("claim-a", T4, vec![live(Some(10), 1)]),
@@ -637,10 +657,7 @@ pub(crate) mod tests {
                 devices: vec![usage(T4, 2000, 0)],
                 live: vec![live(Some(holder), 0)],
             };
-            (
-                PathBuf::from(format!("/s/containers/{name}/accounting")),
-                processes,
-            )
+            as_read(format!("/s/containers/{name}/accounting"), processes)
         };
         let loaded = [file("claim-b", 10), file("claim-a", 20)];
         let cgroup = format!(
@@ -675,10 +692,7 @@ pub(crate) mod tests {
                 devices: vec![usage(T4, 2000, 0)],
                 live: holder.map(|pid| live(Some(pid), 0)).into_iter().collect(),
             };
-            (
-                PathBuf::from(format!("/s/containers/{name}/accounting")),
-                processes,
-            )
+            as_read(format!("/s/containers/{name}/accounting"), processes)
         };
         let cgroup = |id: char| format!("0::/kubepods/pod{POD}/{}\n", id.to_string().repeat(64));
         let read = |pid: u32, name: &str| match (pid, name) {
@@ -694,7 +708,7 @@ pub(crate) mod tests {
             })
         });
         let memory: ProcessMemory = [(T4.to_owned(), [(30, 700 * MIB)].into())].into();
-        let attribute_with = |loaded: &[(PathBuf, Processes)]| {
+        let attribute_with = |loaded: &[Loaded]| {
             attribute(
                 loaded,
                 &holders(loaded),
