@@ -19,7 +19,6 @@ use crate::isolation::accounting::{self, Processes};
 use crate::isolation::enforce::{
     self, Actions, Enforcer, Footprint, Notice, Noticed, Notices, OverCapAction,
 };
-use crate::isolation::identity;
 use crate::node::gpu::ProcessMemory;
 use crate::node::processes::ProcessUsage;
 use crate::sync::LockExt;
@@ -27,8 +26,7 @@ use crate::sync::LockExt;
 pub mod attribution;
 
 use attribution::{
-    attribute, charged_elsewhere, holders, position, Attribution, LastHolders, PodDirs, Pods,
-    SharedSnapshot, Snapshot, Stranger, Unmounted,
+    position, Attribution, Attributor, PodDirs, SharedSnapshot, Snapshot, Stranger, Unmounted,
 };
 
 /// The live processes of a file that NVML lists on its device `dev`, as
@@ -75,7 +73,7 @@ fn listed<'a>(
 /// so one process charging more than it uses (managed memory not yet on
 /// the device) cannot hide another's context. `None` for a GPU with no
 /// answer this time. `elsewhere`: per device, the processes whose use of
-/// it another file is charged (see [`charged_elsewhere`]).
+/// it another file is charged (see [`attribution::charged_elsewhere`]).
 fn untracked(
     processes: &Processes,
     memory: &ProcessMemory,
@@ -95,11 +93,6 @@ fn untracked(
 /// that reached a GPU without asking for it), per GPU UUID. Shared with the
 /// metrics endpoint.
 pub type Unmanaged = Arc<Mutex<HashMap<String, u64>>>;
-
-/// How long a slot holder on its way out is passed over: the driver's part
-/// of an exit takes seconds at most, and a process that stays in its exit
-/// (a thread stuck in the driver) must not hide longer.
-const LEAVING_AT_MOST: Duration = Duration::from_secs(10);
 
 /// Processes remembered per GPU for the overhead estimate.
 const FOOTPRINT_PROCESSES: usize = 64;
@@ -162,7 +155,7 @@ struct Tally<'a> {
     /// what each uses there (see [`Attribution::unslotted`]).
     unslotted: &'a [Vec<(u32, u64)>],
     /// Per device: its slot holders whose use of that GPU another file is
-    /// charged (see [`charged_elsewhere`]).
+    /// charged (see [`attribution::charged_elsewhere`]).
     charged_elsewhere: &'a [HashSet<u32>],
 }
 
@@ -219,20 +212,15 @@ pub struct Reconciler {
     stood_in: HashSet<PathBuf>,
     /// Files and devices whose publish failed, already logged.
     publish_failing: HashSet<(PathBuf, usize)>,
-    /// The slot holders of the last tick, by PID and start time, and since
-    /// when each that has let go of its slot has been on its way out.
-    last_holders: LastHolders,
     /// The over-cap action, where it is on.
     enforcer: Option<Enforcer>,
     /// The cap Allocate gave a container (accounting file, GPU UUID) in
     /// bytes, where the daemon knows it; else the file's cap is used.
     granted: Option<GrantedCap>,
-    /// What `/proc` says of the processes NVML lists, kept while they live.
-    identities: identity::Identities,
+    /// Whose each process is, and what that keeps from tick to tick.
+    attributor: Attributor,
     /// Where over-cap actions and unmanaged processes are told.
     notices: Option<Notices>,
-    /// Each pod's containers, where known: attribution by cgroup.
-    pods: Option<PodDirs>,
     /// Files whose container had a process without its mounts, already
     /// told: once per container.
     told_unmounted: HashSet<PathBuf>,
@@ -256,12 +244,10 @@ impl Reconciler {
             reported: HashSet::new(),
             stood_in: HashSet::new(),
             publish_failing: HashSet::new(),
-            last_holders: LastHolders::new(),
             enforcer: None,
             granted: None,
-            identities: identity::Identities::default(),
+            attributor: Attributor::default(),
             notices: None,
-            pods: None,
             told_unmounted: HashSet::new(),
         }
     }
@@ -270,7 +256,7 @@ impl Reconciler {
     /// and checks what its mounts say against it, with `pods` telling each
     /// pod's containers.
     pub fn with_pod_dirs(mut self, pods: PodDirs) -> Self {
-        self.pods = Some(pods);
+        self.attributor.pods = Some(pods);
         self
     }
 
@@ -344,33 +330,7 @@ impl Reconciler {
             .map(|file| (file, accounting::processes(file)))
             .collect();
         let loaded = self.load(read, &memory);
-        let (attribution, elsewhere) = {
-            let mut who = self.identities.sweep(&*self.source);
-            let held = holders(&loaded);
-            let mut pods = Pods::new(self.pods.as_ref());
-            let attribution = attribute(
-                &loaded,
-                &held,
-                &self.last_holders,
-                &memory,
-                &mut who,
-                &mut pods,
-            );
-            (attribution, charged_elsewhere(&loaded, &held, &mut who))
-        };
-        let mut holders: LastHolders = loaded
-            .iter()
-            .flat_map(|file| &file.processes.live)
-            .filter_map(|p| Some(((p.pid?, p.start_time), None)))
-            .collect();
-        for &key in &attribution.leaving {
-            let since = self.last_holders.get(&key).copied().flatten();
-            let since = since.unwrap_or_else(std::time::Instant::now);
-            if since.elapsed() < LEAVING_AT_MOST {
-                holders.insert(key, Some(since));
-            }
-        }
-        self.last_holders = holders;
+        let (attribution, elsewhere) = self.attributor.attribute(&loaded, &memory, &*self.source);
         self.report_unmanaged(&attribution);
         self.report_unmounted(&loaded, &attribution);
         let tallies = Tally::each(&loaded, &attribution, &elsewhere);
@@ -788,7 +748,9 @@ pub async fn run(
 mod tests {
     use super::*;
     use crate::isolation::accounting::LiveProcess;
+    use crate::isolation::identity;
     use crate::isolation::reconcile::attribution::tests::{as_read, live, usage, MIB, T4};
+    use crate::isolation::reconcile::attribution::{charged_elsewhere, holders};
     use crate::node::fake::FakeProcesses;
     use crate::node::gpu::GpuError;
 

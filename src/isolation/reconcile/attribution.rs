@@ -4,10 +4,12 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::isolation::accounting::Processes;
 use crate::isolation::identity::{self, Owner};
 use crate::node::gpu::ProcessMemory;
+use crate::node::processes::ProcFiles;
 
 use super::Loaded;
 
@@ -35,6 +37,64 @@ pub struct Stranger {
 
 /// The [`Snapshot`], kept current by [`Reconciler::tick`](super::Reconciler::tick).
 pub type SharedSnapshot = Arc<Mutex<Snapshot>>;
+
+/// Attribution's memory from one tick to the next, and what it asks.
+#[derive(Default)]
+pub(super) struct Attributor {
+    /// What `/proc` says of the processes NVML lists, kept while they live.
+    identities: identity::Identities,
+    /// The slot holders of the last tick, by PID and start time, and since
+    /// when each that has let go of its slot has been on its way out.
+    last_holders: LastHolders,
+    /// Each pod's containers, where known: attribution by cgroup.
+    pub(super) pods: Option<PodDirs>,
+}
+
+impl Attributor {
+    /// Attributes every process `memory` lists (see [`attribute`]), reading
+    /// `/proc` through `source`; beside it, per file and device, the slot
+    /// holders whose use another file is charged (see [`charged_elsewhere`]).
+    pub(super) fn attribute(
+        &mut self,
+        loaded: &[Loaded],
+        memory: &ProcessMemory,
+        source: &dyn ProcFiles,
+    ) -> (Attribution, Vec<Vec<HashSet<u32>>>) {
+        let (attribution, elsewhere) = {
+            let mut who = self.identities.sweep(source);
+            let held = holders(loaded);
+            let mut pods = Pods::new(self.pods.as_ref());
+            let attribution = attribute(
+                loaded,
+                &held,
+                &self.last_holders,
+                memory,
+                &mut who,
+                &mut pods,
+            );
+            (attribution, charged_elsewhere(loaded, &held, &mut who))
+        };
+        let mut holders: LastHolders = loaded
+            .iter()
+            .flat_map(|file| &file.processes.live)
+            .filter_map(|p| Some(((p.pid?, p.start_time), None)))
+            .collect();
+        for &key in &attribution.leaving {
+            let since = self.last_holders.get(&key).copied().flatten();
+            let since = since.unwrap_or_else(std::time::Instant::now);
+            if since.elapsed() < LEAVING_AT_MOST {
+                holders.insert(key, Some(since));
+            }
+        }
+        self.last_holders = holders;
+        (attribution, elsewhere)
+    }
+}
+
+/// How long a slot holder on its way out is passed over: the driver's part
+/// of an exit takes seconds at most, and a process that stays in its exit
+/// (a thread stuck in the driver) must not hide longer.
+const LEAVING_AT_MOST: Duration = Duration::from_secs(10);
 
 /// Slot holders of the last tick by PID and start time, with since when
 /// each one that let go of its slot has been exiting.
