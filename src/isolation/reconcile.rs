@@ -196,34 +196,54 @@ impl<'a> Tally<'a> {
 /// One daemon's reconciliation state.
 pub struct Reconciler {
     source: Box<dyn ProcessUsage>,
+    /// The cap Allocate gave a container (accounting file, GPU UUID) in
+    /// bytes, where the daemon knows it; else the file's cap is used.
+    granted: Option<GrantedCap>,
+    /// The over-cap action, where it is on.
+    enforcer: Option<Enforcer>,
+    /// Whose each process is, and what that keeps from tick to tick.
+    attributor: Attributor,
+    footprints: Footprints,
+    published: Published,
+    shared: Shared,
+    told: Told,
+}
+
+/// The untracked usage published into the files.
+#[derive(Default)]
+struct Published {
     /// The previous sample per file and device. An increase is published at
     /// once; a decrease only when two samples in a row agree, because a
     /// sample taken between a charge and the driver's allocation reads low.
     previous: HashMap<(PathBuf, usize), u64>,
-    warned_hidden: bool,
-    last_error: Option<String>,
-    footprints: Footprints,
+    /// Files and devices whose publish failed, already logged.
+    failing: HashSet<(PathBuf, usize)>,
+}
+
+/// What the metrics endpoint reads, kept current by `tick`.
+#[derive(Default)]
+struct Shared {
     overheads: Overheads,
     unmanaged: Unmanaged,
     snapshot: SharedSnapshot,
-    /// Unmanaged processes already logged, so each is said once.
-    reported: HashSet<(String, u32)>,
-    /// Files stood in for by their grant (see `load`) already logged.
-    stood_in: HashSet<PathBuf>,
-    /// Files and devices whose publish failed, already logged.
-    publish_failing: HashSet<(PathBuf, usize)>,
-    /// The over-cap action, where it is on.
-    enforcer: Option<Enforcer>,
-    /// The cap Allocate gave a container (accounting file, GPU UUID) in
-    /// bytes, where the daemon knows it; else the file's cap is used.
-    granted: Option<GrantedCap>,
-    /// Whose each process is, and what that keeps from tick to tick.
-    attributor: Attributor,
+}
+
+/// Where notices go, and what was said already, so that each is said once.
+#[derive(Default)]
+struct Told {
     /// Where over-cap actions and unmanaged processes are told.
     notices: Option<Notices>,
-    /// Files whose container had a process without its mounts, already
-    /// told: once per container.
-    told_unmounted: HashSet<PathBuf>,
+    /// NVML's last error.
+    usage_error: Option<String>,
+    /// Whether processes hidden from this PID namespace were warned of.
+    hidden: bool,
+    /// Unmanaged processes, by GPU UUID and PID.
+    unmanaged: HashSet<(String, u32)>,
+    /// Files stood in for by their grant (see `load`).
+    stood_in: HashSet<PathBuf>,
+    /// Files whose container had a process without its mounts: once per
+    /// container.
+    unmounted: HashSet<PathBuf>,
 }
 
 /// Where the over-cap action learns a container's cap without trusting the
@@ -234,21 +254,13 @@ impl Reconciler {
     pub fn new(source: Box<dyn ProcessUsage>) -> Self {
         Reconciler {
             source,
-            previous: HashMap::new(),
-            warned_hidden: false,
-            last_error: None,
-            footprints: Footprints::default(),
-            overheads: Overheads::default(),
-            unmanaged: Unmanaged::default(),
-            snapshot: SharedSnapshot::default(),
-            reported: HashSet::new(),
-            stood_in: HashSet::new(),
-            publish_failing: HashSet::new(),
-            enforcer: None,
             granted: None,
+            enforcer: None,
             attributor: Attributor::default(),
-            notices: None,
-            told_unmounted: HashSet::new(),
+            footprints: Footprints::default(),
+            published: Published::default(),
+            shared: Shared::default(),
+            told: Told::default(),
         }
     }
 
@@ -276,7 +288,7 @@ impl Reconciler {
     /// Tells `notices` of each over-cap action and each newly seen process
     /// outside every gpumem container.
     pub fn with_notices(mut self, notices: Notices) -> Self {
-        self.notices = Some(notices);
+        self.told.notices = Some(notices);
         self
     }
 
@@ -288,17 +300,17 @@ impl Reconciler {
     /// Memory per GPU held outside every gpumem container, kept current by
     /// `tick`.
     pub fn unmanaged(&self) -> Unmanaged {
-        self.unmanaged.clone()
+        self.shared.unmanaged.clone()
     }
 
     /// Whose each GPU process is, kept current by `tick`.
     pub fn attribution(&self) -> SharedSnapshot {
-        self.snapshot.clone()
+        self.shared.snapshot.clone()
     }
 
     /// The per-GPU overhead estimate, kept current by `tick`.
     pub fn overheads(&self) -> Overheads {
-        self.overheads.clone()
+        self.shared.overheads.clone()
     }
 
     /// Reconciles every file once. NVML failing leaves the published values
@@ -311,14 +323,14 @@ impl Reconciler {
         let sampled_at = enforce::uptime_ticks(Path::new("/proc"));
         let memory = match self.source.usage() {
             Ok(memory) => {
-                self.last_error = None;
+                self.told.usage_error = None;
                 memory
             }
             Err(err) => {
                 let text = crate::error_text::one_line(&err);
-                if self.last_error.as_ref() != Some(&text) {
+                if self.told.usage_error.as_ref() != Some(&text) {
                     warn!(err = %text, "cannot read per-process GPU memory; untracked usage not updated");
-                    self.last_error = Some(text);
+                    self.told.usage_error = Some(text);
                 }
                 return;
             }
@@ -358,6 +370,7 @@ impl Reconciler {
                 // After a restart, what is published stands in for the
                 // sample before.
                 let previous = self
+                    .published
                     .previous
                     .insert(key.clone(), sample)
                     .unwrap_or(processes.devices[dev].untracked_bytes);
@@ -368,7 +381,7 @@ impl Reconciler {
                 }
                 match accounting::publish_untracked(file, dev, publish) {
                     Ok(()) => {
-                        self.publish_failing.remove(&key);
+                        self.published.failing.remove(&key);
                         debug!(
                             file = %file.display(),
                             device = %processes.devices[dev].uuid,
@@ -379,15 +392,15 @@ impl Reconciler {
                     // Said once until it works again: a container process
                     // holding the publishers' lock would say it every tick.
                     Err(err) => {
-                        if self.publish_failing.insert(key) {
+                        if self.published.failing.insert(key) {
                             warn!(file = %file.display(), err = %crate::error_text::chain(&err), "cannot publish untracked usage")
                         }
                     }
                 }
             }
         }
-        self.previous.retain(|key, _| seen.contains(key));
-        self.publish_failing.retain(|key| seen.contains(key));
+        self.published.previous.retain(|key, _| seen.contains(key));
+        self.published.failing.retain(|key| seen.contains(key));
         self.publish_overheads();
     }
 
@@ -500,13 +513,13 @@ impl Reconciler {
             .filter(|tally| tally.file.stood_in.is_some())
             .map(|tally| &tally.file.path)
             .collect();
-        self.stood_in.retain(|file| still.contains(file));
+        self.told.stood_in.retain(|file| still.contains(file));
         for tally in tallies {
             let (file, why, unslotted) = (&tally.file.path, &tally.file.stood_in, tally.unslotted);
             let (Some(why), true) = (why, unslotted.iter().any(|dev| !dev.is_empty())) else {
                 continue;
             };
-            if self.stood_in.insert(file.clone()) {
+            if self.told.stood_in.insert(file.clone()) {
                 warn!(
                     file = %file.display(),
                     reason = %why,
@@ -543,7 +556,7 @@ impl Reconciler {
                 });
             }
         }
-        enforcer.check(&footprints, sampled_at, self.notices.as_ref());
+        enforcer.check(&footprints, sampled_at, self.told.notices.as_ref());
     }
 
     /// Keeps the per-GPU unmanaged figures current and logs each process
@@ -558,7 +571,7 @@ impl Reconciler {
                 owner,
             } = stranger;
             let key = (uuid.clone(), *pid);
-            if !self.reported.contains(&key) {
+            if !self.told.unmanaged.contains(&key) {
                 let (pod_uid, container_id) = owner.as_ref().map_or(("", ""), |o| {
                     (o.pod_uid.as_str(), o.container_id.as_deref().unwrap_or(""))
                 });
@@ -571,7 +584,7 @@ impl Reconciler {
                     "GPU memory held outside every gpumem container (a host process, or a pod \
                      that reached the GPU without asking for it)"
                 );
-                if let Some(notices) = &self.notices {
+                if let Some(notices) = &self.told.notices {
                     let _ = notices.send(Notice {
                         gpu: uuid.clone(),
                         what: Noticed::Unmanaged {
@@ -584,8 +597,8 @@ impl Reconciler {
             }
             present.insert(key);
         }
-        self.reported = present;
-        *self.unmanaged.lock_unpoisoned() = attribution.unmanaged.clone();
+        self.told.unmanaged = present;
+        *self.shared.unmanaged.lock_unpoisoned() = attribution.unmanaged.clone();
     }
 
     /// Logs, and tells `notices`, once per container, that one of its
@@ -593,7 +606,8 @@ impl Reconciler {
     /// did not apply Allocate's answer (a `cdi` strategy on a runtime
     /// without CDI), or the process left them. Either way no shim caps it.
     fn report_unmounted(&mut self, loaded: &[Loaded], attribution: &Attribution) {
-        self.told_unmounted
+        self.told
+            .unmounted
             .retain(|file| loaded.iter().any(|f| &f.path == file));
         for unmounted in &attribution.unmounted {
             let Unmounted {
@@ -603,7 +617,7 @@ impl Reconciler {
                 bytes,
             } = unmounted;
             let file = &loaded[*index].path;
-            if !self.told_unmounted.insert(file.clone()) {
+            if !self.told.unmounted.insert(file.clone()) {
                 continue;
             }
             warn!(
@@ -616,7 +630,7 @@ impl Reconciler {
                  Allocate's answer, the process left its mount namespace, or it runs in a \
                  container nested in the container)"
             );
-            if let Some(notices) = &self.notices {
+            if let Some(notices) = &self.told.notices {
                 let _ = notices.send(Notice {
                     gpu: uuid.clone(),
                     what: Noticed::NotIsolated {
@@ -655,7 +669,7 @@ impl Reconciler {
                 pids.extend(tally.unslotted[dev].iter().map(|&(pid, _)| pid));
             }
         }
-        *self.snapshot.lock_unpoisoned() = snapshot;
+        *self.shared.snapshot.lock_unpoisoned() = snapshot;
     }
 
     /// Remembers what each live process holds beyond what it was charged.
@@ -678,7 +692,7 @@ impl Reconciler {
 
     fn publish_overheads(&mut self) {
         let medians = self.footprints.medians();
-        let mut shared = self.overheads.lock_unpoisoned();
+        let mut shared = self.shared.overheads.lock_unpoisoned();
         for (uuid, &median) in &medians {
             let before = shared.get(uuid).copied().unwrap_or(0);
             // Said when first known and when it moves by a tenth.
@@ -697,8 +711,8 @@ impl Reconciler {
 
     fn warn_if_hidden(&mut self, file: &Path, processes: &Processes) {
         let hidden = processes.live.iter().filter(|p| p.pid.is_none()).count();
-        if hidden > 0 && !self.warned_hidden {
-            self.warned_hidden = true;
+        if hidden > 0 && !self.told.hidden {
+            self.told.hidden = true;
             warn!(
                 file = %file.display(),
                 hidden,

@@ -98,7 +98,7 @@ const LEAVING_AT_MOST: Duration = Duration::from_secs(10);
 
 /// Slot holders of the last tick by PID and start time, with since when
 /// each one that let go of its slot has been exiting.
-pub(super) type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
+type LastHolders = HashMap<(u32, u64), Option<std::time::Instant>>;
 
 /// Where the processes NVML lists belong, beyond the slot holders.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -112,7 +112,7 @@ pub(super) struct Attribution {
     pub(super) strangers: Vec<Stranger>,
     /// Slot holders on their way out, by PID and start time: passed over,
     /// and again at the next sample while they still are.
-    pub(super) leaving: Vec<(u32, u64)>,
+    leaving: Vec<(u32, u64)>,
     /// Processes found by their cgroup whose mount table, read, lacks
     /// their container's directory.
     pub(super) unmounted: Vec<Unmounted>,
@@ -155,13 +155,13 @@ pub type PodDirs = Box<dyn Fn() -> Option<PodGrants> + Send>;
 
 /// [`PodDirs`], read at most once per tick and only where a process needs
 /// it: most ticks find every process in a slot.
-pub(super) struct Pods<'a> {
+struct Pods<'a> {
     read: Option<&'a PodDirs>,
     grants: Option<Option<PodGrants>>,
 }
 
 impl<'a> Pods<'a> {
-    pub(super) fn new(read: Option<&'a PodDirs>) -> Self {
+    fn new(read: Option<&'a PodDirs>) -> Self {
         Pods { read, grants: None }
     }
 
@@ -188,7 +188,7 @@ impl<'a> Pods<'a> {
 /// the GPU (`pods`) is that container's, whatever its mounts say: a process
 /// that made its own mount namespace sheds the mounts, never the cgroup.
 /// Anything else is unmanaged. `who` reads what `/proc` says of them.
-pub(super) fn attribute(
+fn attribute(
     loaded: &[Loaded],
     held: &HashMap<u32, Vec<usize>>,
     last_holders: &LastHolders,
