@@ -7,6 +7,8 @@
 //! shows, so a container is held to its whole footprint, not only to its
 //! allocations.
 
+pub mod attribution;
+
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -22,8 +24,6 @@ use crate::isolation::enforce::{
 use crate::node::gpu::ProcessMemory;
 use crate::node::processes::ProcessUsage;
 use crate::sync::LockExt;
-
-pub mod attribution;
 
 use attribution::{
     position, Attribution, Attributor, PodDirs, SharedSnapshot, Snapshot, Stranger, Unmounted,
@@ -220,6 +220,63 @@ struct Published {
     failing: HashSet<(PathBuf, usize)>,
 }
 
+impl Published {
+    /// Publishes a file's untracked usage, each device's key put in `seen`.
+    fn publish(
+        &mut self,
+        tally: &Tally<'_>,
+        memory: &ProcessMemory,
+        seen: &mut HashSet<(PathBuf, usize)>,
+    ) {
+        let (file, processes) = (&tally.file.path, &tally.file.processes);
+        let samples = untracked(processes, memory, tally.charged_elsewhere);
+        for (dev, sample) in samples.into_iter().enumerate() {
+            // Processes of the container that did not load the shim
+            // count whole: nothing charged them.
+            let shimless = tally.unslotted[dev].iter().map(|&(_, b)| b);
+            let Some(sample) = sample.map(|s| shimless.fold(s, u64::saturating_add)) else {
+                continue;
+            };
+            let key = (file.clone(), dev);
+            // After a restart, what is published stands in for the
+            // sample before.
+            let previous = self
+                .previous
+                .insert(key.clone(), sample)
+                .unwrap_or(processes.devices[dev].untracked_bytes);
+            seen.insert(key.clone());
+            let publish = sample.max(previous);
+            if publish == processes.devices[dev].untracked_bytes {
+                continue;
+            }
+            match accounting::publish_untracked(file, dev, publish) {
+                Ok(()) => {
+                    self.failing.remove(&key);
+                    debug!(
+                        file = %file.display(),
+                        device = %processes.devices[dev].uuid,
+                        untracked_mib = publish >> 20,
+                        "untracked usage"
+                    )
+                }
+                // Said once until it works again: a container process
+                // holding the publishers' lock would say it every tick.
+                Err(err) => {
+                    if self.failing.insert(key) {
+                        warn!(file = %file.display(), err = %crate::error_text::chain(&err), "cannot publish untracked usage")
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets the files and devices not in `seen`.
+    fn keep_only(&mut self, seen: &HashSet<(PathBuf, usize)>) {
+        self.previous.retain(|key, _| seen.contains(key));
+        self.failing.retain(|key| seen.contains(key));
+    }
+}
+
 /// What the metrics endpoint reads, kept current by `tick`.
 #[derive(Default)]
 struct Shared {
@@ -358,49 +415,9 @@ impl Reconciler {
             let (file, processes) = (&tally.file.path, &tally.file.processes);
             self.warn_if_hidden(file, processes);
             self.note_footprints(processes, &memory, tally.charged_elsewhere);
-            let samples = untracked(processes, &memory, tally.charged_elsewhere);
-            for (dev, sample) in samples.into_iter().enumerate() {
-                // Processes of the container that did not load the shim
-                // count whole: nothing charged them.
-                let shimless = tally.unslotted[dev].iter().map(|&(_, b)| b);
-                let Some(sample) = sample.map(|s| shimless.fold(s, u64::saturating_add)) else {
-                    continue;
-                };
-                let key = (file.clone(), dev);
-                // After a restart, what is published stands in for the
-                // sample before.
-                let previous = self
-                    .published
-                    .previous
-                    .insert(key.clone(), sample)
-                    .unwrap_or(processes.devices[dev].untracked_bytes);
-                seen.insert(key.clone());
-                let publish = sample.max(previous);
-                if publish == processes.devices[dev].untracked_bytes {
-                    continue;
-                }
-                match accounting::publish_untracked(file, dev, publish) {
-                    Ok(()) => {
-                        self.published.failing.remove(&key);
-                        debug!(
-                            file = %file.display(),
-                            device = %processes.devices[dev].uuid,
-                            untracked_mib = publish >> 20,
-                            "untracked usage"
-                        )
-                    }
-                    // Said once until it works again: a container process
-                    // holding the publishers' lock would say it every tick.
-                    Err(err) => {
-                        if self.published.failing.insert(key) {
-                            warn!(file = %file.display(), err = %crate::error_text::chain(&err), "cannot publish untracked usage")
-                        }
-                    }
-                }
-            }
+            self.published.publish(tally, &memory, &mut seen);
         }
-        self.published.previous.retain(|key, _| seen.contains(key));
-        self.published.failing.retain(|key| seen.contains(key));
+        self.published.keep_only(&seen);
         self.publish_overheads();
     }
 
