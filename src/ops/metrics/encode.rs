@@ -17,7 +17,7 @@ use tracing::debug;
 
 use super::arena;
 use crate::deviceplugin::service::Counters;
-use crate::isolation::reconcile::Whose;
+use crate::isolation::reconcile::attribution::Snapshot;
 use crate::kubelet::podresources::{Holding, PodResourcesError};
 use crate::node::sensors::{Readings, Sensors};
 use crate::ops::observed::Observed;
@@ -100,7 +100,7 @@ pub(super) struct Reading {
     pub(super) over_cap: Option<(u64, u64, u64)>,
     pub(super) sensors: Readings,
     /// Whose each GPU process is, where reconciled.
-    pub(super) whose: Option<Whose>,
+    pub(super) whose: Option<Snapshot>,
     pub(super) hostname: String,
 }
 
@@ -446,7 +446,7 @@ fn unmanaged_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Resul
     // name each process.
     let mut groups: Vec<(
         &str,
-        Option<&crate::isolation::attribution::Owner>,
+        Option<&crate::isolation::identity::Owner>,
         u64,
         Vec<u32>,
     )> = Vec::new();
@@ -634,8 +634,8 @@ mod tests {
 
     #[test]
     fn gpus_and_their_processes_carry_dcgm_exporters_labels() {
-        use crate::isolation::attribution::Owner;
-        use crate::isolation::reconcile::Stranger;
+        use crate::isolation::identity::Owner;
+        use crate::isolation::reconcile::attribution::Stranger;
         use crate::node::sensors::GpuReading;
 
         let mut r = reading(vec![container(Some("nb"), "a-4u-1", 0)]);
@@ -673,7 +673,7 @@ mod tests {
             pod_uid: "0a1b".into(),
             container_id: Some("c0ffee".into()),
         };
-        r.whose = Some(Whose {
+        r.whose = Some(Snapshot {
             containers: [("a-4u-1".into(), [(T4.into(), vec![10, 11])].into())].into(),
             strangers: vec![
                 stranger(12, 200, Some(pod.clone())),
