@@ -5,6 +5,7 @@
 
 pub mod cdi;
 pub mod daemon;
+pub mod status_fixture;
 pub mod tenant;
 pub mod wait;
 
