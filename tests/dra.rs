@@ -354,6 +354,18 @@ async fn driver_with_two_claims(
     (driver, refs, prepared)
 }
 
+/// `gpumem dra` on `host` reading pod-resources from a simulated kubelet
+/// (returned), with a 1.34 kubelet registered to call it.
+async fn driver_with_pod_resources(
+    host: &Host,
+    api: &FakeApiServer,
+) -> (Driver, KubeletSim, FakeDraKubelet) {
+    std::fs::create_dir_all(host.path("kubelet")).unwrap();
+    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
+    let driver = Driver::start_with(host, api, &pod_resources.pod_resources_socket()).await;
+    (driver, pod_resources, kubelet_1_34(host).await)
+}
+
 fn claim_ref(name: &str, uid: &str) -> ClaimRef {
     ClaimRef {
         namespace: "default".into(),
@@ -611,10 +623,7 @@ async fn an_api_server_without_consumable_capacity_is_detected_and_said() {
 async fn three_claims_of_4gi_on_a_t4_are_capped_at_4096_mib_each() {
     let host = Host::new();
     let api = api().await;
-    std::fs::create_dir_all(host.path("kubelet")).unwrap();
-    let pod_resources = KubeletSim::start(&host.path("kubelet")).unwrap();
-    let driver = Driver::start_with(&host, &api, &pod_resources.pod_resources_socket()).await;
-    let kubelet = kubelet_1_34(&host).await;
+    let (driver, pod_resources, kubelet) = driver_with_pod_resources(&host, &api).await;
     let names = ["notebook-1", "notebook-2", "notebook-3"];
     let mut refs = Vec::new();
     for (i, name) in names.iter().enumerate() {
@@ -1862,4 +1871,48 @@ async fn every_dra_dashboard_query_returns_its_series() {
         assert_eq!(series.len(), 1, "{expr}: {series:?}\n{}", logs());
         assert_eq!(series[0]["@value"], expected, "{expr}: {series:?}");
     }
+}
+
+/// The body the e2e runner decodes from the driver, with a prepared claim a
+/// pod's container references: the fields of
+/// tests/fixtures/status/dra.json.
+#[tokio::test]
+async fn status_has_the_fields_the_e2e_runner_decodes() {
+    let host = Host::new();
+    let api = api().await;
+    let (driver, pod_resources, kubelet) = driver_with_pod_resources(&host, &api).await;
+    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    prepare_all(&kubelet, &driver, &[claim_ref("nb", &uid(1))]).await;
+    pod_resources.run_with_claim(
+        "nb-pod",
+        "main",
+        ClaimUse {
+            namespace: "default".into(),
+            name: "nb".into(),
+            driver: DRIVER.into(),
+            pool: NODE.into(),
+            device: "gpu-0".into(),
+        },
+    );
+    let what = "the slice named and the claim's container listed";
+    let body = eventually(what, WAIT, POLL, async || {
+        let body = common::status_fixture::raw_status(&driver.status_socket).await;
+        let status: Value = serde_json::from_str(&body).unwrap();
+        let named = status["dra"]["slice"].is_string();
+        let listed = status["claims"][0]["containers"][0].is_string();
+        if named && listed {
+            Ok(body)
+        } else {
+            Err(body)
+        }
+    })
+    .await;
+    common::status_fixture::check(
+        "dra",
+        &body,
+        &[(
+            &host.root.path().display().to_string(),
+            "/var/lib/gpumem-host",
+        )],
+    );
 }

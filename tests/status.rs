@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::daemon::{shim, Daemon};
+use common::status_fixture;
 use common::wait::{eventually, POLL};
 use common::{shim_kit, RESOURCE, WAIT};
 use gpumem::isolation::inject::Isolation;
@@ -151,6 +152,31 @@ async fn pod_resources_is_read_within_kubelets_rate_limit() {
     assert!(
         answered <= 3,
         "50 status requests cost {answered} pod-resources calls"
+    );
+    d.stop().await;
+}
+
+/// The body the e2e runner decodes, with a container holding units under
+/// the shim: the fields of tests/fixtures/status/device-plugin.json.
+#[tokio::test]
+async fn status_has_the_fields_the_e2e_runner_decodes() {
+    let host = common::installed_shim();
+    let state = tempfile::tempdir().unwrap();
+    let d = Daemon::start(
+        "t4",
+        shim(host.path(), state.path()),
+        Duration::from_secs(300),
+    )
+    .await;
+    d.k().admit("nb", "main", RESOURCE, 4).await.unwrap();
+    let body = status_fixture::raw_status(&d.status_socket).await;
+    status_fixture::check(
+        "device-plugin",
+        &body,
+        &[
+            (&state.path().display().to_string(), "/var/lib/gpumem"),
+            (&host.path().display().to_string(), "/usr/local/gpumem"),
+        ],
     );
     d.stop().await;
 }

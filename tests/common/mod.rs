@@ -6,6 +6,7 @@
 pub mod cdi;
 pub mod daemon;
 pub mod prometheus;
+pub mod status_fixture;
 pub mod tenant;
 pub mod wait;
 

@@ -512,7 +512,9 @@ func (c *cluster) applyManifest(path string) (string, *corev1.PodSpec, error) {
 		default:
 			return "", nil, fmt.Errorf("%s: unexpected %T", path, obj)
 		}
-		if err != nil {
+		// Applied again (a second scenario running what the manifest
+		// deploys): the objects are the same.
+		if err != nil && !apierrors.IsAlreadyExists(err) {
 			return "", nil, err
 		}
 	}

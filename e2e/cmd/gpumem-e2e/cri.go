@@ -87,3 +87,10 @@ func (r *recordingRuntime) createdFor(namespace, pod, container string) []*runti
 	}
 	return out
 }
+
+// forget drops the requests recorded so far: each scenario counts its own.
+func (r *recordingRuntime) forget() {
+	r.mu.Lock()
+	r.created = nil
+	r.mu.Unlock()
+}

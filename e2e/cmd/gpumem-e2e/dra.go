@@ -26,6 +26,18 @@ import (
 
 const draDriver = "gpumem.io"
 
+// draScenarios run after the phase's gate, "DRA driver registers and
+// publishes consumable capacity" (draRegisters).
+var draScenarios = []scenario{
+	{"claim from a template: allocated by the scheduler, prepared by kubelet", (*suite).draTemplate},
+	{"one claim shared by two pods", (*suite).draShared},
+	{"kubelet restart: slice republished, claims kept", (*suite).draKubeletRestart},
+	{"GPU unhealthy: pods holding claims on it say Unhealthy in their status; recovered: Healthy", (*suite).draHealth},
+	{"driver restart: claims kept, a new claim prepared", (*suite).draDriverRestart},
+	{"pod deletion unprepares the claims", (*suite).draUnprepare},
+	{"kubelet logs no plugin-watcher errors for the registration socket", (*suite).draQuiet},
+}
+
 func (s *suite) draRegisters() (string, error) {
 	var slice *resourcev1.ResourceSlice
 	err := waitFor(60*time.Second, "driver registered and slice published", func() (bool, error) {
@@ -200,15 +212,44 @@ func (s *suite) draTemplate() (string, error) {
 	if err := s.untainted(); err != nil {
 		return "", err
 	}
-	pods, err := s.draExample()
-	if err != nil {
+	if _, err := s.draExample(); err != nil {
 		return "", err
 	}
-	s.draPods = pods
 	return s.draPrepared("dra-nvidia-smi", resource.MustParse("4Gi"))
 }
 
+// draRunning is what most scenarios here start from: dra-example.yaml's
+// pods Running, gpumem holding their 2 claims. It returns the pods.
+func (s *suite) draRunning() ([]string, error) {
+	if err := s.untainted(); err != nil {
+		return nil, err
+	}
+	pods, err := s.draExample()
+	if err != nil {
+		return nil, err
+	}
+	// As long as draPrepared waits: kubelet may meet the Node
+	// authorizer's race.
+	for _, p := range pods {
+		if _, err := s.waitPhase(p, corev1.PodRunning, 200*time.Second); err != nil {
+			return nil, err
+		}
+	}
+	return pods, s.draHeld(2)
+}
+
+// draShared: the example's pods; its template's pod holds the claim
+// counted beside the shared one.
 func (s *suite) draShared() (string, error) {
+	if err := s.untainted(); err != nil {
+		return "", err
+	}
+	if _, err := s.draExample(); err != nil {
+		return "", err
+	}
+	if _, err := s.waitPhase("dra-nvidia-smi", corev1.PodRunning, 200*time.Second); err != nil {
+		return "", err
+	}
 	began := time.Now()
 	a, err := s.draPrepared("dra-shared-a", resource.MustParse("8Gi"))
 	if err != nil {
@@ -241,7 +282,11 @@ func (s *suite) draShared() (string, error) {
 }
 
 func (s *suite) draUnprepare() (string, error) {
-	for _, p := range s.draPods {
+	pods, err := s.draRunning()
+	if err != nil {
+		return "", err
+	}
+	for _, p := range pods {
 		if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, p, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 			return "", err
 		}
@@ -255,7 +300,7 @@ func (s *suite) draUnprepare() (string, error) {
 	}); err != nil {
 		return "", err
 	}
-	err := waitFor(60*time.Second, "claims unprepared", func() (bool, error) {
+	err = waitFor(60*time.Second, "claims unprepared", func() (bool, error) {
 		st, err := s.gpumemStatus()
 		if err != nil {
 			return false, err
@@ -277,8 +322,20 @@ func (s *suite) draUnprepare() (string, error) {
 
 // draQuiet reads kubelet's log for the registration socket racing the
 // plugin watcher, which only the log shows. (Whether kubelet watches the
-// driver's health is draHealth's effect check.)
+// driver's health is draHealth's effect check.) First the driver registers
+// again as it does in a node's life: after kubelet restarts, then after
+// it restarts itself.
 func (s *suite) draQuiet() (string, error) {
+	if _, _, err := s.draKubeletRestarted(); err != nil {
+		return "", err
+	}
+	s.c.gpumem.stop(30 * time.Second)
+	if err := s.c.runGpumem(); err != nil {
+		return "", err
+	}
+	if err := s.draHeld(0); err != nil {
+		return "", err
+	}
 	data, err := os.ReadFile(filepath.Join(s.c.logs, "kubelet.log"))
 	if err != nil {
 		return "", err
@@ -327,27 +384,18 @@ func (s *suite) draHeld(n int) error {
 // the driver registers again and publishes a new one, and the running
 // pods keep their prepared claims.
 func (s *suite) draKubeletRestart() (string, error) {
-	before, err := s.draSlice()
-	if err != nil || before == nil {
-		return "", fmt.Errorf("no slice before the restart: %v", err)
-	}
-	s.c.kubelet.stop(30 * time.Second)
-	if err := s.c.runKubelet(); err != nil {
+	pods, err := s.draRunning()
+	if err != nil {
 		return "", err
 	}
-	started := time.Now()
-	var after *resourcev1.ResourceSlice
-	if err := waitFor(90*time.Second, "a new slice", func() (bool, error) {
-		after, err = s.draSlice()
-		return err == nil && after != nil && after.UID != before.UID, err
-	}); err != nil {
+	after, took, err := s.draKubeletRestarted()
+	if err != nil {
 		return "", err
 	}
-	took := time.Since(started)
 	if err := s.draHeld(2); err != nil {
 		return "", err
 	}
-	for _, p := range s.draPods {
+	for _, p := range pods {
 		if _, err := s.waitPhase(p, corev1.PodRunning, 30*time.Second); err != nil {
 			return "", err
 		}
@@ -355,10 +403,36 @@ func (s *suite) draKubeletRestart() (string, error) {
 	return fmt.Sprintf("slice %s republished (new UID) %.1f s after kubelet started; 3 pods Running, gpumem still holds 2 claims", after.Name, took.Seconds()), nil
 }
 
+// draKubeletRestarted restarts kubelet and waits for the driver to
+// publish a new slice (kubelet deletes the node's when it starts), which
+// it returns with the time that took.
+func (s *suite) draKubeletRestarted() (*resourcev1.ResourceSlice, time.Duration, error) {
+	before, err := s.draSlice()
+	if err != nil || before == nil {
+		return nil, 0, fmt.Errorf("no slice before the restart: %v", err)
+	}
+	s.c.kubelet.stop(30 * time.Second)
+	if err := s.c.runKubelet(); err != nil {
+		return nil, 0, err
+	}
+	started := time.Now()
+	var after *resourcev1.ResourceSlice
+	if err := waitFor(90*time.Second, "a new slice", func() (bool, error) {
+		after, err = s.draSlice()
+		return err == nil && after != nil && after.UID != before.UID, err
+	}); err != nil {
+		return nil, 0, err
+	}
+	return after, time.Since(started), nil
+}
+
 // draDriverRestart: the driver stops and starts again; it registers
 // anew, its checkpoint keeps the prepared claims, and a new pod on the
 // node is prepared.
 func (s *suite) draDriverRestart() (string, error) {
+	if _, err := s.draRunning(); err != nil {
+		return "", err
+	}
 	s.c.gpumem.stop(30 * time.Second)
 	if err := s.c.runGpumem(); err != nil {
 		return "", err
@@ -372,7 +446,6 @@ func (s *suite) draDriverRestart() (string, error) {
 	if err := s.draClaimPod("gpu-2gi", "dra-after-restart", "gpu", resource.MustParse("2Gi")); err != nil {
 		return "", err
 	}
-	s.draPods = append(s.draPods, "dra-after-restart")
 	detail, err := s.draPrepared("dra-after-restart", resource.MustParse("2Gi"))
 	if err != nil {
 		return "", err

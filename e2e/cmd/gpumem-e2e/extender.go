@@ -14,6 +14,17 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
+// extenderScenarios run after the phase's gate, "plugin registers with
+// kubelet" (registers).
+var extenderScenarios = []scenario{
+	{"pod larger than any one GPU stays Pending with the extender's reason", (*suite).extenderFilters},
+	{"extender binds a 4-unit pod, the plugin gives it the extender's GPU", (*suite).extenderBinds},
+	{"a second 4-unit pod joins the first (extender binpack, plugin spread)", (*suite).extenderSameGPU},
+	{"a whole-GPU pod goes to the other GPU", (*suite).extenderOtherGPU},
+	{"second scheduler (schedulerName): one of two holds the lease and binds through its extender; the default scheduler leaves the pod", (*suite).secondScheduler},
+	{"second scheduler: the holder killed, the other takes the lease and binds", (*suite).secondSchedulerHandover},
+}
+
 // unscheduledMessage waits for the scheduler to mark pod Unschedulable and
 // returns its message.
 func (s *suite) unscheduledMessage(name string, timeout time.Duration) (string, error) {
@@ -135,7 +146,6 @@ func (s *suite) extenderBinds() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	s.extenderGPU = idx
 	return fmt.Sprintf("bound to %s, extender chose GPU%s; the container got that GPU's UUID, ALIYUN_COM_GPU_MEM_IDX=%s and its cap; ASSIGNED=true", nodeName, idx, idx), nil
 }
 
@@ -143,17 +153,25 @@ func (s *suite) extenderBinds() (string, error) {
 // the first; the plugin, left to itself (spread), would pick the emptier
 // GPU. The pod landing beside the first shows the plugin followed.
 func (s *suite) extenderSameGPU() (string, error) {
+	first, err := s.extenderPlaced("small", 4)
+	if err != nil {
+		return "", fmt.Errorf("the first pod: %w", err)
+	}
 	idx, err := s.extenderPlaced("small-2", 4)
 	if err != nil {
 		return "", err
 	}
-	if idx != s.extenderGPU {
-		return "", fmt.Errorf("small-2 on GPU%s, small on GPU%s: binpack puts them together", idx, s.extenderGPU)
+	if idx != first {
+		return "", fmt.Errorf("small-2 on GPU%s, small on GPU%s: binpack puts them together", idx, first)
 	}
 	return fmt.Sprintf("on GPU%s with the first, the container given that GPU", idx), nil
 }
 
 func (s *suite) extenderOtherGPU() (string, error) {
+	small, err := s.extenderPlaced("small", 4)
+	if err != nil {
+		return "", fmt.Errorf("the 4-unit pod: %w", err)
+	}
 	st, err := s.gpumemStatus()
 	if err != nil {
 		return "", err
@@ -163,7 +181,7 @@ func (s *suite) extenderOtherGPU() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if idx == s.extenderGPU {
+	if idx == small {
 		return "", fmt.Errorf("both pods on GPU%s", idx)
 	}
 	for _, n := range []string{"small", "small-2", "whole"} {
@@ -171,5 +189,5 @@ func (s *suite) extenderOtherGPU() (string, error) {
 			return "", err
 		}
 	}
-	return fmt.Sprintf("%d units on GPU%s, beside the 4-unit pods on GPU%s", st.Gpus[0].Units, idx, s.extenderGPU), nil
+	return fmt.Sprintf("%d units on GPU%s, beside the 4-unit pod on GPU%s", st.Gpus[0].Units, idx, small), nil
 }

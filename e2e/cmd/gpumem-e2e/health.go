@@ -137,14 +137,14 @@ func claimNamedAsItsObject(pod *corev1.Pod) bool {
 	return true
 }
 
-// draHealth: a pod of its own holds a claim on the GPU beside the running
-// ones; the GPU turns unhealthy, and every pod holding a claim on it shows
-// Unhealthy for the claim's device, then Healthy again when it recovers.
-// Its claim and pod go at the end, so that the node's capacity is as the
-// next scenario expects.
+// draHealth: a pod of its own holds a claim on the GPU beside
+// dra-example.yaml's pods; the GPU turns unhealthy, and every pod holding
+// a claim on it shows Unhealthy for the claim's device, then Healthy again
+// when it recovers. Its claim and pod go at the end, leaving gpumem the
+// example's two claims.
 func (s *suite) draHealth() (detail string, err error) {
 	const claimName, podName = "gpu-health", "dra-health"
-	// Gone at the end, pass or fail: the next scenarios count the claims.
+	// Gone at the end, pass or fail, the GPU well again.
 	defer func() {
 		gone := errors.Join(s.c.setGPUsHealthy(true), s.deletePod(podName))
 		if del := s.c.admin.ResourceV1().ResourceClaims(namespace).Delete(ctx, claimName, metav1.DeleteOptions{}); del != nil && !apierrors.IsNotFound(del) {
@@ -157,6 +157,10 @@ func (s *suite) draHealth() (detail string, err error) {
 			err = fmt.Errorf("cleaning up: %w", gone)
 		}
 	}()
+	pods, err := s.draRunning()
+	if err != nil {
+		return "", err
+	}
 	// Named in the pod as its object is, which kubelet 1.34 needs.
 	if err := s.draClaimPod(claimName, podName, claimName, resource.MustParse("1Gi")); err != nil {
 		return "", err
@@ -167,7 +171,7 @@ func (s *suite) draHealth() (detail string, err error) {
 	resolves := !strings.HasPrefix(kubeletVersion(s.c), "v1.34.")
 	want := map[string][]string{}
 	var claims, unreported []string
-	for _, name := range append([]string{podName}, s.draPods...) {
+	for _, name := range append([]string{podName}, pods...) {
 		pod, err := s.waitPhase(name, corev1.PodRunning, 30*time.Second)
 		if err != nil {
 			return "", err

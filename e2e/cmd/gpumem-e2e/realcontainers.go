@@ -27,40 +27,33 @@ var probeSteps = []string{"nvml", "alloc:4000", "alloc:100"}
 
 const cudaOutOfMemory = 2
 
-func (s *suite) runContainers() {
-	var release []scenario
-	if s.c.cfg.image != "" {
-		release = append(release, scenario{"release image: containerd imports the archive; install-shim and gpumem --version run from it", s.releaseImage})
-	} else {
-		fmt.Println("no release image archive (--image): build it with .ci/build-image.py to run gpumem from it")
-	}
-	s.run(append([]scenario{
-		{"plugin registers with kubelet", s.registers},
-		{"real container, envvar: the shim caps NVML and CUDA at 4 units", func() (string, error) {
-			return s.capped("real-envvar", "")
-		}},
-		{"real container, envvar: a process exec'd into it shares the cap", s.execShares},
-		{"real container without the request sees the whole GPU", s.uncapped},
-		{"real container, volume-mounts: the shim caps NVML and CUDA at 4 units", func() (string, error) {
-			return s.capped("real-vm", "volume-mounts")
-		}},
-	}, release...))
+// containerScenarios run after the phase's gate, "plugin registers with
+// kubelet" (registers), under containerd 1.6; the release image's
+// (release.go) join them when there is an archive.
+var containerScenarios = []scenario{
+	{"real container, envvar: the shim caps NVML and CUDA at 4 units", func(s *suite) (string, error) {
+		return s.capped("real-envvar", "")
+	}},
+	{"real container, envvar: a process exec'd into it shares the cap", (*suite).execShares},
+	{"real container without the request sees the whole GPU", (*suite).uncapped},
+	{"real container, volume-mounts: the shim caps NVML and CUDA at 4 units", func(s *suite) (string, error) {
+		return s.capped("real-vm", "volume-mounts")
+	}},
 }
 
-func (s *suite) runCDIContainers() {
-	s.run([]scenario{
-		{"plugin registers with kubelet", s.registers},
-		{"real container, cdi: the shim from gpumem's CDI spec caps NVML and CUDA at 4 units", func() (string, error) {
-			return s.capped("real-cdi", "cdi")
-		}},
-	})
+// cdiContainerScenarios run under containerd 2.x with CDI, after the
+// gate "plugin registers with kubelet".
+var cdiContainerScenarios = []scenario{
+	{"real container, cdi: the shim from gpumem's CDI spec caps NVML and CUDA at 4 units", func(s *suite) (string, error) {
+		return s.capped("real-cdi", "cdi")
+	}},
 }
 
-func (s *suite) runDRAContainers() {
-	s.run([]scenario{
-		{"DRA driver registers and publishes consumable capacity", s.draRegisters},
-		{"real container, 4Gi claim: the shim from the claim's CDI spec caps NVML and CUDA at 4096 MiB", s.draCapped},
-	})
+// draContainerScenarios run under containerd 2.x with CDI and the DRA
+// driver, after the gate "DRA driver registers and publishes consumable
+// capacity" (draRegisters).
+var draContainerScenarios = []scenario{
+	{"real container, 4Gi claim: the shim from the claim's CDI spec caps NVML and CUDA at 4096 MiB", (*suite).draCapped},
 }
 
 // nvidiaEnv is what the runner's stand-in for NVIDIA's CDI spec sets: the
@@ -304,10 +297,10 @@ func containerState(pod *corev1.Pod) string {
 }
 
 // capped runs a 4-unit probe pod, after restarting gpumem with strategy
-// when one is given.
+// when one is given (and with the manifest's again after the scenario).
 func (s *suite) capped(name, strategy string) (string, error) {
 	if strategy != "" {
-		if err := s.restartWithStrategy(strategy); err != nil {
+		if err := s.useStrategy(strategy); err != nil {
 			return "", err
 		}
 	}

@@ -119,6 +119,12 @@ func readReleaseArchive(path string) (*releaseArchive, error) {
 	return a, nil
 }
 
+// releaseScenarios join the containerd phase's when there is an archive
+// (--image).
+var releaseScenarios = []scenario{
+	{"release image: containerd imports the archive; install-shim and gpumem --version run from it", (*suite).releaseImage},
+}
+
 // releaseImage imports the archive into the node's containerd, then runs
 // the manifest's init container (install-shim into a host directory) and
 // `gpumem --version` in pods of it.

@@ -53,13 +53,39 @@ func (s *suite) secondSchedulerManifest() (string, string, *corev1.PodSpec, erro
 	return "", "", nil, fmt.Errorf("%s: no ConfigMap with config.yaml", path)
 }
 
-// startSecondScheduler runs replica i as the Deployment's pod runs: the
+// startSecondSchedulers runs the Deployment's two replicas, stopped again
+// after the scenario; each is named for a log no earlier replica of this
+// cluster wrote, so that its log says what it alone did.
+func (s *suite) startSecondSchedulers(config, ns string, spec *corev1.PodSpec) ([]*schedulerPod, error) {
+	var replicas []*schedulerPod
+	s.cleanup(func() error {
+		for _, r := range replicas {
+			r.extender.stop(10 * time.Second)
+			r.scheduler.stop(10 * time.Second)
+		}
+		return nil
+	})
+	for i := 0; len(replicas) < 2; i++ {
+		name := fmt.Sprintf("gpumem-scheduler-%d", i)
+		if _, err := os.Stat(filepath.Join(s.c.logs, name+".log")); err == nil {
+			continue
+		}
+		r, err := s.startSecondScheduler(name, config, ns, spec)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", s.c.cfg.secondScheduler, err)
+		}
+		replicas = append(replicas, r)
+	}
+	return replicas, nil
+}
+
+// startSecondScheduler runs replica name as the Deployment's pod runs: the
 // extender's command and args (its loopback port moved to a free one),
 // kube-scheduler's command with the ConfigMap's configuration, that port
 // and the service account's kubeconfig.
-func (s *suite) startSecondScheduler(i int, config, ns string, spec *corev1.PodSpec) (*schedulerPod, error) {
+func (s *suite) startSecondScheduler(name, config, ns string, spec *corev1.PodSpec) (*schedulerPod, error) {
 	c := s.c
-	r := &schedulerPod{name: fmt.Sprintf("gpumem-scheduler-%d", i), ns: ns}
+	r := &schedulerPod{name: name, ns: ns}
 	kc, err := c.tokenConfig(ns, spec.ServiceAccountName, r.name)
 	if err != nil {
 		return nil, err
@@ -126,13 +152,13 @@ func (s *suite) startSecondScheduler(i int, config, ns string, spec *corev1.PodS
 
 // leaseHolder waits until exactly one running replica has taken the lease
 // and the Lease names a holder; it returns that replica.
-func (s *suite) leaseHolder(ns, lease string, timeout time.Duration) (*schedulerPod, error) {
+func (s *suite) leaseHolder(replicas []*schedulerPod, ns, lease string, timeout time.Duration) (*schedulerPod, error) {
 	var holder *schedulerPod
 	err := waitFor(timeout, "a second-scheduler replica holding the lease", func() (bool, error) {
 		holder = nil
 		n := 0
 		running := 0
-		for _, r := range s.second {
+		for _, r := range replicas {
 			if r.scheduler.exited() {
 				continue
 			}
@@ -211,14 +237,11 @@ func (s *suite) secondScheduler() (string, error) {
 		return "", err
 	}
 
-	for i := 0; i < 2; i++ {
-		r, err := s.startSecondScheduler(i, config, ns, spec)
-		if err != nil {
-			return "", fmt.Errorf("%s: %w", s.c.cfg.secondScheduler, err)
-		}
-		s.second = append(s.second, r)
+	replicas, err := s.startSecondSchedulers(config, ns, spec)
+	if err != nil {
+		return "", err
 	}
-	holder, err := s.leaseHolder(ns, "gpumem-scheduler", 60*time.Second)
+	holder, err := s.leaseHolder(replicas, ns, "gpumem-scheduler", 60*time.Second)
 	if err != nil {
 		return "", err
 	}
@@ -227,7 +250,7 @@ func (s *suite) secondScheduler() (string, error) {
 		return "", err
 	}
 	var waiting string
-	for _, r := range s.second {
+	for _, r := range replicas {
 		if r != holder {
 			if r.scheduler.exited() {
 				return "", fmt.Errorf("%s exited: %v", r.name, r.scheduler.err)
@@ -238,12 +261,21 @@ func (s *suite) secondScheduler() (string, error) {
 	return fmt.Sprintf("%s holds Lease %s/gpumem-scheduler, %s waits; second-1 bound through the extender to GPU%s and running there; the default scheduler bound a pod created after it and left it", holder.name, ns, waiting, idx), nil
 }
 
+// secondSchedulerHandover starts the two replicas and waits for one to
+// hold the lease, then kills it.
 func (s *suite) secondSchedulerHandover() (string, error) {
-	if len(s.second) != 2 {
-		return "", fmt.Errorf("the second scheduler is not running")
+	config, ns, spec, err := s.secondSchedulerManifest()
+	if err != nil {
+		return "", err
 	}
-	ns := s.second[0].ns
-	holder, err := s.leaseHolder(ns, "gpumem-scheduler", 10*time.Second)
+	replicas, err := s.startSecondSchedulers(config, ns, spec)
+	if err != nil {
+		return "", err
+	}
+	if _, err := s.leaseHolder(replicas, ns, "gpumem-scheduler", 60*time.Second); err != nil {
+		return "", err
+	}
+	holder, err := s.leaseHolder(replicas, ns, "gpumem-scheduler", 10*time.Second)
 	if err != nil {
 		return "", err
 	}
@@ -257,7 +289,7 @@ func (s *suite) secondSchedulerHandover() (string, error) {
 		_ = p.cmd.Process.Kill()
 		<-p.done
 	}
-	next, err := s.leaseHolder(ns, "gpumem-scheduler", 60*time.Second)
+	next, err := s.leaseHolder(replicas, ns, "gpumem-scheduler", 60*time.Second)
 	if err != nil {
 		return "", err
 	}
@@ -275,10 +307,8 @@ func (s *suite) secondSchedulerHandover() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	for _, n := range []string{"second-1", "second-2"} {
-		if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, n, metav1.DeleteOptions{}); err != nil {
-			return "", err
-		}
+	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, "second-2", metav1.DeleteOptions{}); err != nil {
+		return "", err
 	}
 	return fmt.Sprintf("%s killed; %s took the Lease (holder %s → %s) and bound second-2 to GPU%s", holder.name, next.name, *before.Spec.HolderIdentity, *after.Spec.HolderIdentity, idx), nil
 }

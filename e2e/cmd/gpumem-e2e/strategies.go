@@ -11,16 +11,14 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 )
 
-// withStrategy restarts gpumem with another device-list strategy, runs a
-// 4-unit pod and returns its CreateContainer request; the pod is deleted
-// again before it returns.
+// withStrategy restarts gpumem with another device-list strategy (the
+// manifest's again after the scenario), runs a 4-unit pod and returns its
+// CreateContainer request; the pod is deleted again before it returns.
 func (s *suite) withStrategy(strategy, pod string) (*runtimeapi.ContainerConfig, error) {
-	if err := s.restartWithStrategy(strategy); err != nil {
+	if err := s.useStrategy(strategy); err != nil {
 		return nil, err
 	}
 	if err := s.createPod(gpuPod(pod, 4)); err != nil {
@@ -37,6 +35,22 @@ func (s *suite) withStrategy(strategy, pod string) (*runtimeapi.ContainerConfig,
 		return nil, err
 	}
 	return created[0].GetConfig(), nil
+}
+
+// useStrategy restarts gpumem with --device-list-strategy=strategy for
+// the rest of the scenario, and with the one it had after it.
+func (s *suite) useStrategy(strategy string) error {
+	var before string
+	for _, a := range s.c.gpumemArgv {
+		if v, ok := strings.CutPrefix(a, "--device-list-strategy="); ok {
+			before = v
+		}
+	}
+	if before == "" {
+		return fmt.Errorf("the manifest's args have no --device-list-strategy")
+	}
+	s.cleanup(func() error { return s.restartWithStrategy(before) })
+	return s.restartWithStrategy(strategy)
 }
 
 // restartWithStrategy restarts gpumem with --device-list-strategy=strategy
@@ -61,27 +75,6 @@ func (s *suite) restartWithStrategy(strategy string) error {
 	}
 	_, err := s.waitAllocatable(s.units, 60*time.Second)
 	return err
-}
-
-// deletePod deletes pod name and waits until the API server no longer has
-// it: kubelet has stopped its containers and released what it held.
-func (s *suite) deletePod(name string) error {
-	if err := s.c.admin.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
-		return err
-	}
-	return waitFor(60*time.Second, name+" gone", func() (bool, error) {
-		_, err := s.c.admin.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-		return apierrors.IsNotFound(err), err
-	})
-}
-
-// envOf is a container request's env as a map.
-func envOf(cfg *runtimeapi.ContainerConfig) map[string]string {
-	env := map[string]string{}
-	for _, kv := range cfg.GetEnvs() {
-		env[kv.GetKey()] = string(kv.GetValue())
-	}
-	return env
 }
 
 func (s *suite) strategyCDI() (string, error) {
