@@ -40,7 +40,7 @@ func main() {
 	var extenderFixture string
 	flag.StringVar(&cfg.bin, "bin", filepath.Dir(os.Args[0]), "directory with etcd, kube-apiserver, kube-scheduler and kubelet (e2e/build.sh)")
 	flag.StringVar(&cfg.kubelet, "kubelet", "", "the kubelet binary (default: --bin's): an older release's, to check version skew")
-	phaseList := flag.String("phases", "plugin,extender,dra,containerd,containerd2", "which phases to run, comma-separated: plugin, extender, dra, containerd, containerd2")
+	phaseList := flag.String("phases", "plugin,extender,dra,containerd,containerd2,autoscale", "which phases to run, comma-separated: plugin, extender, dra, containerd, containerd2, autoscale")
 	flag.StringVar(&cfg.gpumem, "gpumem", filepath.Join(repo, "target/debug/gpumem"), "the gpumem binary")
 	flag.StringVar(&cfg.shim, "shim", filepath.Join(repo, "target/debug/libgpumem_shim.so"), "the shim library the init container installs")
 	flag.StringVar(&cfg.fixture, "fake-gpus", filepath.Join(repo, "tests/fixtures/gpus/t4.toml"), "the node's GPUs (gpumem --fake-gpus) with the default scheduler")
@@ -133,6 +133,10 @@ func main() {
 	cdiDRA := dra
 	cdiDRA.containerd, cdiDRA.containerd2 = true, containerd2
 	cdiDRA.work = filepath.Join(work, "containerd2-dra")
+	// A control plane only: Karpenter launches the nodes (autoscale.go).
+	autoscale := plugin
+	autoscale.noNode = true
+	autoscale.work = filepath.Join(work, "autoscale")
 	all := []phase{
 		{"plugin", "device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, (*suite).runPlugin},
 		{"extender", "gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, (*suite).runExtender},
@@ -140,6 +144,7 @@ func main() {
 		{"containerd", "real containers: containerd and runc, device plugin, " + filepath.Base(real.fixture), real, (*suite).runContainers},
 		{"containerd2", "real containers: containerd 2.x with CDI and runc, device plugin, " + filepath.Base(cdi.fixture), cdi, (*suite).runCDIContainers},
 		{"containerd2", "real containers: containerd 2.x with CDI and runc, DRA driver, " + filepath.Base(cdiDRA.fixture), cdiDRA, (*suite).runDRAContainers},
+		{"autoscale", "Karpenter scales gpumem nodes from zero and back (its controllers, nodes of kubelet and gpumem)", autoscale, (*suite).runAutoscale},
 	}
 	var phases []phase
 	for _, name := range phaseNames {
@@ -150,7 +155,7 @@ func main() {
 			}
 		}
 		if len(phases) == n {
-			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra, containerd, containerd2)\n", name)
+			fmt.Fprintf(os.Stderr, "gpumem-e2e: --phases: no phase %q (plugin, extender, dra, containerd, containerd2, autoscale)\n", name)
 			os.Exit(2)
 		}
 	}
