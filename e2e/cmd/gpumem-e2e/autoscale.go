@@ -45,6 +45,7 @@ const (
 	nodePoolLabel   = "karpenter.sh/nodepool"
 	t4Type          = "gpu-t4"
 	v100Type        = "gpu-v100x2"
+	v100DRAType     = "gpu-v100x2-dra"
 )
 
 var (
@@ -64,6 +65,9 @@ type autoscaler struct {
 	firstNode, secondNode string
 	firstPods             []string
 	notebook              string
+	// The DRA scale-up's node and pods, for the per-GPU fit.
+	draNode string
+	draPods []string
 }
 
 func (s *suite) runAutoscale() {
@@ -74,6 +78,9 @@ func (s *suite) runAutoscale() {
 		{"scale up from zero, device plugin: three 4-unit pods bring up one T4 node and run capped; Karpenter waits for gpumem's startup taint", a.scaleUpFromZero},
 		{"a fourth 4-unit pod brings up a second T4 node", a.scaleUpSecond},
 		{"scale down: the idle node is consolidated away, the node with a running notebook is not; then none is left", a.scaleDown},
+		{"scale up from zero, DRA: six 4Gi claims bring up one two-V100 node, packed three to a GPU", a.scaleUpDRA},
+		{"device plugin: 15 units fit the node's free sum but no GPU: the pod fails admission, no node is launched", a.fragmentedPlugin},
+		{"DRA: a 15Gi claim that fits no GPU with room stays Pending and brings up a node where it fits", a.fragmentedDRA},
 	})
 }
 
@@ -96,6 +103,9 @@ func (a *autoscaler) up() (string, error) {
 	if crds == "" {
 		crds = filepath.Join(bin, "karpenter-crds")
 	}
+	if _, err := os.Stat(karpenter); err != nil {
+		return "", fmt.Errorf("%w (e2e/build.sh builds it from e2e/autoscale)", err)
+	}
 	rc, err := clientcmd.BuildConfigFromFlags("", c.path("admin.kubeconfig"))
 	if err != nil {
 		return "", err
@@ -108,24 +118,41 @@ func (a *autoscaler) up() (string, error) {
 	for _, k := range []struct {
 		name, fixture string
 		price         float64
+		dra           bool
 	}{
-		{t4Type, c.cfg.fixture, 0.526},
-		{v100Type, filepath.Join(fixtures, "v100x2.toml"), 2.48},
+		{t4Type, c.cfg.fixture, 0.526, false},
+		{v100Type, filepath.Join(fixtures, "v100x2.toml"), 2.48, false},
+		{v100DRAType, filepath.Join(fixtures, "v100x2.toml"), 2.48, true},
 	} {
-		capacity, err := nodeTemplate(c.cfg.gpumem, k.fixture)
+		capacity, devices, err := nodeTemplate(c.cfg.gpumem, k.fixture)
 		if err != nil {
 			return "", err
 		}
-		described = append(described, fmt.Sprintf("%s %s=%s %s=%s", k.name,
-			resourceName, capacity.Name(resourceName, "").String(), "aliyun.com/gpu-count", capacity.Name("aliyun.com/gpu-count", "").String()))
-		for name, q := range map[corev1.ResourceName]string{corev1.ResourceCPU: "2", corev1.ResourceMemory: "4Gi", corev1.ResourcePods: "110"} {
-			capacity[name] = resource.MustParse(q)
-		}
-		a.kinds = append(a.kinds, &instanceKind{
-			instanceType: instanceType{Name: k.name, Price: k.price, Zone: "e2e-zone-a", Capacity: capacity},
+		kind := &instanceKind{
+			instanceType: instanceType{Name: k.name, Price: k.price, Zone: "e2e-zone-a", Capacity: corev1.ResourceList{}},
 			fixture:      k.fixture,
 			manifest:     c.cfg.manifest,
-		})
+		}
+		if k.dra {
+			// The DRA driver advertises no extended resource: its
+			// ResourceSlice, templated for Karpenter's claim simulation.
+			kind.manifest = a.draManifest()
+			kind.DRA = &sliceTemplate{Driver: draDriver, Pool: "template", Devices: devices}
+			var each []string
+			for _, d := range devices {
+				m := d.Capacity["memory"]
+				each = append(each, fmt.Sprintf("%s memory %s (allowMultipleAllocations %v)", d.Name, m.Value.String(), d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations))
+			}
+			described = append(described, fmt.Sprintf("%s slice template %s", k.name, strings.Join(each, ", ")))
+		} else {
+			kind.Capacity = capacity
+			described = append(described, fmt.Sprintf("%s %s=%s %s=%s", k.name,
+				resourceName, capacity.Name(resourceName, "").String(), "aliyun.com/gpu-count", capacity.Name("aliyun.com/gpu-count", "").String()))
+		}
+		for name, q := range map[corev1.ResourceName]string{corev1.ResourceCPU: "2", corev1.ResourceMemory: "4Gi", corev1.ResourcePods: "110"} {
+			kind.Capacity[name] = resource.MustParse(q)
+		}
+		a.kinds = append(a.kinds, kind)
 	}
 	if a.cloud, err = newCloud(c, a.kinds, strings.Fields(autoscaleFlags.gpumemArgs)); err != nil {
 		return "", err
@@ -546,10 +573,21 @@ func (a *autoscaler) waitedForTaint(tl *timeline, node string) (string, error) {
 	if !ok {
 		return "", fmt.Errorf("node %s still has %s", node, startupTaintKey)
 	}
-	initialized, ok := tl.initialized[node]
-	if !ok {
-		return "", fmt.Errorf("NodeClaim of %s not seen initialized (reasons %v)", node, tl.reasons[node])
+	// kube-scheduler binds once the taints are gone; Karpenter may call
+	// the NodeClaim initialized a moment later.
+	if err := waitFor(60*time.Second, "NodeClaim of "+node+" initialized", func() (bool, error) {
+		if err := a.observe(tl, nil); err != nil {
+			return false, err
+		}
+		_, ok := tl.initialized[node]
+		return ok, fmt.Errorf("Initialized reasons %v", tl.reasons[node])
+	}); err != nil {
+		return "", err
 	}
+	if len(tl.violations) > 0 {
+		return "", fmt.Errorf("%s", strings.Join(tl.violations, "; "))
+	}
+	initialized := tl.initialized[node]
 	inst, err := a.cloud.node(node)
 	if err != nil {
 		return "", err

@@ -27,8 +27,9 @@ import (
 
 const providerPrefix = "gpumem-e2e://"
 
-// instanceType is what the provider is told of a type (JSON shared with
-// e2e/autoscale/provider.go).
+// instanceType is what the provider is told of a type. These types are the
+// API's JSON, written again in e2e/autoscale/provider.go: that module pins
+// Karpenter's Kubernetes versions and cannot import this one.
 type instanceType struct {
 	Name     string              `json:"name"`
 	Price    float64             `json:"price"`
@@ -318,25 +319,30 @@ func (cl *cloud) stop() {
 }
 
 // nodeTemplate is `gpumem node-template -o json`: what a node of these GPUs
-// will offer, worked out by the plugin's own code.
-func nodeTemplate(gpumem, fixture string) (corev1.ResourceList, error) {
+// will offer, worked out by the plugin's own code: the device plugin's
+// capacity, and the devices of the DRA driver's ResourceSlice.
+func nodeTemplate(gpumem, fixture string) (corev1.ResourceList, []resourcev1.Device, error) {
 	out, err := runCmd(gpumem, "node-template", "--fake-gpus", fixture, "-o", "json")
 	if err != nil {
-		return nil, fmt.Errorf("gpumem node-template --fake-gpus %s: %w: %s", fixture, err, out)
+		return nil, nil, fmt.Errorf("gpumem node-template --fake-gpus %s: %w: %s", fixture, err, out)
 	}
 	var tmpl struct {
-		Capacity map[string]string `json:"capacity"`
+		Capacity   map[string]string   `json:"capacity"`
+		DRADevices []resourcev1.Device `json:"draDevices"`
 	}
 	if err := json.Unmarshal([]byte(out), &tmpl); err != nil {
-		return nil, fmt.Errorf("gpumem node-template -o json: %w: %s", err, out)
+		return nil, nil, fmt.Errorf("gpumem node-template -o json: %w: %s", err, out)
+	}
+	if len(tmpl.DRADevices) == 0 {
+		return nil, nil, fmt.Errorf("gpumem node-template -o json: no draDevices: %s", out)
 	}
 	capacity := corev1.ResourceList{}
 	for k, v := range tmpl.Capacity {
 		q, err := resource.ParseQuantity(v)
 		if err != nil {
-			return nil, fmt.Errorf("gpumem node-template: %s=%q: %w", k, v, err)
+			return nil, nil, fmt.Errorf("gpumem node-template: %s=%q: %w", k, v, err)
 		}
 		capacity[corev1.ResourceName(k)] = q
 	}
-	return capacity, nil
+	return capacity, tmpl.DRADevices, nil
 }
