@@ -84,11 +84,13 @@ func (s *suite) runAutoscale() {
 	})
 }
 
+// stop ends Karpenter first, so that it launches nothing more, then every
+// instance.
 func (a *autoscaler) stop() {
+	a.karpenter.stop(10 * time.Second)
 	if a.cloud != nil {
 		a.cloud.stop()
 	}
-	a.karpenter.stop(10 * time.Second)
 }
 
 // up starts Karpenter over an empty cluster: its CRDs from its module, a
