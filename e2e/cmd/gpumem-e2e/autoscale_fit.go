@@ -119,7 +119,11 @@ func (a *autoscaler) scaleUpDRA() (string, error) {
 	tl := newTimeline()
 	took, err := a.runUntilRunning(tl, pods, 5*time.Minute)
 	if err != nil {
-		return "", fmt.Errorf("%w (Initialized reasons seen: %v)", err, tl.reasons)
+		return "", fmt.Errorf("%w (Initialized reasons seen: %v); %s", err, tl.reasons, a.podEvents(a.draPods...))
+	}
+	if took > 30*time.Second {
+		// Why it was slow: kubelet's preparing, retried after a backoff?
+		fmt.Printf("     slow (%.0f s): %s\n", took.Seconds(), a.podEvents(a.draPods...))
 	}
 	// Were each GPU one device for one claim, six claims would need three
 	// nodes of two GPUs.
