@@ -32,7 +32,7 @@ func main() {
 		os.Exit(2)
 	}
 	ctx, op := operator.NewOperator()
-	provider, err := newProvider(ctx, socket)
+	provider, err := newProvider(ctx, socket, op.InstanceTypeStore)
 	if err != nil {
 		log.FromContext(ctx).Error(err, "reading the instance types")
 		os.Exit(1)

@@ -33,6 +33,8 @@ import (
 	"sigs.k8s.io/karpenter/kwok/apis/v1alpha1"
 	v1 "sigs.k8s.io/karpenter/pkg/apis/v1"
 	"sigs.k8s.io/karpenter/pkg/cloudprovider"
+	"sigs.k8s.io/karpenter/pkg/controllers/nodeoverlay"
+	"sigs.k8s.io/karpenter/pkg/operator/options"
 	"sigs.k8s.io/karpenter/pkg/scheduling"
 )
 
@@ -76,12 +78,18 @@ type provider struct {
 	client *http.Client
 	types  []*cloudprovider.InstanceType
 	byName map[string]*cloudprovider.InstanceType
+	// Karpenter's NodeOverlays, applied to the capacity a launched
+	// NodeClaim reports as they are to the types Karpenter schedules on:
+	// otherwise an in-flight node lacks what an overlay adds (gpumem's
+	// resource), and pods still pending get a second node.
+	overlays *nodeoverlay.InstanceTypeStore
 }
 
 var _ cloudprovider.CloudProvider = (*provider)(nil)
 
-func newProvider(ctx context.Context, socket string) (*provider, error) {
+func newProvider(ctx context.Context, socket string, overlays *nodeoverlay.InstanceTypeStore) (*provider, error) {
 	p := &provider{
+		overlays: overlays,
 		client: &http.Client{
 			Timeout: 2 * time.Minute, // a launch waits for the kubelet to start
 			Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
@@ -221,10 +229,23 @@ func (p *provider) Create(ctx context.Context, nodeClaim *v1.NodeClaim) (*v1.Nod
 	if err := p.call(ctx, http.MethodPost, "/instances", launch{Name: nodeClaim.Name, InstanceType: chosen.Name, Labels: labels, Taints: taints}, &inst); err != nil {
 		return nil, cloudprovider.NewCreateError(err, "LaunchFailed", err.Error())
 	}
-	return p.toNodeClaim(&inst), nil
+	return p.toNodeClaim(ctx, &inst), nil
 }
 
-func (p *provider) toNodeClaim(inst *instance) *v1.NodeClaim {
+// withOverlays is the instance type as Karpenter's scheduling sees it in
+// the NodePool: with its NodeOverlays, where the feature gate is on.
+func (p *provider) withOverlays(ctx context.Context, it *cloudprovider.InstanceType, pool string) *cloudprovider.InstanceType {
+	if !options.FromContext(ctx).FeatureGates.NodeOverlay || pool == "" {
+		return it
+	}
+	applied, err := p.overlays.ApplyAll(pool, []*cloudprovider.InstanceType{it})
+	if err != nil || len(applied) != 1 {
+		return it
+	}
+	return applied[0]
+}
+
+func (p *provider) toNodeClaim(ctx context.Context, inst *instance) *v1.NodeClaim {
 	nc := &v1.NodeClaim{
 		ObjectMeta: metav1.ObjectMeta{
 			Name:              inst.Name,
@@ -234,6 +255,7 @@ func (p *provider) toNodeClaim(inst *instance) *v1.NodeClaim {
 		Status: v1.NodeClaimStatus{ProviderID: inst.ProviderID},
 	}
 	if it, ok := p.byName[inst.InstanceType]; ok {
+		it = p.withOverlays(ctx, it, inst.Labels[v1.NodePoolLabelKey])
 		nc.Status.Capacity = it.Capacity
 		nc.Status.Allocatable = it.Allocatable()
 	}
@@ -259,7 +281,7 @@ func (p *provider) Get(ctx context.Context, providerID string) (*v1.NodeClaim, e
 	if err != nil {
 		return nil, err
 	}
-	return p.toNodeClaim(&inst), nil
+	return p.toNodeClaim(ctx, &inst), nil
 }
 
 func (p *provider) List(ctx context.Context) ([]*v1.NodeClaim, error) {
@@ -269,7 +291,7 @@ func (p *provider) List(ctx context.Context) ([]*v1.NodeClaim, error) {
 	}
 	out := make([]*v1.NodeClaim, 0, len(all))
 	for i := range all {
-		out = append(out, p.toNodeClaim(&all[i]))
+		out = append(out, p.toNodeClaim(ctx, &all[i]))
 	}
 	return out, nil
 }

@@ -52,6 +52,7 @@ var (
 	nodePoolGVR  = schema.GroupVersionResource{Group: "karpenter.sh", Version: "v1", Resource: "nodepools"}
 	nodeClaimGVR = schema.GroupVersionResource{Group: "karpenter.sh", Version: "v1", Resource: "nodeclaims"}
 	nodeClassGVR = schema.GroupVersionResource{Group: "karpenter.kwok.sh", Version: "v1alpha1", Resource: "kwoknodeclasses"}
+	overlayGVR   = schema.GroupVersionResource{Group: "karpenter.sh", Version: "v1alpha1", Resource: "nodeoverlays"}
 	crdGVR       = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 )
 
@@ -122,6 +123,9 @@ func (a *autoscaler) up() (string, error) {
 		price         float64
 		dra           bool
 	}{
+		// The T4 type's GPU capacity comes from a NodeOverlay, as with a
+		// cloud provider that knows only nvidia.com/gpu; the V100s' from
+		// the provider itself.
 		{t4Type, c.cfg.fixture, 0.526, false},
 		{v100Type, filepath.Join(fixtures, "v100x2.toml"), 2.48, false},
 		{v100DRAType, filepath.Join(fixtures, "v100x2.toml"), 2.48, true},
@@ -146,7 +150,7 @@ func (a *autoscaler) up() (string, error) {
 				each = append(each, fmt.Sprintf("%s memory %s (allowMultipleAllocations %v)", d.Name, m.Value.String(), d.AllowMultipleAllocations != nil && *d.AllowMultipleAllocations))
 			}
 			described = append(described, fmt.Sprintf("%s slice template %s", k.name, strings.Join(each, ", ")))
-		} else {
+		} else if k.name != t4Type {
 			kind.Capacity = capacity
 			described = append(described, fmt.Sprintf("%s %s=%s %s=%s", k.name,
 				resourceName, capacity.Name(resourceName, "").String(), "aliyun.com/gpu-count", capacity.Name("aliyun.com/gpu-count", "").String()))
@@ -181,6 +185,7 @@ func (a *autoscaler) up() (string, error) {
 		fmt.Sprintf("HEALTH_PROBE_PORT=%d", health),
 		// Claims are simulated from the instance types' slice templates.
 		"IGNORE_DRA_REQUESTS=false",
+		"FEATURE_GATES=NodeOverlay=true",
 		"LOG_LEVEL=debug",
 	}
 	if a.karpenter, err = start(c.logs, "karpenter", "", env, karpenter); err != nil {
@@ -196,7 +201,41 @@ func (a *autoscaler) up() (string, error) {
 	}); err != nil {
 		return "", err
 	}
+	overlay, err := a.overlay(t4Type, c.cfg.fixture)
+	if err != nil {
+		return "", err
+	}
+	described = append(described, overlay)
 	return fmt.Sprintf("instance types (gpumem node-template): %s", strings.Join(described, "; ")), nil
+}
+
+// overlay applies the NodeOverlay `gpumem node-template -o karpenter`
+// prints for an instance type and waits for Karpenter to accept it.
+func (a *autoscaler) overlay(instanceType, fixture string) (string, error) {
+	out, err := runCmd(a.c.cfg.gpumem, "node-template", "--fake-gpus", fixture, "-o", "karpenter", "--instance-type", instanceType)
+	if err != nil {
+		return "", fmt.Errorf("gpumem node-template -o karpenter: %w: %s", err, out)
+	}
+	var obj unstructured.Unstructured
+	if err := utilyaml.NewYAMLOrJSONDecoder(strings.NewReader(out), 4096).Decode(&obj.Object); err != nil {
+		return "", fmt.Errorf("gpumem node-template -o karpenter: %w: %s", err, out)
+	}
+	if _, err := a.dyn.Resource(overlayGVR).Create(ctx, &obj, metav1.CreateOptions{}); err != nil {
+		return "", fmt.Errorf("NodeOverlay from gpumem node-template: %w", err)
+	}
+	if err := waitFor(60*time.Second, "NodeOverlay "+obj.GetName()+" validated", func() (bool, error) {
+		o, err := a.dyn.Resource(overlayGVR).Get(ctx, obj.GetName(), metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		st := conditionStatus(o, "ValidationSucceeded")
+		return st == "True", fmt.Errorf("ValidationSucceeded=%q %v", st, condition(o, "ValidationSucceeded"))
+	}); err != nil {
+		return "", err
+	}
+	capacity, _, _ := unstructured.NestedStringMap(obj.Object, "spec", "capacity")
+	return fmt.Sprintf("%s %s=%s %s=%s from NodeOverlay %s", instanceType, resourceName, capacity[resourceName],
+		"aliyun.com/gpu-count", capacity["aliyun.com/gpu-count"], obj.GetName()), nil
 }
 
 // applyCRDs creates every CRD of the directory's YAML files and waits for
