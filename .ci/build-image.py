@@ -15,11 +15,18 @@ the Rust crates from Cargo.lock built into the binary and the shim. The SBOM
 is in the image too, at /opt/gpumem/sbom.spdx.json. Prints the manifest's
 digest, the one a registry will report.
 
+  .ci/build-image.py --index target/image/gpumem-VERSION-amd64.oci.tar \\
+      target/image/gpumem-VERSION-arm64.oci.tar
+
+joins the architectures' archives into target/image/gpumem-VERSION.oci.tar:
+one image whose index names each architecture's manifest, for `skopeo copy
+--all` to a registry and `ctr images import --all-platforms`.
+
 Reproducible: entries sorted, owners root, mtimes SOURCE_DATE_EPOCH (0 when
 unset), gzip without name or time; the same inputs give the same digest.
 The image matches the Dockerfile's final stage: /opt/gpumem/gpumem and
 /opt/gpumem/libgpumem_shim.so, the same PATH, ENTRYPOINT and CMD (the test
-tests/image_archive.py holds the two together).
+`.ci/test_build_image.py` holds the two together).
 """
 
 import argparse
@@ -142,7 +149,7 @@ def shared_libs(elf, triple):
 def crates(package, rust_target, features):
     """name → version of the crates cargo builds into package (normal
     dependencies for that target, as Cargo.lock resolves them)."""
-    argv = ["cargo", "tree", "--locked", "--offline", "-p", package, "-e", "normal,no-proc-macro",
+    argv = ["cargo", "tree", "--locked", "--offline", "--manifest-path", str(ROOT / "Cargo.toml"), "-p", package, "-e", "normal,no-proc-macro",
             "--target", rust_target, "--prefix", "none", "--format", "{p}"] + features
     out = run(*argv)
     found = set()
@@ -389,21 +396,99 @@ def build(args):
     return out, sbom_out, manifest_desc["digest"], name
 
 
+def read_archive(path):
+    """An archive's members: name → bytes (directories left out)."""
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+def build_index(args):
+    """One archive naming every architecture's image: the per-architecture
+    archives' blobs, and an image index of their manifests (each with its
+    platform) as the one image index.json names. A registry and
+    containerd then give each node its architecture's from one tag, which
+    a chart with one image setting needs on a cluster of both. Docker's
+    manifest.json is left out: `docker load` takes one architecture's
+    image, from its own archive."""
+    epoch = int(os.environ.get("SOURCE_DATE_EPOCH", "0"))
+    blobs, manifests, names = {}, [], set()
+    for path in args.index:
+        members = read_archive(path)
+        try:
+            index = json.loads(members["index.json"])
+        except (KeyError, ValueError) as e:
+            raise BuildError(f"{path}: not an OCI archive of .ci/build-image.py: no index.json ({e})")
+        for desc in index.get("manifests", []):
+            if desc.get("mediaType") != MEDIA_MANIFEST or "platform" not in desc:
+                raise BuildError(f"{path}: index.json names {desc.get('mediaType')} without a platform: "
+                                 f"build each architecture's archive first (--arch)")
+            platform = desc["platform"]
+            if any(m["platform"] == platform for m in manifests):
+                raise BuildError(f"{path}: a second image for {platform['os']}/{platform['architecture']}")
+            names.add(desc.get("annotations", {}).get("io.containerd.image.name"))
+            manifests.append({k: desc[k] for k in ("mediaType", "digest", "size", "platform")})
+        for name, data in members.items():
+            if name.startswith("blobs/sha256/"):
+                if "sha256:" + hashlib.sha256(data).hexdigest() != "sha256:" + name.rsplit("/", 1)[1]:
+                    raise BuildError(f"{path}: {name} does not match its digest")
+                blobs[name] = data
+    if len(names) != 1 or None in names:
+        raise BuildError(f"the archives name different images ({', '.join(sorted(map(str, names)))}): "
+                         f"build them with the same --name and --version")
+    name = names.pop()
+    manifests.sort(key=lambda m: (m["platform"]["os"], m["platform"]["architecture"]))
+    image_index = canonical({"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": manifests})
+    digest = "sha256:" + hashlib.sha256(image_index).hexdigest()
+    blobs["blobs/sha256/" + digest.split(":")[1]] = image_index
+    top = canonical({"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [{
+        "mediaType": MEDIA_INDEX, "digest": digest, "size": len(image_index),
+        "annotations": {"io.containerd.image.name": name,
+                        "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1]},
+    }]})
+    archive = {
+        "oci-layout": (canonical({"imageLayoutVersion": "1.0.0"}), 0o644),
+        "index.json": (top, 0o644),
+    }
+    for member, data in blobs.items():
+        archive[member] = (data, 0o644)
+    with_parents(archive)
+    version = name.rsplit(":", 1)[1]
+    out = Path(args.out or ROOT / "target" / "image" / f"gpumem-{version}.oci.tar")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(tar_bytes(archive, epoch))
+    tmp.replace(out)
+    arches = ", ".join(m["platform"]["architecture"] for m in manifests)
+    return out, digest, name, arches
+
+
 def canonical(obj):
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=sorted(ARCHES), required=True)
-    p.add_argument("--gpumem", required=True, help="the release gpumem binary for --arch")
-    p.add_argument("--shim", required=True, help="libgpumem_shim.so as it ships (glibc 2.17, shim/check-abi)")
+    p.add_argument("--arch", choices=sorted(ARCHES))
+    p.add_argument("--gpumem", help="the release gpumem binary for --arch")
+    p.add_argument("--shim", help="libgpumem_shim.so as it ships (glibc 2.17, shim/check-abi)")
+    p.add_argument("--index", nargs="+", metavar="ARCHIVE",
+                   help="instead: join per-architecture archives into one multi-architecture "
+                        "image (default out target/image/gpumem-VERSION.oci.tar)")
     p.add_argument("--out", help="the archive (default target/image/gpumem-VERSION-ARCH.oci.tar)")
     p.add_argument("--name", default=DEFAULT_NAME, help=f"the repository the archive names (default {DEFAULT_NAME})")
     p.add_argument("--version", help="the tag (default: Cargo.toml's version)")
     p.add_argument("--revision", help="the commit, for the org.opencontainers.image.revision label")
     args = p.parse_args()
+    if args.index:
+        if args.arch or args.gpumem or args.shim:
+            p.error("--index joins archives already built: without --arch, --gpumem and --shim")
+    elif not (args.arch and args.gpumem and args.shim):
+        p.error("--arch, --gpumem and --shim are required (or --index ARCHIVE...)")
     try:
+        if args.index:
+            out, digest, name, arches = build_index(args)
+            print(f"{out}: {name} {digest} ({arches})")
+            return 0
         out, sbom, digest, name = build(args)
     except (BuildError, OSError) as e:
         print(f"build-image: {e}", file=sys.stderr)

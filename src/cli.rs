@@ -12,10 +12,12 @@ use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{DeviceListStrategy, Isolation, ShimConfig};
 use gpumem::isolation::statefs::{Bounding, StateFs};
 use gpumem::kubelet::podresources;
+use gpumem::node::fake::FakeHardware;
 use gpumem::node::hardware::Hardware;
 use gpumem::node::health::XidList;
+use gpumem::node::nvml::NvmlHardware;
 use gpumem::node::placement::Policy;
-use gpumem::node::processes::{self, ProcessUsage};
+use gpumem::node::processes::ProcessUsage;
 use gpumem::node::resource::{ResourceName, DEFAULT_RESOURCE_NAME};
 use gpumem::node::units::{MemorySize, MemoryUnit};
 use gpumem::ops::daemon;
@@ -159,9 +161,13 @@ pub struct FakeGpusArgs {
 }
 
 impl FakeGpusArgs {
-    /// The one hardware value the command reads GPUs through.
-    pub fn hardware(&self) -> Hardware {
-        Hardware::new(self.fake_gpus.as_deref())
+    /// The one hardware value the command reads GPUs through: the fake
+    /// file where one is given, NVML otherwise.
+    pub fn hardware(&self) -> Box<dyn Hardware> {
+        match &self.fake_gpus {
+            Some(path) => Box::new(FakeHardware::new(path)),
+            None => Box::new(NvmlHardware::default()),
+        }
     }
 }
 
@@ -320,9 +326,9 @@ impl ReconcileArgs {
         (self.reconcile_secs != 0).then(|| Duration::from_secs(self.reconcile_secs))
     }
 
-    pub fn source(&self, hardware: &Hardware) -> Option<(Box<dyn ProcessUsage>, Duration)> {
+    pub fn source(&self, hardware: &dyn Hardware) -> Option<(Box<dyn ProcessUsage>, Duration)> {
         let every = self.every()?;
-        processes::source_for(hardware).map(|source| (source, every))
+        hardware.processes().map(|source| (source, every))
     }
 }
 
@@ -775,7 +781,7 @@ impl DaemonArgs {
     /// What `daemon::start` needs from the flags both front ends share.
     pub fn node<'a>(
         &'a self,
-        hardware: &'a Hardware,
+        hardware: &'a dyn Hardware,
         unit: MemoryUnit,
         node_name: Option<&'a str>,
     ) -> daemon::NodeConfig<'a> {

@@ -4,11 +4,11 @@
 //! reconciles it with what the driver really holds.
 
 pub mod accounting;
-pub mod attribution;
 pub mod cdi;
 pub mod cleanup;
 pub mod containers;
 pub mod enforce;
+pub mod identity;
 pub mod inject;
 pub mod install;
 pub mod reconcile;

@@ -117,7 +117,7 @@ async fn plugin(args: PluginArgs) -> anyhow::Result<()> {
     let unit = args.resource.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
     let node_name = args.cluster.node_name.as_deref();
-    let daemon = daemon::start(args.daemon.node(&hardware, unit, node_name)).await?;
+    let daemon = daemon::start(args.daemon.node(&*hardware, unit, node_name)).await?;
     gpumem::deviceplugin::list::warn_of_slow_kubelet_restarts(&daemon.inventory);
     info!(
         %unit,
@@ -155,7 +155,7 @@ async fn dra_driver(args: DraArgs) -> anyhow::Result<()> {
     let unit = args.memory_unit;
     let hardware = args.daemon.node.fake_gpus.hardware();
     let facts = hardware.facts()?;
-    let daemon = daemon::start(args.daemon.node(&hardware, unit, Some(&args.node_name))).await?;
+    let daemon = daemon::start(args.daemon.node(&*hardware, unit, Some(&args.node_name))).await?;
     info!(
         driver = %args.driver_name,
         node = %args.node_name,
@@ -271,7 +271,7 @@ async fn exec(args: ExecArgs) -> anyhow::Result<ExitCode> {
         shim: exec::find_shim(args.shim, "--shim")?,
         context_charge_mib: args.context.context_charge_mib,
         only_selected,
-        reconcile: args.reconcile.source(&hardware),
+        reconcile: args.reconcile.source(&*hardware),
         command: args.command,
     })
     .await;
@@ -303,7 +303,7 @@ async fn inspect(args: InspectArgs) -> anyhow::Result<()> {
     let status = inspect::status(
         plugin.as_deref(),
         inspect::DirectRead {
-            hardware: &args.node.fake_gpus.hardware(),
+            hardware: &*args.node.fake_gpus.hardware(),
             unit: args.resource.memory_unit,
             resource_name: &args.resource.resource_name,
             pod_resources_socket: &args.node.pod_resources_socket,

@@ -3,10 +3,12 @@
 //! GPU is healthy and which processes hold its memory. Knows nothing of
 //! kubelet, the shim or the cluster.
 
+pub mod fake;
 pub mod gpu;
 pub mod hardware;
 pub mod health;
 pub mod inventory;
+pub mod nvml;
 pub mod placement;
 pub mod processes;
 pub mod quantity;

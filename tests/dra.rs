@@ -852,7 +852,7 @@ async fn a_claim_over_its_cap_loses_its_process_and_its_pod_gets_an_event() {
     assert_eq!(event.pointer("/regarding/name"), Some(&"nb".into()));
 }
 
-/// Issue 29, item 2, for claims: a process of a claim's pod that made a
+/// A claim's escape by shedding mounts: a process of a claim's pod that made a
 /// mount namespace of its own and left the claim's directory behind, in a
 /// pod where no process holds a slot, is found by its cgroup (the pod the
 /// claim was reserved for) and killed over the claim's cap.
@@ -1674,7 +1674,7 @@ async fn device_health_is_served_to_v1_and_v1beta1_kubelets_until_shutdown() {
     assert!(status.success(), "{status}\n{}", driver.log());
 }
 
-/// Issue 29, item 3, for claims: a tenant that writes all it can into its
+/// A claim's tenant filling its state: a tenant that writes all it can into its
 /// claim's directory (a file beside the accounting file, and the file
 /// grown) fills only a bounded tmpfs of its own. The next claim is still
 /// prepared (its accounting file and the checkpoint written), its
@@ -1778,4 +1778,88 @@ async fn the_startup_taint_goes_once_the_slice_offers_the_gpus() {
         "{}",
         driver.log()
     );
+}
+
+/// The chart's dashboard for a DRA node, against a real Prometheus
+/// scraping `gpumem dra`: claim `nb` (4Gi on the T4) whose container's
+/// process holds 1000 MiB after one allocation its cap refused, and a
+/// process of another pod on the GPU. Each query of the rows the DRA
+/// driver fills (nodes, GPUs, claims) answers with the claim's and the
+/// node's series, the variables offer the node and the claim's namespace,
+/// and the figures are the claim's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dra_dashboard_query_returns_its_series() {
+    use common::prometheus::{check_dashboard, static_scrape, Prometheus, DRA_ROWS};
+    let host = Host::new();
+    let api = api().await;
+    // The T4 with NVML's sensors, and a stranger's process on it.
+    let stranger_cgroup = format!(
+        "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/\
+         cri-containerd-{}.scope\n",
+        "0a1b2c3d_4e5f_4678_9abc_def012345678",
+        "b".repeat(64)
+    );
+    let gpus = host.path("node.toml");
+    let base = std::fs::read_to_string(fixture("t4")).unwrap();
+    std::fs::write(
+        &gpus,
+        format!(
+            "{base}utilization_percent = 87\ntemperature_celsius = 64\npower_watts = 70\n\
+             [[gpu.process]]\npid = 900003\nused_mib = 200\nsm_percent = 15\n\
+             cgroup = {stranger_cgroup:?}\n"
+        ),
+    )
+    .unwrap();
+    let no_kubelet = host.path("no-kubelet.sock");
+    let flags = ["--reconcile-secs", "1"];
+    let driver = Driver::start_custom(&host, &api, &no_kubelet, &gpus, &flags).await;
+    let kubelet = kubelet_1_34(&host).await;
+    api.put(claim("nb", &uid(1), &[("gpu-0", Some("4Gi"), None)]));
+    let refs = [claim_ref("nb", &uid(1))];
+    prepare_all(&kubelet, &driver, &refs).await;
+    let state = container_state(&host, &refs);
+    let mut holder = common::Killed(
+        common::shim_kit()
+            .probe(Some(&state))
+            .args(["alloc:1000", "alloc:5000", "hold"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    common::wait_for_line(&mut holder, "holding");
+
+    let dir = host.path("prometheus");
+    std::fs::create_dir_all(&dir).unwrap();
+    let prometheus = Prometheus::start(&dir, &static_scrape(driver.metrics.port()));
+    let logs = || {
+        format!(
+            "driver:\n{}\nprometheus:\n{}",
+            driver.log(),
+            prometheus.log()
+        )
+    };
+    check_dashboard(
+        &prometheus,
+        DRA_ROWS,
+        &[("claim", "nb"), ("Hostname", NODE)],
+        &[("node", NODE), ("namespace", "default")],
+        logs,
+    )
+    .await;
+
+    // The claim's figures: its cap counted on its GPU, the holder's use
+    // (1000 MiB and the fake driver's 300 MiB context), the refusal, and
+    // the API server's consumable capacity kept.
+    for (expr, expected) in [
+        ("gpumem_claim_cap_bytes", "4294967296"),
+        ("gpumem_gpu_allocated_bytes", "4294967296"),
+        ("gpumem_claim_used_bytes", "1363148800"),
+        ("gpumem_claim_peak_bytes", "1363148800"),
+        ("gpumem_claim_refused_allocations_total", "1"),
+        ("gpumem_dra_consumable_capacity", "1"),
+    ] {
+        let series = prometheus.query(expr).await;
+        assert_eq!(series.len(), 1, "{expr}: {series:?}\n{}", logs());
+        assert_eq!(series[0]["@value"], expected, "{expr}: {series:?}");
+    }
 }

@@ -274,7 +274,7 @@ fn in_pod(uid: &str, id: char) -> String {
     )
 }
 
-/// Issue 29, item 2: a tenant allowed a user namespace (`unshare -Urm`,
+/// A tenant that sheds its mounts: one allowed a user namespace (`unshare -Urm`,
 /// `pivot_root` into a root without /var/run/gpumem) sheds the container's
 /// mounts before it reaches the GPU, and no process of its container ever
 /// held a slot. Its cgroup, which it cannot leave, names its pod, and
@@ -495,8 +495,8 @@ async fn a_container_over_its_cap_loses_its_newest_process_after_the_grace_perio
 }
 
 /// A tenant over its cap in bursts shorter than the grace period, with
-/// shorter pauses under it between them (issue 29: 9 s over, 2.3 s under,
-/// with the defaults), is stopped: what counts is its time over the cap
+/// shorter pauses under it between them (a tenant seen
+/// doing 9 s over, 2.3 s under, with the defaults), is stopped: what counts is its time over the cap
 /// within the window, not an unbroken run of samples over it.
 #[tokio::test]
 async fn a_container_over_its_cap_in_bursts_shorter_than_the_grace_period_is_stopped() {

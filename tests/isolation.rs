@@ -231,7 +231,7 @@ impl Mounting {
     }
 }
 
-/// Issue 29, item 3: a tenant that writes all it can into its state
+/// A tenant filling its state directory: one that writes all it can into its state
 /// directory (a file beside the accounting file, and the accounting file
 /// grown) fills only a bounded file system of its own. The next pod's
 /// Allocate still writes its accounting file, its process is capped by the

@@ -1,7 +1,8 @@
 //! The monitoring the chart ships, against a real Prometheus: Debian's
 //! `prometheus` scrapes a running `gpumem plugin` on a fake node with pods and
-//! load, and every query of the Grafana dashboard returns the series it
-//! should; `promtool test rules` proves each alert fires and clears.
+//! load, and every query of the Grafana dashboard's rows that the device
+//! plugin fills returns the series it should (tests/dra.rs checks the DRA
+//! driver's); `promtool test rules` proves each alert fires and clears.
 //!
 //! Needs `prometheus` and `promtool` on PATH (Debian and Ubuntu: `apt-get
 //! install prometheus`; `.ci/run` installs them). Without them the tests
@@ -16,7 +17,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::wait::{eventually, poll, POLL};
+use common::prometheus::{
+    check_dashboard, free_port, get, prometheus_tool, query, repo, static_scrape, Prometheus,
+    PLUGIN_ROWS,
+};
+use common::wait::{eventually, POLL};
 use common::{shim_kit, Killed, RESOURCE, WAIT};
 use gpumem_testkit::simulator::KubeletSim;
 use serde_json::Value;
@@ -26,31 +31,6 @@ const T4: &str = "GPU-6b1c2d3e-0000-4000-8000-000000000400";
 const NODE: &str = "gpu-node-1";
 /// A pod gpumem did not place, whose process reached the GPU anyway.
 const STRANGER_POD: &str = "0a1b2c3d-4e5f-4678-9abc-def012345678";
-/// Prometheus starts, reads its first scrapes and answers within this.
-const PROMETHEUS_WAIT: Duration = Duration::from_secs(60);
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
-
-/// `name` from PATH, or a failure that says how to install it.
-fn prometheus_tool(name: &str) -> PathBuf {
-    let found = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join(name))
-            .find(|p| p.is_file())
-    });
-    found.unwrap_or_else(|| {
-        panic!(
-            "{name} is not installed, and the monitoring tests need a real Prometheus: on \
-             Debian or Ubuntu run `apt-get update && apt-get install -y prometheus` (it gives \
-             /usr/bin/prometheus and /usr/bin/promtool; stop the service it may start with \
-             `systemctl disable --now prometheus`), elsewhere put the binaries of a Prometheus \
-             release (2.x or later) on PATH"
-        )
-    })
-}
-
 /// `gpumem plugin` as the chart runs it, registered with the simulated
 /// kubelet, on a fake node under one directory: the shim installed,
 /// reconciling every second, metrics on a free port.
@@ -139,74 +119,6 @@ fn each_alert_fires_and_clears() {
     }
 }
 
-/// A port nothing listens on now.
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
-/// A real Prometheus in a directory of its own on a port of its own,
-/// scraping and evaluating every second with the chart's rules loaded.
-struct Prometheus {
-    port: u16,
-    log: PathBuf,
-    _process: Killed,
-}
-
-impl Prometheus {
-    /// With `scrape` (the config's `scrape_configs:` section) in `dir`.
-    fn start(dir: &Path, scrape: &str) -> Prometheus {
-        let config = dir.join("prometheus.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
-                 rule_files:\n  - {rules:?}\n{scrape}",
-                rules = repo("deploy/helm/gpumem/monitoring/gpumem.rules.yaml")
-            ),
-        )
-        .unwrap();
-        let port = free_port();
-        let log = dir.join("prometheus.log");
-        let process = Command::new(prometheus_tool("prometheus"))
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("tsdb").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        Prometheus {
-            port,
-            log,
-            _process: Killed(process),
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-/// GET over HTTP/1.0 (no chunked answer to decode): the status and body,
-/// or `None` while nothing listens.
-async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .ok()?;
-    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.ok()?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.ok()?;
-    let code = response.get(9..12)?.parse().ok()?;
-    let (_, body) = response.split_once("\r\n\r\n")?;
-    Some((code, body.to_owned()))
-}
-
 /// GET `path` asking for `accept`: the Content-Type and the body.
 async fn get_accepting(port: u16, path: &str, accept: &str) -> (String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -229,102 +141,12 @@ async fn get_accepting(port: u16, path: &str, accept: &str) -> (String, String) 
     (content_type, body.to_owned())
 }
 
-/// Percent-encodes a query parameter.
-fn encode(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// The series Prometheus answers `query` with, now.
-async fn query(port: u16, query: &str) -> Vec<BTreeMap<String, String>> {
-    let path = format!("/api/v1/query?query={}", encode(query));
-    let Some((200, body)) = get(port, &path).await else {
-        return Vec::new();
-    };
-    let answer: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(answer["status"], "success", "{query}: {body}");
-    answer["data"]["result"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|series| {
-            let mut labels: BTreeMap<String, String> =
-                serde_json::from_value(series["metric"].clone()).unwrap();
-            labels.insert("@value".into(), series["value"][1].as_str().unwrap().into());
-            labels
-        })
-        .collect()
-}
-
-/// What `query` answers once `done` holds, or PROMETHEUS_WAIT after
-/// `started` (Prometheus scrapes and evaluates every second).
-async fn query_until(
-    port: u16,
-    expr: &str,
-    started: Instant,
-    done: impl Fn(&[BTreeMap<String, String>]) -> bool,
-) -> Vec<BTreeMap<String, String>> {
-    let left = PROMETHEUS_WAIT.saturating_sub(started.elapsed());
-    let (Ok(series) | Err(series)) = poll(left, Duration::from_millis(250), async || {
-        let series = query(port, expr).await;
-        if done(&series) {
-            Ok(series)
-        } else {
-            Err(series)
-        }
-    })
-    .await;
-    series
-}
-
-/// A `scrape_configs:` section scraping the plugin's metrics on `port`.
-fn static_scrape(port: u16) -> String {
-    format!(
-        "scrape_configs:\n  - job_name: gpumem\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
-    )
-}
-
 fn both_logs(plugin: &ChartPlugin, prometheus: &Prometheus) -> String {
     format!(
         "plugin:\n{}\nprometheus:\n{}",
         plugin.log(),
         prometheus.log()
     )
-}
-
-/// Each query of the dashboard with its panel's title and legend, the
-/// template variables as "All" selects them (`.*`) and Grafana's interval
-/// as a minute.
-fn dashboard_queries() -> Vec<(String, String, String)> {
-    let path = repo("deploy/helm/gpumem/monitoring/gpumem-dashboard.json");
-    let dashboard: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let mut queries = Vec::new();
-    for panel in dashboard["panels"].as_array().unwrap() {
-        for target in panel["targets"].as_array().into_iter().flatten() {
-            let expr = target["expr"].as_str().unwrap();
-            let expr = expr
-                .replace("$__rate_interval", "1m")
-                .replace("$node", ".*")
-                .replace("$namespace", ".*");
-            assert!(
-                !expr.contains('$'),
-                "a variable this test does not set: {expr}"
-            );
-            queries.push((
-                panel["title"].as_str().unwrap().to_owned(),
-                expr,
-                target["legendFormat"].as_str().unwrap_or("").to_owned(),
-            ));
-        }
-    }
-    assert!(queries.len() > 10, "{queries:?}");
-    queries
 }
 
 /// The fake T4 with the readings NVML would give, the pod's holder at
@@ -347,7 +169,6 @@ fn node_file(holder: u32) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_returns_its_series() {
-    let queries = dashboard_queries();
     let dir = tempfile::tempdir().unwrap();
     let gpus = dir.path().join("node.toml");
     common::rewrite_fake_gpus(
@@ -377,19 +198,16 @@ async fn every_dashboard_query_returns_its_series() {
     let prometheus_port = prometheus.port;
     let logs = || both_logs(&plugin, &prometheus);
 
-    // Each query, until it answers with what it should (the pod's processes
-    // are attributed at the plugin's next reconciliation, and a rate needs
-    // two scrapes).
-    let started = Instant::now();
-    for (panel, expr, legend) in &queries {
-        let series = query_until(prometheus_port, expr, started, |s| {
-            answers(s, legend).is_ok()
-        })
-        .await;
-        if let Err(why) = answers(&series, legend) {
-            panic!("panel {panel:?}: {expr}: {why}: {series:?}\n{}", logs());
-        }
-    }
+    // Each query of the rows the device plugin fills answers with the
+    // pod's and the node's series, and the variables offer them.
+    check_dashboard(
+        &prometheus,
+        PLUGIN_ROWS,
+        &[("pod", "nb"), ("Hostname", NODE)],
+        &[("node", NODE), ("namespace", "default")],
+        logs,
+    )
+    .await;
 
     // And the values are the node's: the pod's memory next to its GPU's
     // utilisation, temperature and power, its SMs, and the stranger.
@@ -520,7 +338,9 @@ async fn per_pod_series_keep_the_tenants_labels_behind_prometheus_operator() {
         ("PodMonitor", "kube-system/gpumem"),
     ] {
         let expr = format!("gpumem_container_cap_bytes{{job={job:?}}}");
-        let series = query_until(prometheus.port, &expr, started, |s| !s.is_empty()).await;
+        let series = prometheus
+            .query_until(&expr, started, |s| !s.is_empty())
+            .await;
         assert_eq!(series.len(), 1, "{kind}: {expr}: {series:?}\n{}", logs());
         let s = &series[0];
         let label = |name: &str| s.get(name).map(String::as_str);
@@ -711,34 +531,6 @@ async fn nvml_readings_and_each_pods_sm_use_reach_the_metrics() {
     .await;
 }
 
-/// Whether `series` is what a panel with legend `legend` should show: at
-/// least one series, each with every label the legend names set, and the
-/// pod's series its pod's.
-fn answers(series: &[BTreeMap<String, String>], legend: &str) -> Result<(), String> {
-    if series.is_empty() {
-        return Err("no series".into());
-    }
-    let named: Vec<&str> = legend
-        .split("{{")
-        .skip(1)
-        .filter_map(|part| part.split_once("}}").map(|(name, _)| name.trim()))
-        .collect();
-    for s in series {
-        for label in &named {
-            if s.get(*label).is_none_or(String::is_empty) {
-                return Err(format!("a series without {label}"));
-            }
-        }
-        if named.contains(&"pod") && s["pod"] != "nb" {
-            return Err(format!("pod {:?}, not nb", s["pod"]));
-        }
-        if named.contains(&"Hostname") && s["Hostname"] != NODE {
-            return Err(format!("Hostname {:?}, not {NODE}", s["Hostname"]));
-        }
-    }
-    Ok(())
-}
-
 /// arena's query of a node's GPUs (kubeflow/arena pkg/prometheus,
 /// `NODE_METRIC_TMP`), and of pods' (`POD_METRIC_TMP`).
 const ARENA_SERIES: &str =
@@ -780,14 +572,15 @@ async fn arenas_queries_find_each_gpus_and_pods_memory() {
 
     // The pod's memory, once reconciled (1300 MiB by NVML) and scraped.
     let by_node = format!(r#"{{__name__=~"{ARENA_SERIES}", node_name=~"{NODE}"}}"#);
-    let series = query_until(prometheus.port, &by_node, Instant::now(), |series| {
-        series.iter().any(|s| {
-            s["__name__"] == "nvidia_gpu_memory_used_bytes"
-                && s.get("pod_name").map(String::as_str) == Some("nb")
-                && s["@value"] == "1363148800"
+    let series = prometheus
+        .query_until(&by_node, Instant::now(), |series| {
+            series.iter().any(|s| {
+                s["__name__"] == "nvidia_gpu_memory_used_bytes"
+                    && s.get("pod_name").map(String::as_str) == Some("nb")
+                    && s["@value"] == "1363148800"
+            })
         })
-    })
-    .await;
+        .await;
     let logs = || both_logs(&plugin, &prometheus);
     let of = |name: &str| -> Vec<&BTreeMap<String, String>> {
         series.iter().filter(|s| s["__name__"] == name).collect()

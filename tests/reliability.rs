@@ -14,7 +14,7 @@ use gpumem::deviceplugin::api::deviceplugin::{
     AllocateRequest, ContainerAllocateRequest, ContainerPreferredAllocationRequest,
     PreferredAllocationRequest,
 };
-use gpumem::node::gpu::FakeGpus;
+use gpumem::node::fake::FakeGpus;
 use gpumem::node::placement::Policy;
 use gpumem::node::units::MemoryUnit;
 use gpumem_testkit::simulator::KubeletSim;

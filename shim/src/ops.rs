@@ -27,10 +27,13 @@ const PRIVATE_SLOT: usize = usize::MAX - 1;
 static OPENING: AtomicUsize = AtomicUsize::new(0);
 
 /// Pauses between the retries of a charge that lost a race near the cap:
-/// together (about 5 ms) long enough for a racer that will back out to do
-/// so even if it was preempted in between, short next to what an
-/// out-of-memory error costs a program anyway.
-const RETRY_PAUSES_US: [u64; 10] = [0, 0, 20, 50, 100, 200, 400, 800, 1600, 2000];
+/// together (about 50 ms, the charge lock's own patience) long enough for
+/// a racer that will back out to do so even if a busy node left it waiting
+/// for a CPU in between, short next to what an out-of-memory error costs a
+/// program anyway. Only a charge that stays refused waits them all.
+const RETRY_PAUSES_US: [u64; 13] = [
+    0, 0, 20, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800, 25000,
+];
 
 /// A process's view of its container's accounting files: the one in the
 /// state directory (Allocate's, or a claim's mounted there before claims

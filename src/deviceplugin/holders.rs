@@ -18,7 +18,7 @@ use crate::deviceplugin::checkpoint;
 use crate::error_text::{chain, one_line};
 use crate::isolation::cleanup::Holders;
 use crate::isolation::containers::ContainerName;
-use crate::isolation::reconcile::{PodDirs, PodGrants};
+use crate::isolation::reconcile::attribution::{PodDirs, PodGrants};
 use crate::kubelet::podresources::PodResources;
 use crate::sync::LockExt;
 

@@ -23,7 +23,7 @@ use crate::isolation::accounting::{self, Cap, Durability};
 use crate::isolation::cdi::{self, SpecDir};
 use crate::isolation::containers::{ContainerDir, ContainerName};
 use crate::isolation::inject::{self, ClaimGpu, Isolation, ShimConfig};
-use crate::isolation::reconcile::PodGrants;
+use crate::isolation::reconcile::attribution::PodGrants;
 use crate::node::inventory::Inventory;
 use crate::node::quantity;
 use crate::sync::LockExt;

@@ -852,7 +852,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::node::gpu::{FakeGpus, GpuSource};
+    use crate::node::fake::FakeGpus;
     use gpumem_testkit::fake_apiserver::{FakeApiServer, Kind};
 
     const NODE: &str = "gpu-node-1";
@@ -862,7 +862,7 @@ mod tests {
 
     fn t4() -> Vec<Gpu> {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpus/t4.toml");
-        FakeGpus::from_file(&path).unwrap().discover().unwrap()
+        FakeGpus::from_file(&path).unwrap().gpus()
     }
 
     fn gpu(index: u32, memory_mib: u64) -> Gpu {

@@ -276,14 +276,14 @@ impl ContainerDir {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node::gpu::{FakeGpus, GpuSource};
+    use crate::node::fake::FakeGpus;
     use crate::node::units::MemoryUnit;
 
     fn t4() -> Inventory {
         let text = "[[gpu]]\nuuid = \"GPU-6b1c2d3e-0000-4000-8000-000000000400\"\n\
                     name = \"Tesla T4\"\nmemory_mib = 15079\n";
         let gpus = FakeGpus::parse(text, Path::new("t4.toml"))
-            .and_then(|fake| fake.discover())
+            .map(|fake| fake.gpus())
             .unwrap();
         Inventory::new(gpus, MemoryUnit::GiB).unwrap()
     }

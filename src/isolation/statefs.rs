@@ -39,7 +39,7 @@ pub enum Bounding {
 
 /// The tmpfs's source, which every mount table that shows it names:
 /// `gpumem-state:<directory name>`, so a container's processes are still
-/// found by their mounts (`attribution::MountScan`).
+/// found by their mounts (`identity::MountScan`).
 pub const SOURCE_PREFIX: &str = "gpumem-state:";
 
 /// Inodes a directory's tmpfs may hold: its root, the accounting file and

@@ -4,7 +4,6 @@
 
 use crate::error_text::{chain, one_line};
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,8 +11,6 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::node::gpu::{FakeGpus, GpuSource};
-use crate::node::hardware::Hardware;
 use crate::node::inventory::Inventory;
 
 /// XIDs caused by applications, not hardware: the GPU stays usable. The
@@ -84,51 +81,6 @@ pub struct HealthChange {
 /// `timeout` and returns whatever changed meanwhile.
 pub trait HealthWatch: Send + 'static {
     fn poll(&mut self, timeout: Duration) -> Vec<HealthChange>;
-}
-
-/// Health from the fake GPU file: edit `healthy = false` in it and the GPU
-/// goes Unhealthy; set it back and it recovers.
-pub struct FakeHealth {
-    path: PathBuf,
-    last: HashMap<String, bool>,
-}
-
-impl FakeHealth {
-    pub fn new(path: &Path) -> Self {
-        let mut watch = FakeHealth {
-            path: path.to_owned(),
-            last: HashMap::new(),
-        };
-        watch.read();
-        watch
-    }
-
-    /// Re-reads the (small) file every tick.
-    fn read(&mut self) -> Vec<HealthChange> {
-        // A half-written or broken edit is ignored until it parses.
-        let Ok(gpus) = FakeGpus::from_file(&self.path).and_then(|f| f.discover()) else {
-            return Vec::new();
-        };
-        let mut changes = Vec::new();
-        for gpu in gpus {
-            let before = self.last.insert(gpu.uuid.clone(), gpu.healthy);
-            if before.is_some_and(|b| b != gpu.healthy) {
-                changes.push(HealthChange {
-                    uuid: gpu.uuid,
-                    healthy: gpu.healthy,
-                    reason: format!("healthy = {} in {}", gpu.healthy, self.path.display()),
-                });
-            }
-        }
-        changes
-    }
-}
-
-impl HealthWatch for FakeHealth {
-    fn poll(&mut self, timeout: Duration) -> Vec<HealthChange> {
-        std::thread::sleep(timeout);
-        self.read()
-    }
 }
 
 /// XIDs after which the GPU must be reset before it is trusted again. In
@@ -234,7 +186,7 @@ impl NvmlHealth {
         let nvml_err =
             |e: nvml_wrapper::error::NvmlError| crate::node::gpu::GpuError::Nvml(one_line(&e));
         let count = nvml.device_count().map_err(nvml_err)?;
-        // A GPU that cannot be read is not advertised (see `NvmlGpus`):
+        // A GPU that cannot be read is not advertised (see `NvmlHardware`):
         // the others are watched.
         let (indices, uuids): (Vec<u32>, Vec<String>) = (0..count)
             .filter_map(|index| {
@@ -632,27 +584,6 @@ fn applied(inv: &Inventory, change: &HealthChange) -> Option<Inventory> {
     inv.with_health(&change.uuid, change.healthy)
 }
 
-/// The health watch for the hardware: the fake file, or NVML.
-pub fn watch_for(
-    hardware: &Hardware,
-    ignored: &[u64],
-    recovery: Duration,
-) -> Option<Box<dyn HealthWatch>> {
-    match hardware {
-        Hardware::Fake(path) => Some(Box::new(FakeHealth::new(path))),
-        Hardware::Nvml(nvml) => match nvml
-            .usable()
-            .and_then(|nvml| NvmlHealth::new(nvml, ignored, recovery))
-        {
-            Ok(watch) => Some(Box::new(watch)),
-            Err(err) => {
-                warn!(err = %chain(&err), "GPU health checks disabled");
-                None
-            }
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -692,32 +623,5 @@ mod tests {
         // NVIDIA device plugin does; an empty --ignore-xids brings it back.
         assert_eq!(xid_action(109, &HashSet::new()), XidAction::Reset);
         assert_eq!(xid_action(48, &[48].into()), XidAction::Ignore);
-    }
-
-    #[test]
-    fn fake_file_edits_become_changes() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("node.toml");
-        let write = |healthy: bool| {
-            std::fs::write(
-                &path,
-                format!("[[gpu]]\nuuid = \"GPU-a\"\nname = \"T4\"\nmemory_mib = 15079\nhealthy = {healthy}\n"),
-            )
-            .unwrap();
-        };
-        write(true);
-        let mut watch = FakeHealth::new(&path);
-        assert!(watch.poll(Duration::ZERO).is_empty());
-        write(false);
-        let changes = watch.poll(Duration::ZERO);
-        assert_eq!(changes.len(), 1);
-        assert!(!changes[0].healthy && changes[0].uuid == "GPU-a");
-        std::fs::write(&path, "[[gpu]]\nuuid = ").unwrap();
-        assert!(
-            watch.poll(Duration::ZERO).is_empty(),
-            "broken edits are ignored"
-        );
-        write(true);
-        assert!(watch.poll(Duration::ZERO)[0].healthy);
     }
 }

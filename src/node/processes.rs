@@ -4,12 +4,11 @@
 use crate::error_text::{chain, one_line};
 use std::io::BufRead;
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use tracing::{debug, warn};
+use tracing::debug;
 
-use crate::node::gpu::{FakeGpus, GpuError, ProcessMemory};
-use crate::node::hardware::Hardware;
+use crate::node::gpu::{GpuError, ProcessMemory};
 
 /// The most bytes read of any one `/proc/<pid>/<name>` file. A process can
 /// make its own files long (20,000 stacked mounts make a 145 MiB
@@ -45,7 +44,7 @@ pub fn read_lines(path: &Path, each: &mut dyn FnMut(&str) -> ControlFlow<()>) ->
 }
 
 /// [`read_lines`] from what `source` reads.
-fn read_lines_from(
+pub(crate) fn read_lines_from(
     source: impl std::io::Read,
     each: &mut dyn FnMut(&str) -> ControlFlow<()>,
 ) -> Option<Read> {
@@ -228,7 +227,7 @@ pub struct NvmlProcesses {
 }
 
 impl NvmlProcesses {
-    /// Reads through the process's NVML ([`Hardware`](crate::node::hardware::Hardware)'s).
+    /// Reads through the process's NVML ([`NvmlHardware`](crate::node::nvml::NvmlHardware)'s).
     pub fn new(nvml: &'static nvml_wrapper::Nvml) -> Self {
         NvmlProcesses { nvml }
     }
@@ -265,81 +264,6 @@ impl ProcessUsage for NvmlProcesses {
             }
         }
         Ok(memory)
-    }
-}
-
-/// The `[[gpu.process]]` tables of a fake GPU file, re-read on every call
-/// so tests can change them while the daemon runs; a process's `cgroup`
-/// and `mountinfo` there stand in for its files under `/proc/<pid>/`.
-pub struct FakeProcesses {
-    path: PathBuf,
-    last: Option<FakeGpus>,
-}
-
-impl FakeProcesses {
-    pub fn new(path: &Path) -> Self {
-        FakeProcesses {
-            path: path.to_owned(),
-            last: None,
-        }
-    }
-}
-
-impl FakeProcesses {
-    /// What the file last read says `/proc/<pid>/<name>` holds.
-    fn fake_file(&self, pid: u32, name: &str) -> Option<&str> {
-        self.last.as_ref()?.proc_file(pid, name)
-    }
-}
-
-impl ProcessUsage for FakeProcesses {
-    fn usage(&mut self) -> Result<ProcessMemory, GpuError> {
-        let fake = FakeGpus::from_file(&self.path)?;
-        let memory = fake.processes().clone();
-        self.last = Some(fake);
-        Ok(memory)
-    }
-}
-
-impl ProcFiles for FakeProcesses {
-    fn proc_stat(&self, pid: u32) -> Option<ProcStat> {
-        let Some(text) = self.fake_file(pid, "stat") else {
-            return proc_stat(Path::new("/proc"), pid);
-        };
-        // The fake process's `stat` stands for all of its threads'.
-        let start = gpumem_layout::protocol::start_time_in_stat(text)?;
-        Some(ProcStat {
-            start,
-            exiting: exiting_in_stat(text),
-            thread: pid,
-        })
-    }
-
-    fn proc_lines(
-        &self,
-        pid: u32,
-        thread: u32,
-        name: &str,
-        each: &mut dyn FnMut(&str) -> ControlFlow<()>,
-    ) -> Option<Read> {
-        match self.fake_file(pid, name) {
-            Some(text) => read_lines_from(text.as_bytes(), each),
-            None => proc_lines(Path::new("/proc"), pid, thread, name, each),
-        }
-    }
-}
-
-/// The per-process usage source for the hardware: the fake file, or NVML.
-pub fn source_for(hardware: &Hardware) -> Option<Box<dyn ProcessUsage>> {
-    match hardware {
-        Hardware::Fake(path) => Some(Box::new(FakeProcesses::new(path))),
-        Hardware::Nvml(nvml) => match nvml.usable() {
-            Ok(nvml) => Some(Box::new(NvmlProcesses::new(nvml))),
-            Err(err) => {
-                warn!(err = %chain(&err), "untracked GPU memory is not reconciled");
-                None
-            }
-        },
     }
 }
 

@@ -3,12 +3,11 @@
 
 use crate::error_text::chain;
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use nvml_wrapper::enum_wrappers::device::TemperatureSensor;
 use tracing::debug;
 
-use crate::node::gpu::{FakeGpus, GpuError};
+use crate::node::gpu::GpuError;
 
 /// One GPU's readings. Each is optional: a GPU or driver that does not
 /// support one (power on some boards, temperature under vGPU) leaves it out
@@ -35,21 +34,28 @@ pub struct Readings {
     pub process_sm: ProcessSm,
 }
 
-/// Where readings come from; owned, so the metrics endpoint can keep it.
-#[derive(Clone)]
-pub enum Sensors {
-    Nvml(&'static nvml_wrapper::Nvml),
-    /// A fake GPU file, read again at every look (tests change it).
-    Fake(PathBuf),
+/// The seam where sensor readings enter: NVML on a node, the fake GPU file
+/// in tests and the demo. Shared, so the metrics endpoint can keep it.
+pub trait Sensors: Send + Sync {
+    /// Reads every GPU. Blocking (NVML, or a file).
+    fn read(&self) -> Result<Readings, GpuError>;
 }
 
-impl Sensors {
-    /// Reads every GPU. Blocking (NVML, or a file).
-    pub fn read(&self) -> Result<Readings, GpuError> {
-        match self {
-            Sensors::Fake(path) => Ok(FakeGpus::from_file(path)?.readings().clone()),
-            Sensors::Nvml(nvml) => Ok(read_nvml(nvml)),
-        }
+/// The sensors NVML reads.
+pub struct NvmlSensors {
+    nvml: &'static nvml_wrapper::Nvml,
+}
+
+impl NvmlSensors {
+    /// Reads through the process's NVML ([`NvmlHardware`](crate::node::nvml::NvmlHardware)'s).
+    pub fn new(nvml: &'static nvml_wrapper::Nvml) -> Self {
+        NvmlSensors { nvml }
+    }
+}
+
+impl Sensors for NvmlSensors {
+    fn read(&self) -> Result<Readings, GpuError> {
+        Ok(read_nvml(self.nvml))
     }
 }
 

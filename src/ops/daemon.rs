@@ -4,6 +4,7 @@
 //! its own file, all stopped by one token.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -17,9 +18,9 @@ use crate::isolation::inject::{Isolation, ShimConfig};
 use crate::isolation::reconcile::{self, Reconciler};
 use crate::isolation::statefs::{Bounding, Unbounded};
 use crate::node::hardware::Hardware;
-use crate::node::health::{self, HealthWatch};
+use crate::node::health::HealthWatch;
 use crate::node::inventory::Inventory;
-use crate::node::processes::{self, ProcessUsage};
+use crate::node::processes::ProcessUsage;
 use crate::node::sensors::Sensors;
 use crate::node::units::MemoryUnit;
 use crate::ops::metrics;
@@ -52,7 +53,7 @@ pub struct Common {
     /// containers' charges (shim isolation only).
     pub reconcile: Option<(Box<dyn ProcessUsage>, Duration)>,
     /// The GPUs' sensors, for the metrics endpoint.
-    pub sensors: Option<Sensors>,
+    pub sensors: Option<Arc<dyn Sensors>>,
     /// The node's name, as the metrics label each GPU's series.
     pub hostname: String,
     /// Also serve the series arena reads (`--arena-metrics`).
@@ -156,7 +157,7 @@ fn lock_front_end(
 
 /// What both front ends start the same way, from the flags they share.
 pub struct NodeConfig<'a> {
-    pub hardware: &'a Hardware,
+    pub hardware: &'a dyn Hardware,
     pub unit: MemoryUnit,
     /// `--metrics-addr`, not yet parsed.
     pub metrics_addr: &'a str,
@@ -228,12 +229,12 @@ pub async fn start(config: NodeConfig<'_>) -> Result<Started, StartError> {
         ),
         None => None,
     };
-    let health = health::watch_for(hardware, config.ignore_xids, config.health_recovery);
+    let health = hardware.health(config.ignore_xids, config.health_recovery);
     let shutdown = CancellationToken::new();
     tokio::spawn(stop_on_signal(shutdown.clone()));
     let reconcile = config
         .reconcile
-        .and_then(|every| processes::source_for(hardware).map(|source| (source, every)));
+        .and_then(|every| hardware.processes().map(|source| (source, every)));
     Ok(Started {
         inventory,
         health,

@@ -17,7 +17,8 @@ use crate::deviceplugin::plugin::{Plugin, PluginConfig, PluginError};
 use crate::isolation::cdi::SpecDir;
 use crate::isolation::inject::{env, DeviceListStrategy, Isolation, ShimConfig, SHIM_LIBRARY};
 use crate::isolation::statefs::StateFs;
-use crate::node::gpu::{FakeGpus, Gpu, GpuError, GpuSource};
+use crate::node::fake::FakeGpus;
+use crate::node::gpu::{Gpu, GpuError};
 use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
@@ -132,7 +133,7 @@ pub async fn run(config: DemoConfig) -> Result<String, DemoError> {
         Some(path) => FakeGpus::from_file(path)?,
         None => FakeGpus::parse(DEFAULT_NODE, Path::new("<embedded T4 node>"))?,
     };
-    let inventory = Arc::new(Inventory::new(source.discover()?, config.unit)?);
+    let inventory = Arc::new(Inventory::new(source.gpus(), config.unit)?);
     crate::deviceplugin::list::check(&inventory)?;
     let kit = tenant_kit(config.tenant_dir.as_deref())?;
     if config.dra {

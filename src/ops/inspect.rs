@@ -111,7 +111,7 @@ pub enum NodeReadError {
 /// What the node looks like, read directly where it is not asked of the
 /// running plugin.
 pub struct DirectRead<'a> {
-    pub hardware: &'a Hardware,
+    pub hardware: &'a dyn Hardware,
     pub unit: MemoryUnit,
     pub resource_name: &'a ResourceName,
     pub pod_resources_socket: &'a std::path::Path,

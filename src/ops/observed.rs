@@ -14,7 +14,8 @@ use crate::dra::registration::Registration;
 use crate::dra::slice::SliceStatus;
 use crate::isolation::enforce::Actions;
 use crate::isolation::inject::Isolation;
-use crate::isolation::reconcile::{Attribution, Overheads, Reconciler, Unmanaged};
+use crate::isolation::reconcile::attribution::SharedSnapshot;
+use crate::isolation::reconcile::{Overheads, Reconciler, Unmanaged};
 use crate::kubelet::podresources::{Holding, PodResources, PodResourcesError};
 use crate::node::inventory::Inventory;
 use crate::node::sensors::Sensors;
@@ -73,9 +74,9 @@ pub struct Observed {
     /// Whether the API server answers, where gpumem uses one.
     pub api: Option<ApiHealth>,
     /// Whose each GPU process is, where reconciled.
-    pub attribution: Option<Attribution>,
+    pub attribution: Option<SharedSnapshot>,
     /// The GPUs' sensors, where they can be read.
-    pub sensors: Option<Sensors>,
+    pub sensors: Option<Arc<dyn Sensors>>,
     /// The node's name (`Hostname` on every GPU's series, as dcgm-exporter
     /// labels its own, so the two join).
     pub hostname: String,
@@ -94,7 +95,7 @@ impl Observed {
         pod_resources: PodResources,
         isolation: Arc<Isolation>,
         reconciler: Option<&Reconciler>,
-        sensors: Option<Sensors>,
+        sensors: Option<Arc<dyn Sensors>>,
         hostname: String,
     ) -> Self {
         Observed {

@@ -19,8 +19,8 @@ use serde_json::json;
 use crate::cluster::gpushare::GPU_COUNT;
 use crate::deviceplugin::list;
 use crate::dra::slice;
+use crate::node::fake::FakeGpus;
 use crate::node::gpu::{Gpu, GpuError, NodeFacts, MAX_GPU_MEMORY_MIB};
-use crate::node::hardware::Hardware;
 use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
@@ -96,7 +96,7 @@ impl GpuChoice {
                 }
                 Ok(gpus_of("GPU", *mib, *count))
             }
-            GpuChoice::File(path) => Ok(Hardware::new(Some(path)).discover()?),
+            GpuChoice::File(path) => Ok(FakeGpus::from_file(path)?.gpus()),
         }
     }
 }

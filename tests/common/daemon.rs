@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::wait::{eventually, POLL};
@@ -13,12 +14,11 @@ use gpumem::deviceplugin::plugin::PluginConfig;
 use gpumem::isolation::enforce::OverCapAction;
 use gpumem::isolation::inject::{Isolation, ShimConfig};
 use gpumem::isolation::statefs::StateFs;
-use gpumem::node::gpu::{FakeGpus, GpuSource};
-use gpumem::node::health::FakeHealth;
+use gpumem::node::fake::FakeGpus;
+use gpumem::node::fake::FakeHealth;
+use gpumem::node::fake::{FakeProcesses, FakeSensors};
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
-use gpumem::node::processes::FakeProcesses;
-use gpumem::node::sensors::Sensors;
 use gpumem::node::units::MemoryUnit;
 use gpumem::ops::daemon::{self, Common, DaemonConfig};
 use gpumem::ops::status::NodeStatus;
@@ -385,7 +385,7 @@ pub fn spawn_daemon(
     CancellationToken,
     JoinHandle<Result<(), daemon::DaemonError>>,
 ) {
-    let gpus = FakeGpus::from_file(node_file).unwrap().discover().unwrap();
+    let gpus = FakeGpus::from_file(node_file).unwrap().gpus();
     let mut config = DaemonConfig {
         plugin: PluginConfig {
             kubelet_dir: dir.to_owned(),
@@ -397,7 +397,7 @@ pub fn spawn_daemon(
         pod_resources_socket: dir.join("no-pod-resources.sock"),
         common: Common {
             reconcile: Some((Box::new(FakeProcesses::new(node_file)), RECONCILE)),
-            sensors: Some(Sensors::Fake(node_file.to_owned())),
+            sensors: Some(Arc::new(FakeSensors::new(node_file))),
             ..Common::quiet(dir.join("state"), HOSTNAME)
         },
         cluster: None,

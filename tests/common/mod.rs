@@ -5,6 +5,7 @@
 
 pub mod cdi;
 pub mod daemon;
+pub mod prometheus;
 pub mod tenant;
 pub mod wait;
 
@@ -17,7 +18,7 @@ use gpumem::deviceplugin::api::deviceplugin::Device;
 use gpumem::deviceplugin::plugin::{Plugin, PluginConfig, PluginError, SOCKET_NAME};
 use gpumem::isolation::inject::Isolation;
 use gpumem::kubelet::unix;
-use gpumem::node::gpu::{FakeGpus, GpuSource};
+use gpumem::node::fake::FakeGpus;
 use gpumem::node::inventory::Inventory;
 use gpumem::node::placement::Policy;
 use gpumem::node::resource::ResourceName;
@@ -75,10 +76,7 @@ pub fn fixture(name: &str) -> PathBuf {
 }
 
 pub fn inventory(name: &str, unit: MemoryUnit) -> Inventory {
-    let gpus = FakeGpus::from_file(&fixture(name))
-        .unwrap()
-        .discover()
-        .unwrap();
+    let gpus = FakeGpus::from_file(&fixture(name)).unwrap().gpus();
     Inventory::new(gpus, unit).unwrap()
 }
 

@@ -28,7 +28,7 @@ use crate::cluster::gpushare::{annotation, Extender};
 use crate::cluster::pods::NodePods;
 use crate::deviceplugin::plugin::{Plugin, PluginConfig};
 use crate::isolation::inject::DeviceListStrategy;
-use crate::node::gpu::{FakeGpus, GpuSource};
+use crate::node::fake::FakeGpus;
 use crate::node::inventory::Inventory;
 use crate::node::placement::Policy;
 use crate::node::resource::ResourceName;
@@ -78,7 +78,7 @@ pub async fn run(
         .await
         .map_err(|err| DemoError::Cluster(one_line(&err)))?;
 
-    let gpus = FakeGpus::parse(TWO_V100, Path::new("<embedded two-V100 node>"))?.discover()?;
+    let gpus = FakeGpus::parse(TWO_V100, Path::new("<embedded two-V100 node>"))?.gpus();
     let inventory = Arc::new(Inventory::new(gpus, unit)?);
     crate::deviceplugin::list::check(&inventory)?;
     crate::cluster::node::publish(&client, NODE, &inventory)

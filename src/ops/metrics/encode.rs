@@ -17,7 +17,7 @@ use tracing::debug;
 
 use super::arena;
 use crate::deviceplugin::service::Counters;
-use crate::isolation::reconcile::Whose;
+use crate::isolation::reconcile::attribution::Snapshot;
 use crate::kubelet::podresources::{Holding, PodResourcesError};
 use crate::node::sensors::{Readings, Sensors};
 use crate::ops::observed::Observed;
@@ -100,7 +100,7 @@ pub(super) struct Reading {
     pub(super) over_cap: Option<(u64, u64, u64)>,
     pub(super) sensors: Readings,
     /// Whose each GPU process is, where reconciled.
-    pub(super) whose: Option<Whose>,
+    pub(super) whose: Option<Snapshot>,
     pub(super) hostname: String,
 }
 
@@ -122,7 +122,7 @@ impl Reading {
                 a.checks.load(std::sync::atomic::Ordering::Acquire),
             )
         });
-        let sensors = match observed.sensors.as_ref().map(Sensors::read) {
+        let sensors = match observed.sensors.as_deref().map(Sensors::read) {
             Some(Ok(readings)) => readings,
             Some(Err(err)) => {
                 debug!(err = %chain(&err), "no GPU readings for this scrape");
@@ -295,6 +295,16 @@ fn gpu_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Result {
         r,
         |g| Some(ConstGauge::new(u64::from(g.allocated_units))),
     )?;
+    // Both front ends' allocations, in one unit: the device plugin's
+    // containers' caps, the DRA driver's claims'.
+    per_gpu(
+        e,
+        "gpu_allocated_bytes",
+        "GPU memory of the GPU allocated: the caps of the containers (device plugin) or \
+         claims (DRA driver) on it",
+        r,
+        |g| Some(ConstGauge::new(bytes(g.allocated_mib))),
+    )?;
     per_gpu(
         e,
         "gpu_memory_total_bytes",
@@ -446,7 +456,7 @@ fn unmanaged_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Resul
     // name each process.
     let mut groups: Vec<(
         &str,
-        Option<&crate::isolation::attribution::Owner>,
+        Option<&crate::isolation::identity::Owner>,
         u64,
         Vec<u32>,
     )> = Vec::new();
@@ -495,54 +505,81 @@ fn unmanaged_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Resul
     )
 }
 
-/// The DRA driver's claims, and whether the API server kept consumable capacity.
-fn claim_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Result {
-    let Reading {
-        status, hostname, ..
-    } = r;
-    let claims = &status.claims;
-    let per_claim = |e: &mut DescriptorEncoder,
-                     name: &str,
-                     help: &str,
-                     value: &dyn Fn(&ClaimStatus) -> Option<u64>|
-     -> std::fmt::Result {
-        let samples = claims.iter().filter_map(|c| {
-            let mut labels: Labels = vec![
-                ("namespace", c.namespace.clone()),
-                ("claim", c.name.clone()),
-            ];
-            match status.gpus.iter().find(|g| g.index == c.gpu) {
-                Some(gpu) => labels.extend(gpu_labels(gpu, hostname)),
-                None => labels.push(("gpu", c.gpu.to_string())),
-            }
-            Some((labels, ConstGauge::new(value(c)?.saturating_mul(MIB))))
-        });
-        family(e, name, help, samples)
-    };
-    if status.dra.is_some() {
-        per_claim(
-            e,
-            "claim_cap_bytes",
-            "The DRA claim's GPU memory cap, shared by the containers referencing it",
-            &|c| Some(c.cap_mib),
-        )?;
-        per_claim(
-            e,
-            "claim_used_bytes",
-            "GPU memory the processes of the DRA claim's containers hold",
-            &|c| c.used_mib,
-        )?;
+/// A DRA claim's labels: the claim, then its GPU's.
+fn claim_labels(c: &ClaimStatus, reading: &Reading) -> Labels {
+    let mut labels: Labels = vec![
+        ("namespace", c.namespace.clone()),
+        ("claim", c.name.clone()),
+    ];
+    match reading.status.gpus.iter().find(|g| g.index == c.gpu) {
+        Some(gpu) => labels.extend(gpu_labels(gpu, &reading.hostname)),
+        None => labels.push(("gpu", c.gpu.to_string())),
     }
-    if let Some(dra) = &status.dra {
-        if let Some(kept) = dra.consumable_capacity {
-            single(
-                e,
-                "dra_consumable_capacity",
-                "1 if the API server kept the ResourceSlice's consumable-capacity fields; 0: \
-                 DRAConsumableCapacity is off and each GPU goes whole to one claim",
-                ConstGauge::new(u64::from(kept)),
-            )?;
-        }
+    labels
+}
+
+/// A metric per DRA claim, where its value is known.
+fn per_claim<'a, M: EncodeMetric + TypedMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    reading: &'a Reading,
+    value: impl Fn(&'a ClaimStatus) -> Option<M>,
+) -> std::fmt::Result {
+    let samples = reading
+        .status
+        .claims
+        .iter()
+        .filter_map(|c| Some((claim_labels(c, reading), value(c)?)));
+    family(encoder, name, help, samples)
+}
+
+/// The DRA driver's claims (their cap, use and refusals, as the device
+/// plugin's containers have them), and whether the API server kept
+/// consumable capacity.
+fn claim_families(e: &mut DescriptorEncoder, r: &Reading) -> std::fmt::Result {
+    let Some(dra) = &r.status.dra else {
+        return Ok(());
+    };
+    let gauge = |mib: Option<u64>| mib.map(|mib| ConstGauge::new(bytes(mib)));
+    per_claim(
+        e,
+        "claim_cap_bytes",
+        "The DRA claim's GPU memory cap, shared by the containers referencing it",
+        r,
+        |c| gauge(Some(c.cap_mib)),
+    )?;
+    per_claim(
+        e,
+        "claim_used_bytes",
+        "GPU memory the processes of the DRA claim's containers hold",
+        r,
+        |c| gauge(c.used_mib),
+    )?;
+    per_claim(
+        e,
+        "claim_peak_bytes",
+        "Highest GPU memory use an allocation of the DRA claim's containers reached",
+        r,
+        |c| gauge(c.peak_mib),
+    )?;
+    // Counted by the shims in the claim's accounting file since it was made.
+    per_claim(
+        e,
+        "claim_refused_allocations",
+        "Allocations refused for the DRA claim's cap (its containers wanted more than it \
+         holds)",
+        r,
+        |c| c.refused_allocations.map(ConstCounter::new),
+    )?;
+    if let Some(kept) = dra.consumable_capacity {
+        single(
+            e,
+            "dra_consumable_capacity",
+            "1 if the API server kept the ResourceSlice's consumable-capacity fields; 0: \
+             DRAConsumableCapacity is off and each GPU goes whole to one claim",
+            ConstGauge::new(u64::from(kept)),
+        )?;
     }
     Ok(())
 }
@@ -634,8 +671,8 @@ mod tests {
 
     #[test]
     fn gpus_and_their_processes_carry_dcgm_exporters_labels() {
-        use crate::isolation::attribution::Owner;
-        use crate::isolation::reconcile::Stranger;
+        use crate::isolation::identity::Owner;
+        use crate::isolation::reconcile::attribution::Stranger;
         use crate::node::sensors::GpuReading;
 
         let mut r = reading(vec![container(Some("nb"), "a-4u-1", 0)]);
@@ -673,7 +710,7 @@ mod tests {
             pod_uid: "0a1b".into(),
             container_id: Some("c0ffee".into()),
         };
-        r.whose = Some(Whose {
+        r.whose = Some(Snapshot {
             containers: [("a-4u-1".into(), [(T4.into(), vec![10, 11])].into())].into(),
             strangers: vec![
                 stranger(12, 200, Some(pod.clone())),
