@@ -5,7 +5,9 @@
 # e2e/etcd/go.mod (its own module: etcd's grpc and otel versions differ from
 # kubernetes'), containerd 2.x from e2e/containerd-v2/go.mod (its own module
 # too) for the real containers with CDI, and the suite's runner
-# (e2e/cmd/gpumem-e2e).
+# (e2e/cmd/gpumem-e2e), and for the autoscale phase Karpenter's controllers
+# with the suite's cloud provider (e2e/autoscale, its own module) and
+# Karpenter's CRDs from that module.
 #
 # Output: target/e2e/bin/ (or $GPUMEM_E2E_BIN). Go's build cache (GOCACHE)
 # keeps later builds fast; docs/BENCHMARKS.md has the cold and warm times.
@@ -55,4 +57,16 @@ ctrdpkgs=()
 for c in containerd ctr containerd-shim-runc-v2; do ctrdpkgs+=("github.com/containerd/containerd/v2/cmd/$c"); done
 mkdir -p "$out/containerd-v2"
 (cd containerd-v2 && go build -trimpath -tags no_btrfs -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=${ctrd#v}" -o "$out/containerd-v2/" "${ctrdpkgs[@]}")
-echo "e2e/build.sh: kubernetes $kube, kubelet $old, etcd $(cd etcd && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) and containerd $ctrd in $out ($((SECONDS - start)) s)"
+# Karpenter (sigs.k8s.io/karpenter) wants a newer Go than the suite's
+# 1.26: the go command fetches that toolchain from the module proxy like a
+# module, for this module's build only (GOTOOLCHAIN is not exported).
+karpenter_go=${GPUMEM_E2E_KARPENTER_GO:-go1.27.3}
+(cd autoscale && GOTOOLCHAIN=$karpenter_go go build -trimpath -ldflags "-s -w" -o "$out/gpumem-karpenter" .)
+karpenter=$(cd autoscale && GOTOOLCHAIN=$karpenter_go go list -m -f '{{.Dir}} {{.Version}}' sigs.k8s.io/karpenter)
+rm -rf "$out/karpenter-crds"
+mkdir -p "$out/karpenter-crds"
+# Its CRDs, and the NodeClass of its own test provider (kwok), which the
+# suite's provider names.
+cp "${karpenter% *}"/pkg/apis/crds/*.yaml "${karpenter% *}"/kwok/apis/crds/*.yaml "$out/karpenter-crds/"
+chmod u+w "$out"/karpenter-crds/*.yaml
+echo "e2e/build.sh: kubernetes $kube, kubelet $old, etcd $(cd etcd && go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3) containerd $ctrd and karpenter ${karpenter#* } in $out ($((SECONDS - start)) s)"

@@ -355,3 +355,54 @@ async fn the_startup_taint_can_be_named_and_a_bad_one_is_refused() {
         "{err}"
     );
 }
+
+/// A node Karpenter launched registers with `karpenter.sh/unregistered`
+/// beside the startup taint; when Karpenter registers it, it puts the
+/// NodePool's startup taints back. gpumem, ready before then (a DaemonSet
+/// that tolerates every taint), keeps its taint until Karpenter's is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_startup_taint_stays_until_karpenter_has_registered_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = FakeApiServer::start().await.unwrap();
+    let startup = json!({"key": "gpumem.io/not-ready", "effect": "NoSchedule"});
+    api.put(node(
+        json!([{"key": "karpenter.sh/unregistered", "effect": "NoExecute"}, startup]),
+        Some(30),
+    ));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let gpus = fixture("v100x2");
+    let plugin = Plugin::start(
+        dir.path(),
+        &api,
+        &kubelet,
+        &["--fake-gpus", gpus.to_str().unwrap()],
+    );
+    // The GPUs are allocatable from the start: only Karpenter's taint holds
+    // the startup taint, through several reads of the Node.
+    wait_for(&plugin, "reads of the Node", || {
+        let removed = taints(&api).as_array().map(Vec::len) != Some(2);
+        (node_reads(&api) >= 3 || removed).then_some(())
+    })
+    .await;
+    assert_eq!(
+        taints(&api).as_array().map(Vec::len),
+        Some(2),
+        "{}",
+        plugin.log()
+    );
+    assert!(
+        plugin
+            .log()
+            .contains("until Karpenter has registered the node"),
+        "{}",
+        plugin.log()
+    );
+
+    // Karpenter registers the node: its taint goes, the startup taint stays.
+    api.put(node(json!([startup]), Some(30)));
+    wait_for(&plugin, "the startup taint to go", || {
+        (taints(&api) == json!([]) && plugin.log().contains("removed the startup taint"))
+            .then_some(())
+    })
+    .await;
+}

@@ -239,6 +239,11 @@ pub const DEFAULT_STARTUP_TAINT: &str = "gpumem.io/not-ready:NoSchedule";
 /// taint (a GET of one object: RBAC grants `get` on nodes, not `watch`).
 const STARTUP_POLL: Duration = Duration::from_secs(2);
 
+/// The taint Karpenter's nodes register with. When Karpenter removes it (the
+/// node's registration) it puts the NodePool's `startupTaints` on the Node
+/// again, so a startup taint removed before then comes back for good.
+const KARPENTER_UNREGISTERED: &str = "karpenter.sh/unregistered";
+
 /// A taint `KEY[=VALUE]:EFFECT` (`--startup-taint`); without a value it
 /// matches the key and effect whatever the value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -308,9 +313,10 @@ pub fn allocatable(node: &Node, resource: &str) -> bool {
 }
 
 /// Removes `taint` from the Node once `ready` says its GPUs can take pods
-/// (the device plugin: [`allocatable`]), then returns; also returns at
-/// once where the Node does not carry it (gpumem restarted on a node it
-/// already freed). Read and write go to the API server until then, retried.
+/// (the device plugin: [`allocatable`]) and Karpenter, where it launched the
+/// node, has registered it, then returns; also returns at once where the
+/// Node does not carry it (gpumem restarted on a node it already freed).
+/// Read and write go to the API server until then, retried.
 pub async fn clear_startup_taint(
     client: Client,
     node: String,
@@ -320,6 +326,7 @@ pub async fn clear_startup_taint(
 ) {
     let nodes: Api<Node> = Api::all(client);
     let mut said_waiting = false;
+    let mut said_unregistered = false;
     loop {
         let pause = match nodes.get(&node).await {
             Ok(current) => {
@@ -334,7 +341,13 @@ pub async fn clear_startup_taint(
                     }
                     return;
                 }
-                if !ready(&current) {
+                if taints.iter().any(|t| t.key == KARPENTER_UNREGISTERED) {
+                    if !said_unregistered {
+                        info!(node, %taint, "keeping the startup taint until Karpenter has registered the node: it puts the NodePool's startup taints back when it does");
+                        said_unregistered = true;
+                    }
+                    Some(STARTUP_POLL)
+                } else if !ready(&current) {
                     if !said_waiting {
                         info!(node, %taint, "keeping the startup taint until the node's GPUs are allocatable");
                         said_waiting = true;

@@ -18,8 +18,9 @@ use serde_json::json;
 
 use crate::cluster::gpushare::GPU_COUNT;
 use crate::deviceplugin::list;
+use crate::dra::slice;
 use crate::node::fake::FakeGpus;
-use crate::node::gpu::{Gpu, GpuError, MAX_GPU_MEMORY_MIB};
+use crate::node::gpu::{Gpu, GpuError, NodeFacts, MAX_GPU_MEMORY_MIB};
 use crate::node::inventory::{Inventory, InventoryError};
 use crate::node::resource::ResourceName;
 use crate::node::units::MemoryUnit;
@@ -191,6 +192,12 @@ pub struct NodeTemplate {
     pub gpu_count: usize,
     pub gpus: Vec<TemplateGpu>,
     pub labels: BTreeMap<String, String>,
+    /// The devices the DRA driver (`gpumem dra`) publishes in its
+    /// ResourceSlice for these GPUs, less what only the node knows (each
+    /// GPU's UUID, the driver's versions): for autoscalers that simulate
+    /// claims from templates of a node's slices (Karpenter's cloud
+    /// providers' `ResourceSliceTemplates`).
+    pub dra_devices: Vec<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -223,6 +230,19 @@ impl NodeTemplate {
         }
         let inventory = Inventory::new(gpus, unit)?;
         list::check(&inventory)?;
+        let published = slice::build("", "", "", &inventory, &NodeFacts::default(), 0);
+        let dra_devices = published
+            .spec
+            .devices
+            .unwrap_or_default()
+            .into_iter()
+            .map(|mut device| {
+                if let Some(attributes) = device.attributes.as_mut() {
+                    attributes.remove("uuid");
+                }
+                serde_json::to_value(device).unwrap_or_default()
+            })
+            .collect();
         Ok(NodeTemplate {
             resource_name: resource_name.to_string(),
             memory_unit: unit.to_string(),
@@ -241,6 +261,7 @@ impl NodeTemplate {
                 .iter()
                 .map(|l| (l.key.clone(), l.value.clone()))
                 .collect(),
+            dra_devices,
         })
     }
 
@@ -584,5 +605,36 @@ mod tests {
             "gpumem-2x-tesla-v100-sxm2-16gb"
         );
         assert_eq!(overlay["spec"]["capacity"]["aliyun.com/gpu-mem"], "30");
+    }
+
+    #[test]
+    fn dra_devices_are_the_drivers_less_what_only_the_node_knows() {
+        let gpu = known_gpu("v100-16gb").unwrap();
+        let gpus = gpus_of(gpu.name, gpu.memory_mib, 2);
+        let t = template("v100-16gb", 2, MemoryUnit::GiB);
+        let inventory = Inventory::new(gpus, MemoryUnit::GiB).unwrap();
+        let published = slice::build(
+            "n",
+            "uid",
+            "gpumem.io",
+            &inventory,
+            &NodeFacts::default(),
+            1,
+        );
+        let mut expected = serde_json::to_value(published.spec.devices.unwrap()).unwrap();
+        for device in expected.as_array_mut().unwrap() {
+            device["attributes"].as_object_mut().unwrap().remove("uuid");
+        }
+        assert_eq!(serde_json::Value::Array(t.dra_devices.clone()), expected);
+        let first = &t.dra_devices[0];
+        assert_eq!(first["name"], "gpu-0");
+        assert_eq!(first["allowMultipleAllocations"], true);
+        assert_eq!(first["capacity"]["memory"]["value"], "16160Mi");
+        assert_eq!(
+            first["capacity"]["memory"]["requestPolicy"]["validRange"]["max"],
+            "15Gi"
+        );
+        assert_eq!(first["attributes"]["productName"]["string"], gpu.name);
+        assert!(first["attributes"].get("uuid").is_none());
     }
 }

@@ -61,12 +61,22 @@ type config struct {
 	// With containerd: the release image's OCI archive (.ci/build-image.py),
 	// imported and run; empty leaves that scenario out.
 	image string
+	// The control plane only: no runtime, kubelet or gpumem (the autoscale
+	// phase starts its nodes as Karpenter asks for them, autoscale*.go).
+	noNode bool
 }
 
 type cluster struct {
 	cfg  config
 	logs string
 	pki  *pki
+	node string // the Node kubelet registers and gpumem serves
+
+	// More of kubelet's configuration (YAML) and flags, for nodes that
+	// register as a cloud's instance does (autoscale_instances.go).
+	kubeletConfig string
+	kubeletFlags  []string
+	gpumemFlags   []string // after the manifest's
 
 	etcd, apiserver, controllers, scheduler, kubelet, gpumem, extender *proc
 	extenderURL                                                        string
@@ -103,7 +113,7 @@ func (c *cluster) path(parts ...string) string {
 }
 
 func up(cfg config) (*cluster, error) {
-	c := &cluster{cfg: cfg}
+	c := &cluster{cfg: cfg, node: nodeName}
 	c.logs = c.path("logs")
 	for _, d := range []string{c.logs, c.path("etcd"), c.path("kubelet-cwd")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
@@ -134,6 +144,9 @@ func up(cfg config) (*cluster, error) {
 		{"container runtime", c.startRuntime},
 		{"kubelet", c.startKubelet},
 		{"gpumem", c.startGpumem},
+	}
+	if cfg.noNode {
+		steps = steps[:4]
 	}
 	for _, s := range steps {
 		if err := s.run(); err != nil {
@@ -368,11 +381,11 @@ func (c *cluster) criSocket() string {
 }
 
 func (c *cluster) startKubelet() error {
-	kc, err := c.componentConfig("kubelet", "system:node:"+nodeName, "system:nodes")
+	kc, err := c.componentConfig("kubelet-"+c.node, "system:node:"+c.node, "system:nodes")
 	if err != nil {
 		return err
 	}
-	serving, servingKey, err := c.pki.issue("kubelet-serving", "system:node:"+nodeName, []string{"system:nodes"}, []string{"127.0.0.1", "localhost", nodeName})
+	serving, servingKey, err := c.pki.issue("kubelet-serving-"+c.node, "system:node:"+c.node, []string{"system:nodes"}, []string{"127.0.0.1", "localhost", c.node})
 	if err != nil {
 		return err
 	}
@@ -417,7 +430,7 @@ evictionHard:
   memory.available: 1Mi
   nodefs.available: 1%%
   imagefs.available: 1%%
-%s`, port, healthz, serving, servingKey, c.pki.caFile(), c.criSocket(), c.kubeletFeatureGates())
+%s%s`, port, healthz, serving, servingKey, c.pki.caFile(), c.criSocket(), c.kubeletFeatureGates(), c.kubeletConfig)
 	if err := os.WriteFile(cfg, []byte(body), 0o644); err != nil {
 		return err
 	}
@@ -436,7 +449,8 @@ exec "$@"`
 		c.kubeletArgv = []string{"nsenter", "--target", fmt.Sprint(c.containerd.cmd.Process.Pid), "--mount", "--wd=" + c.path("kubelet-cwd")}
 	}
 	c.kubeletArgv = append(c.kubeletArgv, c.cfg.kubelet, "--config="+cfg, "--kubeconfig="+kc,
-		"--hostname-override="+nodeName, "--node-ip=127.0.0.1", "--v=2")
+		"--hostname-override="+c.node, "--node-ip=127.0.0.1", "--v=2")
+	c.kubeletArgv = append(c.kubeletArgv, c.kubeletFlags...)
 	if err := c.runKubelet(); err != nil {
 		return err
 	}
@@ -444,7 +458,7 @@ exec "$@"`
 		if c.kubelet.exited() {
 			return false, fatal{fmt.Errorf("kubelet exited: %v", c.kubelet.err)}
 		}
-		node, err := c.admin.CoreV1().Nodes().Get(context.Background(), nodeName, metav1.GetOptions{})
+		node, err := c.admin.CoreV1().Nodes().Get(context.Background(), c.node, metav1.GetOptions{})
 		if err != nil {
 			return false, err
 		}
@@ -513,7 +527,8 @@ func (c *cluster) applyManifest(path string) (string, *corev1.PodSpec, error) {
 			return "", nil, fmt.Errorf("%s: unexpected %T", path, obj)
 		}
 		// Applied again (a second scenario running what the manifest
-		// deploys): the objects are the same.
+		// deploys, or each node of the autoscale phase): the objects are
+		// the same.
 		if err != nil && !apierrors.IsAlreadyExists(err) {
 			return "", nil, err
 		}
@@ -661,11 +676,12 @@ func (c *cluster) startGpumem() error {
 		return err
 	}
 	c.gpumemArgv = append(c.gpumemArgv, "--fake-gpus="+c.gpusFile, "--kubeconfig="+kc)
+	c.gpumemArgv = append(c.gpumemArgv, c.gpumemFlags...)
 	c.gpumemEnv = nil
 	for _, e := range ctr.Env {
 		switch {
 		case e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "spec.nodeName":
-			c.gpumemEnv = append(c.gpumemEnv, e.Name+"="+nodeName)
+			c.gpumemEnv = append(c.gpumemEnv, e.Name+"="+c.node)
 		case e.ValueFrom == nil:
 			c.gpumemEnv = append(c.gpumemEnv, e.Name+"="+rewrite(e.Value))
 		}

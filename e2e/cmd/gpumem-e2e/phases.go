@@ -17,10 +17,16 @@ type phase struct {
 	gate      scenario
 	scenarios []scenario
 	note      string // printed under the title, when the phase leaves something out
+	// story: the scenarios are steps that build on each other, run in
+	// order up to the last one --run picks, without a sweep between them.
+	story bool
+	// after, when set, runs once the phase's scenarios are done, before
+	// its cluster goes down.
+	after func()
 }
 
 // phaseNames are --phases' values, in the order they run.
-var phaseNames = []string{"plugin", "extender", "dra", "containerd", "containerd2"}
+var phaseNames = []string{"plugin", "extender", "dra", "containerd", "containerd2", "autoscale"}
 
 // phases is every phase of the suite, in order, their clusters in
 // directories of work.
@@ -43,6 +49,11 @@ func phases(o options, work string) []phase {
 	cdiDRA.containerd, cdiDRA.containerd2 = true, o.containerd2
 	cdiDRA.work = filepath.Join(work, "containerd2-dra")
 
+	// A control plane only: Karpenter launches the nodes (autoscale.go).
+	autoscale := plugin
+	autoscale.noNode = true
+	autoscale.work = filepath.Join(work, "autoscale")
+
 	registers := scenario{"plugin registers with kubelet", (*suite).registers}
 	draRegisters := scenario{"DRA driver registers and publishes consumable capacity", (*suite).draRegisters}
 	containers, note := containerScenarios, ""
@@ -52,12 +63,13 @@ func phases(o options, work string) []phase {
 		note = "no release image archive (--image): build it with .ci/build-image.py to run gpumem from it"
 	}
 	return []phase{
-		{"plugin", "device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, registers, pluginScenarios, ""},
-		{"extender", "gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, registers, extenderScenarios, ""},
-		{"dra", "DRA driver, " + filepath.Base(dra.fixture), dra, draRegisters, draScenarios, ""},
-		{"containerd", "real containers: containerd and runc, device plugin, " + filepath.Base(real.fixture), real, registers, containers, note},
-		{"containerd2", "real containers: containerd 2.x with CDI and runc, device plugin, " + filepath.Base(cdi.fixture), cdi, registers, cdiContainerScenarios, ""},
-		{"containerd2", "real containers: containerd 2.x with CDI and runc, DRA driver, " + filepath.Base(cdiDRA.fixture), cdiDRA, draRegisters, draContainerScenarios, ""},
+		{"plugin", "device plugin, default scheduler, " + filepath.Base(plugin.fixture), plugin, registers, pluginScenarios, "", false, nil},
+		{"extender", "gpushare extender in kube-scheduler, " + filepath.Base(extender.fixture), extender, registers, extenderScenarios, "", false, nil},
+		{"dra", "DRA driver, " + filepath.Base(dra.fixture), dra, draRegisters, draScenarios, "", false, nil},
+		{"containerd", "real containers: containerd and runc, device plugin, " + filepath.Base(real.fixture), real, registers, containers, note, false, nil},
+		{"containerd2", "real containers: containerd 2.x with CDI and runc, device plugin, " + filepath.Base(cdi.fixture), cdi, registers, cdiContainerScenarios, "", false, nil},
+		{"containerd2", "real containers: containerd 2.x with CDI and runc, DRA driver, " + filepath.Base(cdiDRA.fixture), cdiDRA, draRegisters, draContainerScenarios, "", false, nil},
+		autoscalePhase(autoscale),
 	}
 }
 

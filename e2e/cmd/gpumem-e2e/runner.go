@@ -37,15 +37,23 @@ type suite struct {
 	units int64
 	// cleanups run after the scenario that registered them, last first.
 	cleanups []func() error
+	// sweeps: whether what a scenario left is swept after it (not
+	// between a story's steps).
+	sweeps bool
 }
 
 // runPhase brings up ph's cluster and runs its scenarios that match run;
 // a phase none of whose scenarios match is left out.
 func (s *suite) runPhase(ph phase, run *regexp.Regexp) {
 	var picked []scenario
-	for _, sc := range ph.scenarios {
+	for i, sc := range ph.scenarios {
 		if run.MatchString(sc.name) {
-			picked = append(picked, sc)
+			if ph.story {
+				// A story's steps need the ones before them.
+				picked = ph.scenarios[:i+1]
+			} else {
+				picked = append(picked, sc)
+			}
 		}
 	}
 	gateReported := run.MatchString(ph.gate.name)
@@ -58,6 +66,10 @@ func (s *suite) runPhase(ph phase, run *regexp.Regexp) {
 	stop := stopOnSignal(c)
 	defer stop()
 	defer c.down()
+	if ph.after != nil {
+		defer ph.after()
+	}
+	s.sweeps = !ph.story
 	if err != nil {
 		s.failed++
 		fmt.Printf("FAIL cluster up: %v\n", err)
@@ -111,7 +123,9 @@ func (s *suite) attempt(sc scenario) (detail string, took time.Duration, err err
 		after = append(after, s.cleanups[i]())
 	}
 	s.cleanups = nil
-	after = append(after, s.sweep())
+	if s.sweeps {
+		after = append(after, s.sweep())
+	}
 	if left := errors.Join(after...); left != nil {
 		if err == nil {
 			return "", took, fmt.Errorf("cleaning up: %w", left)
