@@ -406,3 +406,41 @@ async fn the_startup_taint_stays_until_karpenter_has_registered_the_node() {
     })
     .await;
 }
+
+/// A node Karpenter launched whose cloud registered it with Karpenter's
+/// taint alone (user data without the NodePool's startup taints): gpumem
+/// must not take "no startup taint" for "freed already" while Karpenter's
+/// taint is there, since Karpenter puts the startup taints on when it
+/// registers the node; gpumem then removes them once the GPUs are
+/// allocatable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_startup_taint_karpenter_adds_at_registration_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let api = FakeApiServer::start().await.unwrap();
+    api.put(node(
+        json!([{"key": "karpenter.sh/unregistered", "effect": "NoExecute"}]),
+        Some(30),
+    ));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let gpus = fixture("v100x2");
+    let plugin = Plugin::start(
+        dir.path(),
+        &api,
+        &kubelet,
+        &["--fake-gpus", gpus.to_str().unwrap()],
+    );
+    wait_for(&plugin, "reads of the Node", || {
+        (node_reads(&api) >= 3).then_some(())
+    })
+    .await;
+
+    // Karpenter registers the node: its own taint goes, the NodePool's
+    // startup taint comes.
+    let startup = json!({"key": "gpumem.io/not-ready", "effect": "NoSchedule"});
+    api.put(node(json!([startup]), Some(30)));
+    wait_for(&plugin, "the startup taint to go", || {
+        (taints(&api) == json!([]) && plugin.log().contains("removed the startup taint"))
+            .then_some(())
+    })
+    .await;
+}

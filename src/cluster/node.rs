@@ -240,8 +240,9 @@ pub const DEFAULT_STARTUP_TAINT: &str = "gpumem.io/not-ready:NoSchedule";
 const STARTUP_POLL: Duration = Duration::from_secs(2);
 
 /// The taint Karpenter's nodes register with. When Karpenter removes it (the
-/// node's registration) it puts the NodePool's `startupTaints` on the Node
-/// again, so a startup taint removed before then comes back for good.
+/// node's registration) it puts the NodePool's `startupTaints` on the Node,
+/// again where the node registered with them, so a startup taint removed
+/// before then, or not there yet, comes back for good.
 const KARPENTER_UNREGISTERED: &str = "karpenter.sh/unregistered";
 
 /// A taint `KEY[=VALUE]:EFFECT` (`--startup-taint`); without a value it
@@ -314,8 +315,9 @@ pub fn allocatable(node: &Node, resource: &str) -> bool {
 
 /// Removes `taint` from the Node once `ready` says its GPUs can take pods
 /// (the device plugin: [`allocatable`]) and Karpenter, where it launched the
-/// node, has registered it, then returns; also returns at once where the
-/// Node does not carry it (gpumem restarted on a node it already freed).
+/// node, has registered it, then returns; also returns at once where a
+/// registered Node does not carry it (gpumem restarted on a node it already
+/// freed).
 /// Read and write go to the API server until then, retried.
 pub async fn clear_startup_taint(
     client: Client,
@@ -335,18 +337,19 @@ pub async fn clear_startup_taint(
                     .as_ref()
                     .and_then(|s| s.taints.clone())
                     .unwrap_or_default();
-                if !taints.iter().any(|t| taint.matches(t)) {
+                // Before "no startup taint, freed already": Karpenter may
+                // put it on only when it registers the node.
+                if taints.iter().any(|t| t.key == KARPENTER_UNREGISTERED) {
+                    if !said_unregistered {
+                        info!(node, %taint, "keeping the startup taint until Karpenter has registered the node: it puts the NodePool's startup taints on when it does");
+                        said_unregistered = true;
+                    }
+                    Some(STARTUP_POLL)
+                } else if !taints.iter().any(|t| taint.matches(t)) {
                     if said_waiting {
                         info!(node, %taint, "the startup taint is gone already");
                     }
                     return;
-                }
-                if taints.iter().any(|t| t.key == KARPENTER_UNREGISTERED) {
-                    if !said_unregistered {
-                        info!(node, %taint, "keeping the startup taint until Karpenter has registered the node: it puts the NodePool's startup taints back when it does");
-                        said_unregistered = true;
-                    }
-                    Some(STARTUP_POLL)
                 } else if !ready(&current) {
                     if !said_waiting {
                         info!(node, %taint, "keeping the startup taint until the node's GPUs are allocatable");
