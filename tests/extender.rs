@@ -312,6 +312,17 @@ impl Extender {
         kib << 10
     }
 
+    /// Sends `request` as it is on a new connection: what the extender
+    /// answers before it closes the connection (or `WAIT` passes).
+    async fn raw(&self, request: &[u8]) -> String {
+        use std::io::Write;
+        let mut stream = self.connect();
+        stream.write_all(request).unwrap();
+        tokio::task::spawn_blocking(move || answer(&mut stream).0)
+            .await
+            .unwrap()
+    }
+
     /// A raw connection to the extender, reads bounded by `WAIT`.
     fn connect(&self) -> std::net::TcpStream {
         let stream = std::net::TcpStream::connect(self.addr).unwrap();
@@ -836,16 +847,11 @@ async fn a_half_sent_request_is_closed_after_the_header_timeout() {
 /// A body that stops coming is refused, not waited for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_coming_is_refused_with_408() {
-    use std::io::Write;
     let cluster = Cluster::start().await;
     let extender = Extender::start(&cluster, &[]).await;
-    let mut stream = extender.connect();
-    stream
-        .write_all(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 100\r\n\r\n{\"Pod\":")
-        .unwrap();
-    let (text, _) = tokio::task::spawn_blocking(move || answer(&mut stream))
-        .await
-        .unwrap();
+    let text = extender
+        .raw(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 100\r\n\r\n{\"Pod\":")
+        .await;
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
 }
 
@@ -853,7 +859,6 @@ async fn a_body_that_stops_coming_is_refused_with_408() {
 /// each bind's result and what the books hold, on a listener of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_each_verb_by_outcome_and_each_bind_by_result() {
-    use std::io::Write;
     let cluster = Cluster::start().await;
     let extender = Extender::start(&cluster, &["--metrics-addr", "127.0.0.1:0"]).await;
     assert_ne!(extender.metrics_addr(), extender.addr);
@@ -886,13 +891,9 @@ async fn metrics_count_each_verb_by_outcome_and_each_bind_by_result() {
         .await;
     assert_eq!(status, 400);
     // A declared length past the limit is refused before any of it is read.
-    let mut stream = extender.connect();
-    stream
-        .write_all(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 104857600\r\n\r\n")
-        .unwrap();
-    let (text, _) = tokio::task::spawn_blocking(move || answer(&mut stream))
-        .await
-        .unwrap();
+    let text = extender
+        .raw(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 104857600\r\n\r\n")
+        .await;
     assert!(text.starts_with("HTTP/1.1 413"), "{text}");
 
     let (content_type, scrape) = extender.scrape(None);
@@ -959,6 +960,50 @@ async fn metrics_count_each_verb_by_outcome_and_each_bind_by_result() {
         "{classic}"
     );
     assert!(!classic.contains("# EOF"), "{classic}");
+}
+
+/// A real Prometheus reads what the extender serves (it asks for
+/// OpenMetrics first): counters, the histogram and the books' gauges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_reads_the_extenders_metrics() {
+    use common::prometheus::{static_scrape, Prometheus};
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &["--metrics-addr", "127.0.0.1:0"]).await;
+    extender.filter(4, &["v100-node"]).await;
+    assert_eq!(
+        extender.call("/bind", &fixture("bind.json")).await["Error"],
+        ""
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let prometheus = Prometheus::start(dir.path(), &static_scrape(extender.metrics_addr().port()));
+    let started = Instant::now();
+    for (expr, value) in [
+        (
+            r#"gpumem_extender_requests_total{verb="bind",code="200",outcome="ok"}"#,
+            "1",
+        ),
+        (r#"gpumem_extender_binds_total{result="ok"}"#, "1"),
+        (
+            r#"gpumem_extender_request_duration_seconds_count{verb="filter"}"#,
+            "1",
+        ),
+        (
+            r#"gpumem_extender_request_duration_seconds_bucket{verb="filter",le="+Inf"}"#,
+            "1",
+        ),
+        (r#"gpumem_extender_nodes{state="published"}"#, "2"),
+        ("gpumem_extender_synced", "1"),
+    ] {
+        let series = prometheus
+            .query_until(expr, started, |s| s.len() == 1)
+            .await;
+        assert_eq!(
+            series.first().map(|s| s["@value"].as_str()),
+            Some(value),
+            "{expr}: {series:?}\n{}",
+            prometheus.log()
+        );
+    }
 }
 
 /// The books going stale shows in the metrics as in /healthz.
