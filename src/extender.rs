@@ -79,7 +79,7 @@ pub async fn run(
     let scrapes = metrics_listener.map(|metrics_listener| {
         let metrics_addr = address(&metrics_listener);
         info!(metrics_addr, "serving /metrics");
-        let served = axum::serve(metrics_listener, metrics::router(metrics.clone()))
+        let served = axum::serve(metrics_listener, self::metrics::router(metrics.clone()))
             .with_graceful_shutdown(shutdown.clone().cancelled_owned());
         let failed = shutdown.clone();
         tokio::spawn(async move {
