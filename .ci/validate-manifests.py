@@ -84,6 +84,13 @@ VARIANTS = {
     "monitoring": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
                                "prometheusRule": {"enabled": True},
                                "dashboard": {"namespace": "monitoring"}}},
+    # The extenders' own Service and monitors.
+    "monitoring-extenders": {"scheduler": "gpushare-extender", "extender": {"enabled": True},
+                             "secondScheduler": {"enabled": True, "metricsPort": 9402},
+                             "metrics": {"serviceMonitor": {"enabled": True}}},
+    "monitoring-extenders-podmonitor": {"scheduler": "gpushare-extender", "extender": {"enabled": True},
+                                        "secondScheduler": {"enabled": True},
+                                        "metrics": {"podMonitor": {"enabled": True}}},
     "monitoring-podmonitor": {"frontEnd": "dra", "metrics": {"podMonitor": {"enabled": True},
                                                              "service": {"enabled": False},
                                                              "dashboard": {"enabled": False}}},
@@ -162,7 +169,7 @@ def check_monitoring(name, docs, failures):
     """The monitors find the metrics port, the rule is the repository's rules
     file, and the dashboard ConfigMap holds the repository's dashboard."""
     services = [d for d in docs if d.get("kind") == "Service"]
-    pods = [d["spec"]["template"] for d in docs if d.get("kind") == "DaemonSet"]
+    pods = [d["spec"]["template"] for d in docs if d.get("kind") in ("DaemonSet", "Deployment")]
     for doc in docs:
         kind = doc.get("kind")
         where = f"{name}: {kind} {doc.get('metadata', {}).get('name')}"
@@ -282,12 +289,20 @@ def check_second_scheduler(name, docs, namespace, sched_name, resource, failures
     listen = flags(containers["extender"].get("args") or []).get("--listen-addr", "")
     if not listen.startswith("127.0.0.1:"):
         failures.append(f"{name}: the extender listens on {listen!r}, not on the pod's loopback only")
-    if containers["extender"].get("ports") or containers["kube-scheduler"].get("ports"):
-        failures.append(f"{name}: a container port declared: nothing is to be exposed")
+    # Only the extender's /metrics is on the pod's address, for Prometheus.
+    metrics_addr = {e["name"]: e.get("value") for e in containers["extender"].get("env") or []}.get(
+        "GPUMEM_EXTENDER_METRICS_ADDR", "")
+    metrics_port = metrics_addr.rpartition(":")[2]
+    ports = [(p.get("name"), str(p.get("containerPort"))) for p in containers["extender"].get("ports") or []]
+    if ports != [("metrics", metrics_port)] or containers["kube-scheduler"].get("ports"):
+        failures.append(f"{name}: container ports {ports}: only the extender's metrics port "
+                        f"({metrics_addr!r}) is to be exposed")
+    labels = deployment["spec"]["template"]["metadata"].get("labels", {})
     exposed = [d["metadata"]["name"] for d in docs if d.get("kind") == "Service"
-               and d["spec"].get("selector", {}).get("app.kubernetes.io/name") == "gpumem-scheduler"]
+               and d["spec"].get("selector", {}).items() <= labels.items()
+               and any(p.get("targetPort") != "metrics" for p in d["spec"].get("ports", []))]
     if exposed:
-        failures.append(f"{name}: Services {exposed} expose the second scheduler")
+        failures.append(f"{name}: Services {exposed} expose the second scheduler beyond its metrics")
     config_flag = next((w.split("=", 1)[1] for w in containers["kube-scheduler"].get("command", [])
                         if w.startswith("--config=")), None)
     mount = next((m for m in containers["kube-scheduler"].get("volumeMounts") or []

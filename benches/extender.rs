@@ -257,7 +257,18 @@ async fn http(cache: Cache, nodes: Vec<Value>) {
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, server::router(binder)).await });
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            server::router(
+                binder.clone(),
+                Arc::new(gpumem::extender::metrics::ExtenderMetrics::new(
+                    binder.cache.clone(),
+                )),
+            ),
+        )
+        .await
+    });
     let names: Vec<String> = (0..NODES).map(node_name).collect();
     for (what, request, rounds) in [
         ("NodeNames", args(16, &names, None), 300),

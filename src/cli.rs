@@ -707,6 +707,12 @@ pub struct ExtenderArgs {
     #[arg(long, env = "GPUMEM_EXTENDER_LISTEN_ADDR", default_value = ":12345")]
     pub listen_addr: String,
 
+    /// Address for GET /metrics (HOST:PORT or :PORT; empty: off), apart
+    /// from --listen-addr, which may be loopback only (the second
+    /// scheduler's pod). The manifests and the chart set :9401.
+    #[arg(long, env = "GPUMEM_EXTENDER_METRICS_ADDR", default_value = "")]
+    pub metrics_addr: String,
+
     #[command(flatten)]
     pub kubeconfig: KubeconfigArgs,
 

@@ -204,6 +204,14 @@ async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("--listen-addr {addr}: cannot listen"))?;
+    let metrics_listener = match metrics::parse_address(&args.metrics_addr)? {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?,
+        ),
+        None => None,
+    };
     let client = gpumem::cluster::client::connect(args.kubeconfig.path()).await?;
     let shutdown = CancellationToken::new();
     tokio::spawn(daemon::stop_on_signal(shutdown.clone()));
@@ -212,7 +220,7 @@ async fn extender(args: ExtenderArgs) -> anyhow::Result<()> {
         policy: args.placement.placement,
         assume_timeout: Duration::from_secs(args.assume_timeout_secs),
     };
-    gpumem::extender::run(config, client, listener, shutdown).await?;
+    gpumem::extender::run(config, client, listener, metrics_listener, shutdown).await?;
     Ok(())
 }
 

@@ -154,6 +154,53 @@ fn the_extender_deployments_pass_only_flags_the_extender_accepts() {
     }
 }
 
+/// Prometheus reaches each extender's /metrics: the env var is the
+/// extender's, and the port it names is the pod's `metrics` port (where the
+/// chart's Service and monitors look). The verbs' listener may be loopback.
+#[test]
+fn the_extender_deployments_serve_metrics_on_their_metrics_port() {
+    let (_, help) = gpumem(&["extender", "--help"]);
+    for (path, port) in [
+        ("daemonset/extender.yaml", "9401"),
+        ("daemonset/second-scheduler.yaml", "9401"),
+        (
+            "deploy/helm/gpumem/templates/extender.yaml",
+            "{{ .Values.extender.metricsPort }}",
+        ),
+        (
+            "deploy/helm/gpumem/templates/second-scheduler.yaml",
+            "{{ .metricsPort }}",
+        ),
+    ] {
+        let manifest = read(path);
+        for env in env_names(&manifest) {
+            assert!(
+                help.contains(&format!("[env: {env}=")),
+                "{path}: {env} is not a `gpumem extender` env var"
+            );
+        }
+        let lines: Vec<&str> = manifest.lines().map(str::trim).collect();
+        let value = lines
+            .iter()
+            .position(|l| *l == "- name: GPUMEM_EXTENDER_METRICS_ADDR")
+            .and_then(|i| lines.get(i + 1))
+            .and_then(|l| l.strip_prefix("value: "))
+            .unwrap_or_else(|| panic!("{path}: no GPUMEM_EXTENDER_METRICS_ADDR"));
+        assert!(
+            value.trim_matches('"').ends_with(&format!(":{port}")),
+            "{path}: {value}"
+        );
+        let metrics_port = lines
+            .iter()
+            .position(|l| *l == "- name: metrics")
+            .and_then(|i| lines.get(i + 1))
+            .and_then(|l| l.strip_prefix("containerPort: "));
+        assert_eq!(metrics_port, Some(port), "{path}");
+    }
+    let values = read("deploy/helm/gpumem/values.yaml");
+    assert_eq!(values.matches("\n  metricsPort: 9401\n").count(), 2);
+}
+
 /// `GPUMEM_*` names a manifest sets in a container's env.
 fn env_names(manifest: &str) -> Vec<String> {
     manifest

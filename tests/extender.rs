@@ -246,6 +246,60 @@ impl Extender {
 }
 
 impl Extender {
+    /// Where it serves /metrics, as it logged (started with --metrics-addr).
+    fn metrics_addr(&self) -> SocketAddr {
+        self.log()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .find_map(|entry| {
+                entry
+                    .pointer("/fields/metrics_addr")
+                    .and_then(Value::as_str)
+                    .map(|a| a.parse().unwrap())
+            })
+            .unwrap_or_else(|| panic!("no metrics_addr in the log:\n{}", self.log()))
+    }
+
+    /// GET /metrics, asking for `accept` where given: the Content-Type and
+    /// the body.
+    fn scrape(&self, accept: Option<&str>) -> (String, String) {
+        use std::io::Write;
+        let mut stream = std::net::TcpStream::connect(self.metrics_addr()).unwrap();
+        stream.set_read_timeout(Some(WAIT)).unwrap();
+        let accept = accept.map_or_else(String::new, |a| format!("Accept: {a}\r\n"));
+        write!(
+            stream,
+            "GET /metrics HTTP/1.1\r\nHost: gpumem\r\n{accept}Connection: close\r\n\r\n"
+        )
+        .unwrap();
+        let (text, _) = answer(&mut stream);
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let content_type = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-type: ")
+                    .map(str::to_owned)
+            })
+            .unwrap_or_default();
+        (content_type, body.to_owned())
+    }
+
+    /// A sample's value in an OpenMetrics scrape; `None`: no such sample.
+    fn sample(&self, series: &str) -> Option<f64> {
+        sample(&self.scrape(None).1, series)
+    }
+}
+
+fn sample(scrape: &str, series: &str) -> Option<f64> {
+    scrape.lines().find_map(|line| {
+        let (name, value) = line.rsplit_once(' ')?;
+        (name == series).then(|| value.parse().unwrap())
+    })
+}
+
+impl Extender {
     /// The extender's peak resident memory so far (`VmHWM`), in bytes.
     fn peak_rss(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
@@ -256,6 +310,17 @@ impl Extender {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .unwrap_or_else(|| panic!("no VmHWM in {status}"));
         kib << 10
+    }
+
+    /// Sends `request` as it is on a new connection: what the extender
+    /// answers before it closes the connection (or `WAIT` passes).
+    async fn raw(&self, request: &[u8]) -> String {
+        use std::io::Write;
+        let mut stream = self.connect();
+        stream.write_all(request).unwrap();
+        tokio::task::spawn_blocking(move || answer(&mut stream).0)
+            .await
+            .unwrap()
     }
 
     /// A raw connection to the extender, reads bounded by `WAIT`.
@@ -782,17 +847,201 @@ async fn a_half_sent_request_is_closed_after_the_header_timeout() {
 /// A body that stops coming is refused, not waited for.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_stops_coming_is_refused_with_408() {
-    use std::io::Write;
     let cluster = Cluster::start().await;
     let extender = Extender::start(&cluster, &[]).await;
-    let mut stream = extender.connect();
-    stream
-        .write_all(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 100\r\n\r\n{\"Pod\":")
-        .unwrap();
-    let (text, _) = tokio::task::spawn_blocking(move || answer(&mut stream))
-        .await
-        .unwrap();
+    let text = extender
+        .raw(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 100\r\n\r\n{\"Pod\":")
+        .await;
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+}
+
+/// An operator sees each verb's requests by outcome, their durations,
+/// each bind's result and what the books hold, on a listener of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_each_verb_by_outcome_and_each_bind_by_result() {
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &["--metrics-addr", "127.0.0.1:0"]).await;
+    assert_ne!(extender.metrics_addr(), extender.addr);
+    let (_, scrape) = extender.scrape(None);
+    for (series, value) in [
+        ("gpumem_extender_synced", 1.0),
+        ("gpumem_extender_stale", 0.0),
+        (r#"gpumem_extender_nodes{state="published"}"#, 2.0),
+        (r#"gpumem_extender_nodes{state="unpublished"}"#, 1.0),
+        (r#"gpumem_extender_gpus{healthy="true"}"#, 3.0),
+        (r#"gpumem_extender_gpus{healthy="false"}"#, 0.0),
+    ] {
+        assert_eq!(sample(&scrape, series), Some(value), "{series}\n{scrape}");
+    }
+    assert!(scrape.contains("gpumem_build_info{"), "{scrape}");
+
+    let filtered = extender.filter(4, &["v100-node", "a10-node"]).await;
+    assert_eq!(passed(&filtered), ["v100-node", "a10-node"]);
+    assert_eq!(
+        extender.call("/bind", &fixture("bind.json")).await["Error"],
+        ""
+    );
+    cluster.pending("elsewhere", 1);
+    let error = extender
+        .bind("elsewhere", "uid-elsewhere", "bare-node")
+        .await;
+    assert!(error.contains("has not published"), "{error}");
+    let (status, _) = extender
+        .request("POST", "/prioritize", Some(&json!([1])))
+        .await;
+    assert_eq!(status, 400);
+    // A declared length past the limit is refused before any of it is read.
+    let text = extender
+        .raw(b"POST /filter HTTP/1.1\r\nHost: gpumem\r\nContent-Length: 104857600\r\n\r\n")
+        .await;
+    assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+
+    let (content_type, scrape) = extender.scrape(None);
+    assert!(
+        content_type.starts_with("application/openmetrics-text"),
+        "{content_type}"
+    );
+    assert!(scrape.ends_with("# EOF\n"), "{scrape}");
+    for (series, value) in [
+        (
+            r#"gpumem_extender_requests_total{verb="filter",code="200",outcome="ok"}"#,
+            1.0,
+        ),
+        (
+            r#"gpumem_extender_requests_total{verb="filter",code="413",outcome="refused"}"#,
+            1.0,
+        ),
+        (
+            r#"gpumem_extender_requests_total{verb="bind",code="200",outcome="ok"}"#,
+            1.0,
+        ),
+        (
+            r#"gpumem_extender_requests_total{verb="bind",code="200",outcome="error"}"#,
+            1.0,
+        ),
+        (
+            r#"gpumem_extender_requests_total{verb="prioritize",code="400",outcome="refused"}"#,
+            1.0,
+        ),
+        (r#"gpumem_extender_binds_total{result="ok"}"#, 1.0),
+        (r#"gpumem_extender_binds_total{result="no_fit"}"#, 1.0),
+        (
+            r#"gpumem_extender_request_duration_seconds_count{verb="bind"}"#,
+            2.0,
+        ),
+        (
+            r#"gpumem_extender_request_duration_seconds_count{verb="filter"}"#,
+            2.0,
+        ),
+        (
+            r#"gpumem_extender_request_duration_seconds_bucket{le="+Inf",verb="bind"}"#,
+            2.0,
+        ),
+    ] {
+        assert_eq!(sample(&scrape, series), Some(value), "{series}\n{scrape}");
+    }
+    assert!(
+        sample(
+            &scrape,
+            r#"gpumem_extender_request_duration_seconds_sum{verb="bind"}"#
+        )
+        .is_some_and(|s| s > 0.0),
+        "{scrape}"
+    );
+
+    // A scraper that asks only for the classic text format gets it.
+    let (content_type, classic) = extender.scrape(Some("text/plain;version=0.0.4"));
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "{content_type}"
+    );
+    assert!(
+        classic.contains("# TYPE gpumem_extender_requests_total counter\n"),
+        "{classic}"
+    );
+    assert!(!classic.contains("# EOF"), "{classic}");
+}
+
+/// A real Prometheus reads what the extender serves (it asks for
+/// OpenMetrics first): counters, the histogram and the books' gauges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_reads_the_extenders_metrics() {
+    use common::prometheus::{static_scrape, Prometheus};
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &["--metrics-addr", "127.0.0.1:0"]).await;
+    extender.filter(4, &["v100-node"]).await;
+    assert_eq!(
+        extender.call("/bind", &fixture("bind.json")).await["Error"],
+        ""
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let prometheus = Prometheus::start(dir.path(), &static_scrape(extender.metrics_addr().port()));
+    let started = Instant::now();
+    for (expr, value) in [
+        (
+            r#"gpumem_extender_requests_total{verb="bind",code="200",outcome="ok"}"#,
+            "1",
+        ),
+        (r#"gpumem_extender_binds_total{result="ok"}"#, "1"),
+        (
+            r#"gpumem_extender_request_duration_seconds_count{verb="filter"}"#,
+            "1",
+        ),
+        (
+            r#"gpumem_extender_request_duration_seconds_bucket{verb="filter",le="+Inf"}"#,
+            "1",
+        ),
+        (r#"gpumem_extender_nodes{state="published"}"#, "2"),
+        ("gpumem_extender_synced", "1"),
+    ] {
+        let series = prometheus
+            .query_until(expr, started, |s| s.len() == 1)
+            .await;
+        assert_eq!(
+            series.first().map(|s| s["@value"].as_str()),
+            Some(value),
+            "{expr}: {series:?}\n{}",
+            prometheus.log()
+        );
+    }
+}
+
+/// The books going stale shows in the metrics as in /healthz.
+#[tokio::test]
+async fn metrics_show_the_books_stale_while_a_watch_keeps_failing() {
+    let cluster = Cluster::start().await;
+    let extender = Extender::start(&cluster, &["--metrics-addr", "127.0.0.1:0"]).await;
+    assert_eq!(extender.sample("gpumem_extender_stale"), Some(0.0));
+    cluster.api.forbid(Kind::Pod, true);
+    cluster.api.end_watches();
+    extender
+        .wait_for("gpumem_extender_stale 1", || async {
+            (extender.sample("gpumem_extender_stale") == Some(1.0)).then_some(())
+        })
+        .await;
+    assert_eq!(extender.get("/healthz").await.0, 503);
+    assert_eq!(extender.sample("gpumem_extender_synced"), Some(1.0));
+}
+
+#[test]
+fn a_bad_metrics_address_is_refused_naming_the_flag() {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpumem"))
+        .args([
+            "extender",
+            "--listen-addr",
+            "127.0.0.1:0",
+            "--metrics-addr",
+            "nowhere",
+        ])
+        .env_remove("GPUMEM_EXTENDER_METRICS_ADDR")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("invalid --metrics-addr \"nowhere\""),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -808,6 +1057,7 @@ fn every_extender_flag_has_an_env_var() {
         ("--resource-name", "GPUMEM_RESOURCE_NAME"),
         ("--placement", "GPUMEM_PLACEMENT"),
         ("--assume-timeout-secs", "GPUMEM_ASSUME_TIMEOUT_SECS"),
+        ("--metrics-addr", "GPUMEM_EXTENDER_METRICS_ADDR"),
     ] {
         assert!(
             help.contains(flag) && help.contains(&format!("[env: {env}=")),

@@ -81,6 +81,22 @@ pub enum BindError {
     },
 }
 
+impl BindError {
+    /// The failure's kind, as `gpumem_extender_binds_total` labels it.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            BindError::NotSynced => "not_synced",
+            BindError::BadRequest(_) => "bad_request",
+            BindError::Lookup { .. } | BindError::LookupTimeout { .. } => "pod_unreadable",
+            BindError::OtherPod { .. } => "other_pod",
+            BindError::AlreadyBound { .. } => "already_bound",
+            BindError::NoFit { .. } => "no_fit",
+            BindError::Refused { .. } => "api_refused",
+            BindError::Unanswered { .. } | BindError::Unknown { .. } => "unanswered",
+        }
+    }
+}
+
 /// Where a bind put the pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bound {

@@ -28,6 +28,21 @@ pub enum NodeProblem {
     Invalid(String),
 }
 
+/// Counts of what the books hold.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Census {
+    /// Nodes with a readable published GPU list.
+    pub gpu_nodes: usize,
+    /// Nodes no gpumem plugin has published GPUs on.
+    pub unpublished_nodes: usize,
+    /// Nodes whose published GPU list cannot be read.
+    pub invalid_nodes: usize,
+    pub healthy_gpus: usize,
+    pub unhealthy_gpus: usize,
+    /// Binds waiting for the pod watch to show them.
+    pub bookings: usize,
+}
+
 /// What the pods on one node hold.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Usage {
@@ -325,6 +340,27 @@ impl Cache {
 
     pub fn assumptions(&self) -> impl Iterator<Item = &Assumption> {
         self.assumed.values()
+    }
+
+    /// What the books hold, for the metrics.
+    pub fn census(&self) -> Census {
+        let mut census = Census {
+            bookings: self.assumed.len(),
+            ..Census::default()
+        };
+        for gpus in self.nodes.values() {
+            match gpus {
+                Ok(gpus) => {
+                    census.gpu_nodes += 1;
+                    let healthy = gpus.iter().filter(|g| g.healthy).count();
+                    census.healthy_gpus += healthy;
+                    census.unhealthy_gpus += gpus.len() - healthy;
+                }
+                Err(NodeProblem::NotPublished) => census.unpublished_nodes += 1,
+                Err(NodeProblem::Invalid(_)) => census.invalid_nodes += 1,
+            }
+        }
+        census
     }
 
     pub fn node_count(&self) -> usize {

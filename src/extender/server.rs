@@ -33,6 +33,7 @@ use crate::extender::api::{
 use crate::extender::bind::Binder;
 use crate::extender::cache::Cache;
 use crate::extender::fit;
+use crate::extender::metrics::{ExtenderMetrics, Verb};
 use crate::extender::watch::lock;
 
 /// The largest request read. Sized for the largest cluster Kubernetes
@@ -60,17 +61,60 @@ const MAX_CONNECTIONS: usize = 1024;
 const NOT_SYNCED: &str = "the gpumem extender has not listed pods and nodes yet (is the API \
                           server reachable?); the scheduler will retry";
 
-pub fn router(binder: Arc<Binder>) -> Router {
+pub fn router(binder: Arc<Binder>, metrics: Arc<ExtenderMetrics>) -> Router {
     Router::new()
         .route("/filter", post(filter))
         .route("/prioritize", post(prioritize))
         .route("/bind", post(bind))
         .route("/healthz", get(healthz))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .with_state(binder)
+        .with_state(Served { binder, metrics })
 }
 
-type Verbs = State<Arc<Binder>>;
+#[derive(Clone)]
+struct Served {
+    binder: Arc<Binder>,
+    metrics: Arc<ExtenderMetrics>,
+}
+
+type Verbs = State<Served>;
+
+/// A verb's answer, and whether it carries an Error in its 200.
+struct Answer {
+    response: Response,
+    error: bool,
+}
+
+impl Answer {
+    fn of(response: impl IntoResponse) -> Answer {
+        Answer {
+            response: response.into_response(),
+            error: false,
+        }
+    }
+
+    fn error(response: impl IntoResponse) -> Answer {
+        Answer {
+            response: response.into_response(),
+            error: true,
+        }
+    }
+}
+
+impl Served {
+    /// Answers `verb`, counting the answer and the time it took.
+    async fn counted(
+        &self,
+        verb: Verb,
+        answer: impl std::future::Future<Output = Answer>,
+    ) -> Response {
+        let started = Instant::now();
+        let Answer { response, error } = answer.await;
+        self.metrics
+            .request(verb, response.status(), error, started.elapsed());
+        response
+    }
+}
 
 /// Serves `router` on `listener` until `shutdown`, then waits for the
 /// requests in flight. Unlike `axum::serve`, it bounds how long a client
@@ -122,6 +166,15 @@ pub async fn serve(
 /// The request's body, whole; 413 past [`BODY_LIMIT`] (at once where the
 /// length is declared), 408 when it does not arrive in [`BODY_TIMEOUT`].
 async fn body_of(request: Request) -> Result<Bytes, Response> {
+    use axum::body::HttpBody;
+    let declared = request.body().size_hint().lower();
+    if declared > BODY_LIMIT as u64 {
+        return Err((
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("a body of {declared} bytes is past the limit of {BODY_LIMIT}"),
+        )
+            .into_response());
+    }
     match tokio::time::timeout(BODY_TIMEOUT, Bytes::from_request(request, &())).await {
         Ok(read) => read.map_err(IntoResponse::into_response),
         Err(_) => Err((
@@ -150,18 +203,23 @@ fn pod_name(args: &ExtenderArgs) -> String {
     })
 }
 
-async fn filter(State(binder): Verbs, request: Request) -> Response {
+async fn filter(State(served): Verbs, request: Request) -> Response {
+    served
+        .counted(Verb::Filter, filter_answer(&served.binder, request))
+        .await
+}
+
+async fn filter_answer(binder: &Binder, request: Request) -> Answer {
     let body = match body_of(request).await {
         Ok(body) => body,
-        Err(refused) => return refused,
+        Err(refused) => return Answer::of(refused),
     };
     let failed = |error: String| {
         warn!(%error, "filter");
-        Json(ExtenderFilterResult {
+        Answer::error(Json(ExtenderFilterResult {
             error,
             ..ExtenderFilterResult::default()
-        })
-        .into_response()
+        }))
     };
     let args: ExtenderArgs = match serde_json::from_slice(&body) {
         Ok(args) => args,
@@ -187,55 +245,72 @@ async fn filter(State(binder): Verbs, request: Request) -> Response {
         failed = result.failed_nodes.len() + result.failed_and_unresolvable_nodes.len(),
         "filter"
     );
-    Json(result).into_response()
+    Answer::of(Json(result))
 }
 
-async fn prioritize(State(binder): Verbs, request: Request) -> Response {
+async fn prioritize(State(served): Verbs, request: Request) -> Response {
+    served
+        .counted(Verb::Prioritize, prioritize_answer(&served.binder, request))
+        .await
+}
+
+async fn prioritize_answer(binder: &Binder, request: Request) -> Answer {
     let body = match body_of(request).await {
         Ok(body) => body,
-        Err(refused) => return refused,
+        Err(refused) => return Answer::of(refused),
     };
     let args: ExtenderArgs = match serde_json::from_slice(&body) {
         Ok(args) => args,
         Err(err) => {
             let message = format!("cannot decode the prioritize request: {err}");
             warn!(%message, "prioritize");
-            return (StatusCode::BAD_REQUEST, message).into_response();
+            return Answer::of((StatusCode::BAD_REQUEST, message));
         }
     };
     drop(body);
     let scores = {
         let mut cache = lock(&binder.cache);
         if !cache.synced() {
-            return (StatusCode::SERVICE_UNAVAILABLE, NOT_SYNCED).into_response();
+            return Answer::of((StatusCode::SERVICE_UNAVAILABLE, NOT_SYNCED));
         }
         expire(&mut cache);
         fit::prioritize(&cache, &args, binder.policy)
     };
     debug!(pod = pod_name(&args), ?scores, "prioritize");
-    Json(scores).into_response()
+    Answer::of(Json(scores))
 }
 
-async fn bind(State(binder): Verbs, request: Request) -> Response {
+async fn bind(State(served): Verbs, request: Request) -> Response {
+    served
+        .counted(Verb::Bind, bind_answer(&served, request))
+        .await
+}
+
+async fn bind_answer(served: &Served, request: Request) -> Answer {
     let body = match body_of(request).await {
         Ok(body) => body,
-        Err(refused) => return refused,
+        Err(refused) => return Answer::of(refused),
     };
     let args: ExtenderBindingArgs = match serde_json::from_slice(&body) {
         Ok(args) => args,
         Err(err) => {
             let error = format!("cannot decode the bind request: {err}");
             warn!(%error, "bind");
-            return Json(ExtenderBindingResult { error }).into_response();
+            served.metrics.bind("bad_request");
+            return Answer::error(Json(ExtenderBindingResult { error }));
         }
     };
     drop(body);
-    match binder.bind(&args).await {
-        Ok(_) => Json(ExtenderBindingResult::default()).into_response(),
+    match served.binder.bind(&args).await {
+        Ok(_) => {
+            served.metrics.bind("ok");
+            Answer::of(Json(ExtenderBindingResult::default()))
+        }
         Err(err) => {
             let error = one_line(&err);
             warn!(%error, "bind failed");
-            Json(ExtenderBindingResult { error }).into_response()
+            served.metrics.bind(err.reason());
+            Answer::error(Json(ExtenderBindingResult { error }))
         }
     }
 }
@@ -243,8 +318,8 @@ async fn bind(State(binder): Verbs, request: Request) -> Response {
 /// 200 while the books are listed and current; 503 before the first lists
 /// and while a watch keeps failing (the readiness probe takes the extender
 /// out of its Service: the verbs would answer from a stale view).
-async fn healthz(State(binder): Verbs) -> Response {
-    let cache = lock(&binder.cache);
+async fn healthz(State(served): Verbs) -> Response {
+    let cache = lock(&served.binder.cache);
     let problem = if cache.synced() {
         cache.stale(Instant::now())
     } else {

@@ -5,4 +5,5 @@ mod arena;
 mod encode;
 mod http;
 
-pub use http::{parse_address, router, serve, serve_logged, BadAddress};
+pub(crate) use encode::{family, register_build, Labels};
+pub use http::{exposition, parse_address, router, serve, serve_logged, BadAddress};

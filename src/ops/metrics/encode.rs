@@ -50,15 +50,7 @@ impl Metrics {
             "Allocate calls refused",
             counters.allocation_errors.clone(),
         );
-        // gpumem_build_info{version, commit} 1: joins any series to its build.
-        registry.register(
-            "build",
-            "The gpumem build: its version and the commit it was built from",
-            Info::new(vec![
-                ("version", crate::version::VERSION.to_owned()),
-                ("commit", crate::version::COMMIT.to_owned()),
-            ]),
-        );
+        register_build(&mut registry);
         let node = Arc::new(NodeCollector::default());
         registry.register_collector(Box::new(node.clone()));
         let arena = arena_series.then(|| {
@@ -87,6 +79,19 @@ impl Metrics {
         self.node.reading.lock_unpoisoned().take();
         encoded.map(|()| body)
     }
+}
+
+/// `gpumem_build_info{version, commit} 1`, which joins any series to its
+/// build, in a registry prefixed `gpumem`.
+pub(crate) fn register_build(registry: &mut Registry) {
+    registry.register(
+        "build",
+        "The gpumem build: its version and the commit it was built from",
+        Info::new(vec![
+            ("version", crate::version::VERSION.to_owned()),
+            ("commit", crate::version::COMMIT.to_owned()),
+        ]),
+    );
 }
 
 /// What one scrape read: the node's status and the plugin's state.
@@ -153,11 +158,11 @@ pub(super) struct NodeCollector {
     pub(super) reading: Mutex<Option<Reading>>,
 }
 
-pub(super) type Labels = Vec<(&'static str, String)>;
+pub(crate) type Labels = Vec<(&'static str, String)>;
 
 /// One metric and its samples. Help ends with a full stop, as
 /// `Registry::register` ends it.
-pub(super) fn family<M: EncodeMetric + TypedMetric>(
+pub(crate) fn family<M: EncodeMetric + TypedMetric>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,

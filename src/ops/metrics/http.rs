@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use tokio_util::sync::CancellationToken;
@@ -102,10 +102,8 @@ async fn healthz(State(endpoint): State<Endpoint>) -> impl IntoResponse {
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const CLASSIC_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-async fn scrape(State(endpoint): State<Endpoint>, headers: HeaderMap) -> impl IntoResponse {
-    let openmetrics = accepts_openmetrics(&headers);
+async fn scrape(State(endpoint): State<Endpoint>, headers: HeaderMap) -> Response {
     let holdings = endpoint.observed.pod_resources.holdings().await;
-    let plain = |code| (code, [(header::CONTENT_TYPE, "text/plain")], String::new());
     // The accounting files are read, and the text encoded, off the async workers.
     let body = tokio::task::spawn_blocking(move || {
         let reading = Reading::read(&endpoint.observed, holdings);
@@ -113,19 +111,36 @@ async fn scrape(State(endpoint): State<Endpoint>, headers: HeaderMap) -> impl In
     })
     .await;
     match body {
-        Ok(Ok(body)) if openmetrics => {
-            (StatusCode::OK, [(header::CONTENT_TYPE, OPENMETRICS)], body)
+        Ok(body) => exposition(&headers, body),
+        Err(err) => {
+            error!(err = %chain(&err), "cannot read the node for metrics");
+            failed()
         }
-        Ok(Ok(body)) => (
+    }
+}
+
+fn failed() -> Response {
+    (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        [(header::CONTENT_TYPE, "text/plain")],
+    )
+        .into_response()
+}
+
+/// A scrape's answer: `openmetrics` (as encoded) in the format the
+/// scraper's `Accept` asks for.
+pub fn exposition(headers: &HeaderMap, openmetrics: Result<String, std::fmt::Error>) -> Response {
+    match openmetrics {
+        Ok(body) if accepts_openmetrics(headers) => {
+            (StatusCode::OK, [(header::CONTENT_TYPE, OPENMETRICS)], body).into_response()
+        }
+        Ok(body) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, CLASSIC_TEXT)],
             classic_text(&body),
-        ),
-        Ok(Err(std::fmt::Error)) => plain(StatusCode::INTERNAL_SERVER_ERROR),
-        Err(err) => {
-            error!(err = %chain(&err), "cannot read the node for metrics");
-            plain(StatusCode::INTERNAL_SERVER_ERROR)
-        }
+        )
+            .into_response(),
+        Err(std::fmt::Error) => failed(),
     }
 }
 

@@ -3,6 +3,12 @@ app.kubernetes.io/name: gpumem
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{- /* The extenders' pods (extender and secondScheduler): what their
+metrics Service and monitors select them by. */ -}}
+{{- define "gpumem.extenderMetricsLabel" -}}
+app.kubernetes.io/component: scheduler-extender
+{{- end -}}
+
 {{- define "gpumem.image" -}}
 {{ required "image.repository is required: the registry you pushed gpumem's image to (README, \"Deploying it\"), e.g. --set image.repository=registry.example.com/gpumem" .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
