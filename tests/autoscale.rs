@@ -356,6 +356,39 @@ async fn the_startup_taint_can_be_named_and_a_bad_one_is_refused() {
     );
 }
 
+/// The plugin on the V100 pair, its Node carrying `taints` and 30 units
+/// allocatable from the start, as on a node Karpenter launched (which
+/// registers with `karpenter.sh/unregistered`).
+fn plugin_on_karpenters_node(
+    dir: &tempfile::TempDir,
+    api: &FakeApiServer,
+    taints: Value,
+) -> (KubeletSim, Plugin) {
+    api.put(node(taints, Some(30)));
+    let kubelet = KubeletSim::start(dir.path()).unwrap();
+    let gpus = fixture("v100x2");
+    let plugin = Plugin::start(
+        dir.path(),
+        api,
+        &kubelet,
+        &["--fake-gpus", gpus.to_str().unwrap()],
+    );
+    (kubelet, plugin)
+}
+
+/// Karpenter registers the node: its own taint goes and the NodePool's
+/// startup taint is on; the plugin then removes the startup taint.
+async fn karpenter_registers(api: &FakeApiServer, plugin: &Plugin, startup: &Value) {
+    api.put(node(json!([startup]), Some(30)));
+    wait_for(plugin, "the startup taint to go", || {
+        (taints(api) == json!([]) && plugin.log().contains("removed the startup taint"))
+            .then_some(())
+    })
+    .await;
+}
+
+const KARPENTER_UNREGISTERED: &str = "karpenter.sh/unregistered";
+
 /// A node Karpenter launched registers with `karpenter.sh/unregistered`
 /// beside the startup taint; when Karpenter registers it, it puts the
 /// NodePool's startup taints back. gpumem, ready before then (a DaemonSet
@@ -365,18 +398,8 @@ async fn the_startup_taint_stays_until_karpenter_has_registered_the_node() {
     let dir = tempfile::tempdir().unwrap();
     let api = FakeApiServer::start().await.unwrap();
     let startup = json!({"key": "gpumem.io/not-ready", "effect": "NoSchedule"});
-    api.put(node(
-        json!([{"key": "karpenter.sh/unregistered", "effect": "NoExecute"}, startup]),
-        Some(30),
-    ));
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let gpus = fixture("v100x2");
-    let plugin = Plugin::start(
-        dir.path(),
-        &api,
-        &kubelet,
-        &["--fake-gpus", gpus.to_str().unwrap()],
-    );
+    let unregistered = json!({"key": KARPENTER_UNREGISTERED, "effect": "NoExecute"});
+    let (_kubelet, plugin) = plugin_on_karpenters_node(&dir, &api, json!([unregistered, startup]));
     // The GPUs are allocatable from the start: only Karpenter's taint holds
     // the startup taint, through several reads of the Node.
     wait_for(&plugin, "reads of the Node", || {
@@ -399,12 +422,7 @@ async fn the_startup_taint_stays_until_karpenter_has_registered_the_node() {
     );
 
     // Karpenter registers the node: its taint goes, the startup taint stays.
-    api.put(node(json!([startup]), Some(30)));
-    wait_for(&plugin, "the startup taint to go", || {
-        (taints(&api) == json!([]) && plugin.log().contains("removed the startup taint"))
-            .then_some(())
-    })
-    .await;
+    karpenter_registers(&api, &plugin, &startup).await;
 }
 
 /// A node Karpenter launched whose cloud registered it with Karpenter's
@@ -417,30 +435,12 @@ async fn the_startup_taint_stays_until_karpenter_has_registered_the_node() {
 async fn a_startup_taint_karpenter_adds_at_registration_is_removed() {
     let dir = tempfile::tempdir().unwrap();
     let api = FakeApiServer::start().await.unwrap();
-    api.put(node(
-        json!([{"key": "karpenter.sh/unregistered", "effect": "NoExecute"}]),
-        Some(30),
-    ));
-    let kubelet = KubeletSim::start(dir.path()).unwrap();
-    let gpus = fixture("v100x2");
-    let plugin = Plugin::start(
-        dir.path(),
-        &api,
-        &kubelet,
-        &["--fake-gpus", gpus.to_str().unwrap()],
-    );
+    let unregistered = json!({"key": KARPENTER_UNREGISTERED, "effect": "NoExecute"});
+    let (_kubelet, plugin) = plugin_on_karpenters_node(&dir, &api, json!([unregistered]));
     wait_for(&plugin, "reads of the Node", || {
         (node_reads(&api) >= 3).then_some(())
     })
     .await;
-
-    // Karpenter registers the node: its own taint goes, the NodePool's
-    // startup taint comes.
     let startup = json!({"key": "gpumem.io/not-ready", "effect": "NoSchedule"});
-    api.put(node(json!([startup]), Some(30)));
-    wait_for(&plugin, "the startup taint to go", || {
-        (taints(&api) == json!([]) && plugin.log().contains("removed the startup taint"))
-            .then_some(())
-    })
-    .await;
+    karpenter_registers(&api, &plugin, &startup).await;
 }
