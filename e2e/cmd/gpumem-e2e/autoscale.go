@@ -10,7 +10,6 @@ package main
 import (
 	"flag"
 	"fmt"
-	"net/http"
 	"os"
 	"path/filepath"
 	"sort"
@@ -772,13 +771,4 @@ func (a *autoscaler) scaleDown() (string, error) {
 	}
 	return fmt.Sprintf("pods gone → idle node %s gone: %.1f s (consolidateAfter 5s), %s and its notebook kept 25 s more; notebook gone → %s gone: %.1f s; 0 nodes",
 		a.firstNode, idleGone.Seconds(), a.secondNode, a.secondNode, lastGone.Seconds()), nil
-}
-
-func httpOK(url string) (bool, error) {
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(url)
-	if err != nil {
-		return false, err
-	}
-	resp.Body.Close()
-	return resp.StatusCode == 200, fmt.Errorf("%s: %s", url, resp.Status)
 }

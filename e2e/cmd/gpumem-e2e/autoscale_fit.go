@@ -7,7 +7,6 @@ package main
 
 import (
 	"fmt"
-	"path/filepath"
 	"sort"
 	"strings"
 	"time"
@@ -21,7 +20,7 @@ import (
 )
 
 func (a *autoscaler) draManifest() string {
-	return filepath.Join(filepath.Dir(a.c.cfg.manifest), "gpumem-dra.yaml")
+	return draManifest(a.c.cfg.manifest)
 }
 
 // draNotebook is a pod of the pool with a ResourceClaim of its own (named

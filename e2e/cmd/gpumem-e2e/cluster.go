@@ -215,12 +215,7 @@ func (c *cluster) startEtcd() error {
 		if c.etcd.exited() {
 			return false, fatal{fmt.Errorf("exited: %v", c.etcd.err)}
 		}
-		resp, err := http.Get(clientURL + "/health")
-		if err != nil {
-			return false, err
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200, nil
+		return httpOK(clientURL + "/health")
 	})
 }
 
@@ -597,12 +592,7 @@ func (c *cluster) startExtender() error {
 		if c.extender.exited() {
 			return false, fatal{fmt.Errorf("exited: %v", c.extender.err)}
 		}
-		resp, err := http.Get(c.extenderURL + "/healthz")
-		if err != nil {
-			return false, err
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200, fmt.Errorf("/healthz: %s", resp.Status)
+		return httpOK(c.extenderURL + "/healthz")
 	})
 }
 
@@ -711,4 +701,15 @@ func runCmd(argv ...string) (string, error) {
 	cmd.Stderr = &out
 	err := cmd.Run()
 	return out.String(), err
+}
+
+// httpOK is whether GET url answers 200; the error says what it answered
+// instead.
+func httpOK(url string) (bool, error) {
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(url)
+	if err != nil {
+		return false, err
+	}
+	resp.Body.Close()
+	return resp.StatusCode == 200, fmt.Errorf("%s: %s", url, resp.Status)
 }

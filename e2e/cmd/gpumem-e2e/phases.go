@@ -83,7 +83,13 @@ func pluginConfig(cfg config, work string) config {
 // draConfig is the DRA driver's cluster, as daemonset/gpumem-dra.yaml runs it.
 func draConfig(cfg config, work string) config {
 	cfg.extenderManifest, cfg.schedulerConfig = "", ""
-	cfg.manifest = filepath.Join(filepath.Dir(cfg.manifest), "gpumem-dra.yaml")
+	cfg.manifest = draManifest(cfg.manifest)
 	cfg.work = filepath.Join(work, "dra")
 	return cfg
+}
+
+// draManifest is daemonset/gpumem-dra.yaml beside the device plugin's
+// manifest.
+func draManifest(manifest string) string {
+	return filepath.Join(filepath.Dir(manifest), "gpumem-dra.yaml")
 }
